@@ -1,0 +1,41 @@
+# Two commands for a newcomer: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Debian packages the test suite uses (installed only when missing).
+SYSTEM_PACKAGES := libibverbs1
+
+.PHONY: install system-deps lint test run proto clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip >/dev/null
+	$(BIN)/pip install -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+lint: install
+	$(BIN)/ruff check pdserve tests benchmarks
+	$(BIN)/lint-imports
+
+proto: install
+	$(BIN)/python -m pdserve.engine.proto.build
+
+test: install system-deps lint
+	$(BIN)/python -m pytest -q tests
+
+run: install
+	$(BIN)/pdserve engine --model tiny --port 50051
+
+clean:
+	rm -rf $(VENV) build *.egg-info

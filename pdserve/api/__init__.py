@@ -1,0 +1,1 @@
+"""Schemas shared by every component: cluster specs, wire types. The bottom layer."""

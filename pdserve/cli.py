@@ -1,0 +1,40 @@
+"""The ``pdserve`` command: one entry point, one subcommand per component.
+
+Subcommand modules are imported only when chosen, so ``pdserve crds`` does not pay
+for importing torch. Each module named in ``COMMANDS`` exposes
+``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "engine": ("pdserve.engine.cli_serve", "serve an engine over gRPC"),
+    "generate": ("pdserve.engine.cli_generate", "generate from a prompt (in-process or via a server)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in COMMANDS:
+        parser.parse_args(argv)  # prints usage / error for unknown commands
+        parser.print_help()
+        return 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    sub_parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=COMMANDS[name][1])
+    module.add_arguments(sub_parser)
+    args = sub_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

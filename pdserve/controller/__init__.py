@@ -1,0 +1,1 @@
+"""Cluster brain: instance registry, health, failover, fallback, role switching."""

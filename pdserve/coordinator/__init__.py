@@ -1,0 +1,1 @@
+"""Request entry: OpenAI-compatible REST, P/D router and request lifecycle."""

@@ -1,0 +1,1 @@
+"""Embedded PyTorch engine: model, paged KV cache, scheduler, runner, server."""

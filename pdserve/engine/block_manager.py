@@ -1,0 +1,188 @@
+"""Paged KV block bookkeeping (no torch): allocation, prefix caching, eviction.
+
+Blocks are fixed-size pages of the KV cache. Each request owns a block table (a list
+of block ids). A *full* block whose tokens are all computed gets a content hash
+chained from its predecessor's hash, so two requests with the same prefix share the
+same physical blocks.
+
+Invariants:
+- ``ref_count`` of a block equals the number of live requests whose block table
+  holds it; a block is in ``_free`` exactly when its ref_count is 0.
+- A free block that carries a hash stays findable in ``_cached`` until it is handed
+  out for new content (LRU: the block freed longest ago is reused first).
+- ``num_free_blocks + used == num_blocks`` at all times; after every request ends
+  the free pool is full again (tests check this as the leak check).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from pdserve.engine.request import Request
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """Stable content hash of one full block, chained to its predecessor.
+
+    Stable across processes (not Python's ``hash``), so routers can compute the same
+    chain from a prompt.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    if parent_hash is not None:
+        h.update(parent_hash)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def hash_chain(token_ids: list[int], block_size: int) -> list[bytes]:
+    hashes: list[bytes] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_count = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        # Prefix-cache counters, in tokens.
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    # -- queries -------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _ensure_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend the request's hash chain to cover its full blocks within ``num_tokens``."""
+        bs = self.block_size
+        tokens = None
+        while (len(request.block_hashes) + 1) * bs <= num_tokens:
+            if tokens is None:
+                tokens = request.all_token_ids
+            i = len(request.block_hashes)
+            parent = request.block_hashes[-1] if i else None
+            request.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def find_cached_blocks(self, request: Request) -> list[int]:
+        """Longest run of cached blocks that prefixes ``request``'s tokens.
+
+        Called by the scheduler before first admitting a request. Leaves at least one
+        token uncached, since the last token must be computed to produce logits.
+        No side effects on blocks.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        limit = (request.num_tokens - 1) // self.block_size
+        self._ensure_hashes(request, limit * self.block_size)
+        hits = []
+        for block_hash in request.block_hashes[:limit]:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    # -- mutations -----------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> bool:
+        """Make ``request``'s block table cover its computed tokens plus ``num_new_tokens``.
+
+        Called by the scheduler each step for each scheduled request. ``cached_blocks``
+        (first admission only) are prefix-cache hits to share. All or nothing: on
+        False nothing changed and the caller may preempt someone and retry.
+        """
+        cached_blocks = cached_blocks or []
+        num_touched_free = sum(1 for b in cached_blocks if self._ref_count[b] == 0)
+        num_total_blocks = len(request.block_table) + len(cached_blocks)
+        num_needed = self.num_blocks_for(
+            request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        ) - num_total_blocks
+        if max(num_needed, 0) > self.num_free_blocks - num_touched_free:
+            return False
+        for block_id in cached_blocks:
+            self._take(block_id)
+            request.block_table.append(block_id)
+        if cached_blocks:
+            num_hit = len(cached_blocks) * self.block_size
+            request.num_computed_tokens += num_hit
+            request.num_cached_tokens = num_hit
+        for _ in range(max(num_needed, 0)):
+            block_id = next(iter(self._free))
+            self._take(block_id)
+            self._forget_hash(block_id)
+            request.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's computed full blocks to the prefix cache.
+
+        Called by the scheduler after a step advanced ``num_computed_tokens``.
+        """
+        if not self.enable_prefix_caching:
+            return
+        self._ensure_hashes(request, request.num_computed_tokens)
+        num_full = request.num_computed_tokens // self.block_size
+        for i in range(num_full):
+            block_id = request.block_table[i]
+            block_hash = request.block_hashes[i]
+            if self._block_hash[block_id] is None:
+                # A duplicate (same content computed twice concurrently) stays private.
+                if block_hash not in self._cached:
+                    self._cached[block_hash] = block_id
+                    self._block_hash[block_id] = block_hash
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request``; called once when it finishes or is preempted.
+
+        Tail blocks go to the free list first so that, under LRU, a shared prefix
+        outlives the request-specific suffix.
+        """
+        for block_id in reversed(request.block_table):
+            self._ref_count[block_id] -= 1
+            assert self._ref_count[block_id] >= 0, f"double free of block {block_id}"
+            if self._ref_count[block_id] == 0:
+                self._free[block_id] = None
+        request.block_table = []
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self._free):
+            self._forget_hash(block_id)
+
+    # -- internals -----------------------------------------------------------
+
+    def _take(self, block_id: int) -> None:
+        if self._ref_count[block_id] == 0:
+            del self._free[block_id]
+        self._ref_count[block_id] += 1
+
+    def _forget_hash(self, block_id: int) -> None:
+        block_hash = self._block_hash[block_id]
+        if block_hash is not None:
+            if self._cached.get(block_hash) == block_id:
+                del self._cached[block_hash]
+            self._block_hash[block_id] = None
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_prefix_query_tokens += num_query_tokens
+        self.num_prefix_hit_tokens += num_hit_tokens

@@ -1,0 +1,100 @@
+"""Request state inside one engine.
+
+A request moves through a small state machine; terminal states latch (``finish``
+is a no-op once finished, so abort is idempotent):
+
+    WAITING ──schedule──▶ RUNNING ──stop/length/abort──▶ FINISHED_*
+       ▲                    │
+       └────preempt─────────┘   (blocks freed, recomputed from scratch)
+
+    WAITING_FOR_REMOTE_KV ──KV arrived──▶ RUNNING   (decode role: KV comes from a P)
+
+``num_computed_tokens`` counts tokens whose KV is in the cache; everything else
+(which blocks, which tokens are cached) is derived from it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pdserve.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+    # Prefill role: first token produced, the rest continues on a decode engine.
+    FINISHED_HANDOFF = "handoff"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_s: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # hash chain of this request's full blocks
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_preemptions = 0
+        self.output_text = ""
+        self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
+        self.first_scheduled_s: float | None = None
+        self.first_token_s: float | None = None
+        self.error: str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.is_finished else None
+
+    def finish(self, status: RequestStatus, error: str | None = None) -> bool:
+        """Latch a terminal state. Returns False when already finished (idempotent)."""
+        assert status.is_finished
+        if self.is_finished:
+            return False
+        self.status = status
+        self.error = error
+        return True
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,57 @@
+"""Per-request sampling parameters.
+
+Validated on arrival so that a bad value is refused with a message and never reaches
+the step loop. The random stream is counter-based: the token at output index ``i``
+is drawn with a generator seeded from ``(seed, i)``, so the sampler's whole random
+state is ``seed`` plus the number of tokens generated. That makes a request's
+sampling resumable on another engine with no opaque RNG blob.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+class SamplingError(ValueError):
+    """Bad sampling values; the message names the field."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (0.0 <= self.temperature <= 100.0):
+            raise SamplingError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise SamplingError(f"seed must be in [0, 2**63), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise SamplingError("stop strings must be non-empty")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingError(f"stop_token_ids out of vocabulary range: {bad}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_seed(self) -> SamplingParams:
+        """A copy with a concrete seed, so the request's random stream is reproducible."""
+        if self.seed is not None or self.is_greedy:
+            return self
+        return SamplingParams(**{**self.__dict__, "seed": random.getrandbits(62)})

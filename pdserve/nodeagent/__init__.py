@@ -1,0 +1,1 @@
+"""Per-node supervisor: launches engines, probes them, reports heartbeats."""

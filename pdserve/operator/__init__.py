@@ -1,0 +1,1 @@
+"""kopf operator: reconciles PDCluster/PDInstance into Kubernetes objects."""
