@@ -1,0 +1,261 @@
+"""The ``PDCluster`` resource: what a user applies to get a PD-disaggregated service.
+
+Owns the spec (model, engine settings, prefill and decode pools, KV transfer,
+routing, fallback, SLOs, control plane, heartbeats) and the status (conditions,
+counts, mode). The same models load local-mode YAML and define the CRD.
+
+Invariants: every cross-field rule exists twice, as a CEL rule in ``RULES`` (for
+the apiserver) and as a pydantic validator (for local mode and the operator);
+the rule tables below keep the two side by side and a test checks they agree.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pdserve.api.common import (
+    API_VERSION,
+    ApiModel,
+    ObjectMeta,
+    Quantity,
+    ResourceRequirements,
+    StatusModel,
+    Toleration,
+)
+from pdserve.api.conditions import Condition
+
+TransferMode = Literal["pull", "push", "layerwise"]
+Transport = Literal["mooncake", "tcp", "shm"]
+DecodeAllocation = Literal["dispatch", "prefill_complete"]
+RoutingPolicy = Literal["round_robin", "least_loaded", "prefix_cache_aware", "slo_aware"]
+FallbackPolicy = Literal["hybrid", "queue", "fail"]
+BlockSize = Literal[1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def _rule(rule: str, message: str, field_path: str | None = None) -> dict:
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+# CEL rules per model, attached as `x-kubernetes-validations`. Messages name the
+# field so `kubectl apply` says what to fix; the validators below say the same.
+MODEL_RULES = [_rule(
+    "(has(self.preset) ? 1 : 0) + (has(self.path) ? 1 : 0)"
+    " + (has(self.pvc) ? 1 : 0) + (has(self.image) ? 1 : 0) == 1",
+    "model: set exactly one of preset, path, pvc, image",
+)]
+KV_TRANSFER_RULES = [_rule(
+    "self.mode != 'layerwise' || self.decodeAllocation == 'dispatch'",
+    "kvTransfer.decodeAllocation must be dispatch when kvTransfer.mode is layerwise "
+    "(decode blocks must exist before the first layer is written)",
+    ".decodeAllocation",
+)]
+HEARTBEAT_RULES = [_rule(
+    "self.failedAfterMissed > self.suspectAfterMissed",
+    "heartbeat.failedAfterMissed must be greater than heartbeat.suspectAfterMissed",
+    ".failedAfterMissed",
+)]
+SPEC_RULES = [
+    _rule(
+        "self.prefill.replicas > 0 || self.decode.replicas > 0",
+        "spec.prefill.replicas or spec.decode.replicas must be greater than 0",
+        ".prefill.replicas",
+    ),
+    _rule(
+        "self.prefill.parallelism.tensorParallelSize"
+        " % self.decode.parallelism.tensorParallelSize == 0",
+        "spec.prefill.parallelism.tensorParallelSize must be a multiple of "
+        "spec.decode.parallelism.tensorParallelSize",
+        ".prefill.parallelism.tensorParallelSize",
+    ),
+]
+
+
+class PVCSource(ApiModel):
+    """Weights on a PersistentVolumeClaim, mounted read-only into engine pods."""
+
+    claim_name: str = Field(min_length=1)
+    sub_path: str = ""
+    """Directory inside the volume holding config.json and *.safetensors."""
+
+
+class ModelSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": MODEL_RULES}):
+    """Where the weights come from: exactly one of preset, path, pvc, image."""
+
+    preset: str | None = Field(default=None, min_length=1)
+    """Built-in preset with random weights (e.g. ``tiny``), for trying pdserve out."""
+    path: str | None = Field(default=None, min_length=1)
+    """Local or in-image directory of a Hugging Face checkpoint."""
+    pvc: PVCSource | None = None
+    image: str | None = Field(default=None, min_length=1)
+    """OCI image whose filesystem holds the checkpoint (mounted as an image volume)."""
+    served_name: str | None = None
+    """Name clients send as ``model``; defaults to the cluster name."""
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> ModelSpec:
+        sources = [self.preset, self.path, self.pvc, self.image]
+        if sum(s is not None for s in sources) != 1:
+            raise ValueError(MODEL_RULES[0]["message"])
+        return self
+
+
+class EngineSpec(ApiModel):
+    """Engine settings shared by every instance of the cluster."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    block_size: BlockSize = 16
+    """Tokens per KV block; prefill and decode must agree, so it is cluster-wide."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Longest prompt plus output in tokens; defaults to the model's limit."""
+    kv_cache_bytes: Quantity = "256Mi"
+    """KV cache budget per instance, e.g. ``20Gi``."""
+    num_kv_blocks: int | None = Field(default=None, ge=1)
+    """Explicit KV block count; wins over ``kvCacheBytes`` when set."""
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    enable_prefix_caching: bool = True
+
+
+class ParallelismSpec(ApiModel):
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    """GPUs one engine shards its weights over."""
+
+
+class PoolSpec(ApiModel):
+    """A pool of engines with one role; each replica is one PDInstance and one Pod."""
+
+    replicas: int = Field(default=1, ge=0, le=1024)
+    gpus: int = Field(default=0, ge=0, le=64)
+    """GPUs per engine, added to the Pod's limits as ``gpuResource``."""
+    gpu_resource: str = "nvidia.com/gpu"
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+
+
+class KVTransferSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": KV_TRANSFER_RULES}):
+    """How KV moves from prefill to decode."""
+
+    mode: TransferMode = "layerwise"
+    """pull: decode reads; push: prefill writes after the last layer; layerwise: per layer."""
+    transport: Transport = "tcp"
+    """mooncake (RDMA, or its TCP protocol), tcp, or shm (same node only)."""
+    decode_allocation: DecodeAllocation = "dispatch"
+    """When decode reserves blocks: at dispatch, or when prefill completes."""
+    timeout_seconds: float = Field(default=30.0, gt=0)
+    """Deadline for one request's transfer; on expiry both sides free the blocks."""
+
+    @model_validator(mode="after")
+    def _layerwise_needs_dispatch(self) -> KVTransferSpec:
+        if self.mode == "layerwise" and self.decode_allocation != "dispatch":
+            raise ValueError(KV_TRANSFER_RULES[0]["message"])
+        return self
+
+
+class RoutingSpec(ApiModel):
+    prefill_policy: RoutingPolicy = "prefix_cache_aware"
+    decode_policy: RoutingPolicy = "least_loaded"
+    local_prefill_max_tokens: int = Field(default=0, ge=0)
+    """Conditional disaggregation: prompts with at most this many uncached tokens
+    prefill on the decode instance itself; 0 always disaggregates."""
+
+
+class FallbackSpec(ApiModel):
+    policy: FallbackPolicy = "hybrid"
+    """When a pool has no ready instance: run hybrid, queue requests, or fail them."""
+    hysteresis_seconds: float = Field(default=30.0, ge=0)
+    """How long a pool must stay ready before leaving fallback."""
+
+
+class SLOSpec(ApiModel):
+    ttft_ms: int | None = Field(default=None, ge=1)
+    """Time-to-first-token target, milliseconds."""
+    tpot_ms: int | None = Field(default=None, ge=1)
+    """Time-per-output-token target, milliseconds."""
+
+
+class ComponentSpec(ApiModel):
+    """A control-plane Deployment (Coordinator or Controller)."""
+
+    replicas: int = Field(default=1, ge=0, le=64)
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+
+
+class HeartbeatSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": HEARTBEAT_RULES}):
+    interval_seconds: float = Field(default=1.0, gt=0)
+    suspect_after_missed: int = Field(default=3, ge=1)
+    failed_after_missed: int = Field(default=10, ge=2)
+
+    @model_validator(mode="after")
+    def _failed_after_suspect(self) -> HeartbeatSpec:
+        if self.failed_after_missed <= self.suspect_after_missed:
+            raise ValueError(HEARTBEAT_RULES[0]["message"])
+        return self
+
+
+class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": SPEC_RULES}):
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    prefill: PoolSpec = Field(default_factory=PoolSpec)
+    decode: PoolSpec = Field(default_factory=PoolSpec)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    fallback: FallbackSpec = Field(default_factory=FallbackSpec)
+    slo: SLOSpec = Field(default_factory=SLOSpec)
+    coordinator: ComponentSpec = Field(default_factory=ComponentSpec)
+    controller: ComponentSpec = Field(default_factory=ComponentSpec)
+    heartbeat: HeartbeatSpec = Field(default_factory=HeartbeatSpec)
+    image: str | None = None
+    """pdserve image for every pod of this cluster; defaults to the operator's."""
+
+    @model_validator(mode="after")
+    def _cross_pool_rules(self) -> PDClusterSpec:
+        if self.prefill.replicas == 0 and self.decode.replicas == 0:
+            raise ValueError(SPEC_RULES[0]["message"])
+        tp_prefill = self.prefill.parallelism.tensor_parallel_size
+        if tp_prefill % self.decode.parallelism.tensor_parallel_size:
+            raise ValueError(SPEC_RULES[1]["message"])
+        return self
+
+
+class PDClusterStatus(StatusModel):
+    observed_generation: int | None = Field(default=None, ge=0)
+    mode: Literal["PD", "Fallback"] | None = None
+    """PD when both pools serve; Fallback while requests run hybrid."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
+    desired_prefill: int = Field(default=0, ge=0)
+    desired_decode: int = Field(default=0, ge=0)
+    ready_prefill: int = Field(default=0, ge=0)
+    ready_decode: int = Field(default=0, ge=0)
+    ready_hybrid: int = Field(default=0, ge=0)
+    coordinator_url: str | None = None
+    """In-cluster URL of the Coordinator's OpenAI-compatible API."""
+
+
+class PDCluster(ApiModel):
+    """A PD-disaggregated serving cluster (``kubectl get pdc``)."""
+
+    api_version: Literal["pdserve.io/v1alpha1"] = API_VERSION
+    kind: Literal["PDCluster"] = "PDCluster"
+    metadata: ObjectMeta
+    spec: PDClusterSpec
+    status: PDClusterStatus | None = None
+
+    @classmethod
+    def from_file(cls, path) -> PDCluster:
+        """Load a manifest; errors name the file and the field (see ``manifest``)."""
+        from pdserve.api.manifest import load_manifest
+
+        return load_manifest(path, cls)

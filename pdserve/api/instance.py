@@ -1,0 +1,74 @@
+"""The ``PDInstance`` resource: one engine of a PDCluster, owned by it.
+
+Owns the spec (role, cluster, pool, ordinal) and status (phase, pod, endpoints,
+health, last heartbeat). The operator creates one PDInstance per pool replica and
+one Pod per PDInstance; the Controller may change ``spec.role`` at run time (role
+switching), so ``pool`` records where the instance came from and ``role`` what it
+does now.
+
+Invariants: ``(cluster, pool, ordinal)`` names one instance; the status is written
+by the operator (phase, pod) and the Controller (health, heartbeat, role).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import Field
+
+from pdserve.api.common import API_VERSION, ApiModel, ObjectMeta, StatusModel
+from pdserve.api.conditions import Condition
+
+Role = Literal["prefill", "decode", "hybrid"]
+Pool = Literal["prefill", "decode"]
+Phase = Literal["Pending", "Running", "Terminating", "Failed"]
+Health = Literal["Starting", "Ready", "Suspect", "Failed"]
+
+
+class PDInstanceSpec(ApiModel):
+    role: Role
+    """What the engine does now; the Controller may switch prefill <-> decode."""
+    cluster: str = Field(min_length=1)
+    """Name of the owning PDCluster, same namespace."""
+    pool: Pool
+    """Pool that created the instance; its resources and parallelism apply."""
+    ordinal: int = Field(ge=0)
+    """Index within the pool; stable across restarts."""
+
+
+class PDInstanceStatus(StatusModel):
+    observed_generation: int | None = Field(default=None, ge=0)
+    phase: Phase | None = None
+    """Lifecycle of the Pod: Pending, Running, Terminating, Failed."""
+    pod: str | None = None
+    """Name of the Pod running the engine."""
+    endpoints: dict[str, str] = Field(default_factory=dict)
+    """Addresses by purpose, e.g. ``engine: 10.0.0.5:50051``, ``kv: 10.0.0.5:17000``."""
+    health: Health | None = None
+    """The Controller's health state: Starting, Ready, Suspect, Failed."""
+    last_heartbeat: datetime | None = None
+    role: Role | None = None
+    """Role the engine last reported (differs from spec.role during a switch)."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
+
+
+class PDInstance(ApiModel):
+    """One engine of a PDCluster (``kubectl get pdi``)."""
+
+    api_version: Literal["pdserve.io/v1alpha1"] = API_VERSION
+    kind: Literal["PDInstance"] = "PDInstance"
+    metadata: ObjectMeta
+    spec: PDInstanceSpec
+    status: PDInstanceStatus | None = None
+
+
+def instance_name(cluster: str, pool: Pool, ordinal: int) -> str:
+    """The PDInstance (and Pod) name for a pool replica: ``<cluster>-<pool>-<ordinal>``."""
+    return f"{cluster}-{pool}-{ordinal}"

@@ -1,0 +1,246 @@
+"""The engine: admits requests, runs ``step()``, reports outputs and stats.
+
+Single-threaded by design: whoever owns the engine (the gRPC server's loop thread,
+the CLI, a test) calls ``add_request``/``abort_request``/``step`` from one thread.
+Bad input is refused in ``add_request`` with ``EngineInputError`` and never reaches
+the step loop; a request that fails later ends with ``FINISHED_ERROR`` while the
+others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.device import prepare_device
+from pdserve.engine.loader import load_model
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampling import SamplingError, SamplingParams
+from pdserve.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class EngineInputError(ValueError):
+    """A request the engine refuses; the message says why."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    kv_cache_bytes: int
+    block_size: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions: int
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    role: str
+    model: str
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        prepare_device(config.device, config.num_threads)
+        model, tokenizer = load_model(config.model, config.dtype, config.device)
+        self.model_config = cfg = model.config
+        self.tokenizer = tokenizer
+        dtype_bytes = model.embed_tokens.element_size()
+        bytes_per_block = cfg.kv_bytes_per_token(dtype_bytes) * config.block_size
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={config.kv_cache_bytes} is below one block ({bytes_per_block} bytes)"
+            )
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.max_model_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        log.info(
+            "engine ready: model=%s role=%s device=%s dtype=%s kv_blocks=%d (%.1f MiB) block_size=%d",
+            cfg.name, config.role, config.device, config.dtype, num_blocks,
+            self.runner.kv_cache_bytes / 2**20, config.block_size,
+        )
+
+    # -- admission -----------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt: str | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises ``EngineInputError`` on bad input."""
+        params = sampling_params or SamplingParams()
+        if request_id in self.requests:
+            raise EngineInputError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise EngineInputError("either a prompt or prompt token ids is required")
+            if self.tokenizer is None:
+                raise EngineInputError("this model has no tokenizer: send prompt token ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        if not prompt_token_ids:
+            raise EngineInputError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt_token_ids):
+            raise EngineInputError(f"prompt token ids must be in [0, {vocab})")
+        limit = self.token_capacity
+        if len(prompt_token_ids) >= limit:
+            raise EngineInputError(
+                f"prompt has {len(prompt_token_ids)} tokens; this engine's limit is {limit - 1} "
+                f"(max model length {self.max_model_len}, KV capacity "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size} tokens)"
+            )
+        try:
+            params.validate(vocab)
+        except SamplingError as exc:
+            raise EngineInputError(str(exc)) from None
+        params = params.with_seed()
+        request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids)
+        self.requests[request_id] = request
+        self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(request)
+        return request
+
+    @property
+    def token_capacity(self) -> int:
+        """Most tokens one request may hold: model length and the whole KV cache."""
+        bm = self.block_manager
+        return min(self.max_model_len, bm.num_blocks * bm.block_size)
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request and free its blocks. Idempotent; unknown ids return False."""
+        request = self.requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        if request is None:
+            return False
+        return self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report what changed."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = self.runner.execute(batch)
+        outputs = []
+        now = time.monotonic()
+        for request, num_new in batch.items:
+            request.num_computed_tokens += num_new
+            if request.num_preemptions == 0 and request.num_computed_tokens <= request.num_prompt_tokens:
+                self.num_prompt_tokens_total += num_new
+            self.block_manager.cache_full_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is not None:
+                if request.first_token_s is None:
+                    request.first_token_s = now
+                outputs.append(self._append_token(request, token))
+        return outputs
+
+    def _append_token(self, request: Request, token: int) -> RequestOutput:
+        request.output_token_ids.append(token)
+        self.num_generation_tokens_total += 1
+        detok = self._detok[request.request_id]
+        new_text, hit_stop = detok.append(request.output_token_ids)
+        params = request.sampling_params
+        status = None
+        if hit_stop or token in params.stop_token_ids or token in request.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif len(request.output_token_ids) >= params.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        elif request.num_tokens >= self.token_capacity:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            new_text += detok.flush()
+            self.scheduler.finish(request, status)
+            self.requests.pop(request.request_id, None)
+            self._detok.pop(request.request_id, None)
+        request.output_text += new_text
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token],
+            new_text=new_text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    # -- conveniences ----------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_total=bm.num_blocks,
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_free=bm.num_free_blocks,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+            block_size=bm.block_size,
+            prefix_cache_query_tokens=bm.num_prefix_query_tokens,
+            prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            role=self.config.role,
+            model=self.model_config.name,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion; returns each one's output token ids (tests, CLI)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        reqs = [
+            self.add_request(rid, p, sp) for rid, p, sp in zip(ids, prompts, params_list, strict=True)
+        ]
+        while self.has_unfinished:
+            self.step()
+        return [r.output_token_ids for r in reqs]
+
+
+def torch_threads() -> int:
+    return torch.get_num_threads()

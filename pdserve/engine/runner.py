@@ -1,0 +1,110 @@
+"""Model runner (all torch): owns the KV cache tensor, turns a scheduled batch into
+tensors, runs the model and samples.
+
+The KV cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``
+allocated once from the configured budget; nothing else on the hot path allocates
+per-token memory that outlives a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, PrefillChunk
+from pdserve.engine.model import Transformer
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import sample
+from pdserve.engine.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int) -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = model.embed_tokens.device
+        self.kv_cache = torch.zeros(
+            cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+            dtype=model.embed_tokens.dtype, device=self.device,
+        )
+        # Flattened slot view used by attention: [layers, 2, num_slots, kv_heads, head_dim].
+        self.kv_slots = self.kv_cache.view(
+            cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim
+        )
+        self._slot_offsets = torch.arange(block_size, device=self.device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def _slots_for(self, block_tables: list[list[int]], max_len: int) -> torch.Tensor:
+        """Cache slots of the first ``max_len`` positions of each block table: [B, max_len]."""
+        num_blocks = -(-max_len // self.block_size)
+        padded = [bt[:num_blocks] + [0] * (num_blocks - len(bt[:num_blocks])) for bt in block_tables]
+        bt = torch.tensor(padded, dtype=torch.long, device=self.device)
+        slots = bt.unsqueeze(-1) * self.block_size + self._slot_offsets
+        return slots.view(len(block_tables), -1)[:, :max_len]
+
+    def prepare(self, batch: ScheduledBatch):
+        """Flatten the batch: decodes (one new token) first, then prefill chunks."""
+        bs = self.block_size
+        items = sorted(batch.items, key=lambda it: it[1] != 1)
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        decodes = [(r, n) for r, n in items if n == 1]
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
+        for request, n in items:
+            start = request.num_computed_tokens
+            tokens = request.all_token_ids[start : start + n]
+            pos = range(start, start + n)
+            row0 = len(token_ids)
+            token_ids.extend(tokens)
+            positions.extend(pos)
+            bt = request.block_table
+            slot_mapping.extend(bt[p // bs] * bs + p % bs for p in pos)
+            if start + n == request.num_tokens:
+                sample_rows.append(row0 + n - 1)
+                sampled.append(request)
+            if n != 1:
+                ctx = start + n
+                if start == 0:
+                    meta.prefills.append(PrefillChunk(row0, n, ctx, None, None))
+                else:
+                    slots = self._slots_for([bt], ctx)[0]
+                    q_pos = torch.arange(start, ctx, device=self.device).unsqueeze(1)
+                    k_pos = torch.arange(ctx, device=self.device).unsqueeze(0)
+                    meta.prefills.append(PrefillChunk(row0, n, ctx, slots, k_pos <= q_pos))
+        if decodes:
+            ctx_lens = [r.num_computed_tokens + 1 for r, _ in decodes]
+            max_ctx = max(ctx_lens)
+            meta.decode_slots = self._slots_for([r.block_table for r, _ in decodes], max_ctx)
+            lens = torch.tensor(ctx_lens, device=self.device).unsqueeze(1)
+            valid = torch.arange(max_ctx, device=self.device).unsqueeze(0) < lens
+            meta.decode_mask = valid.view(len(decodes), 1, 1, max_ctx)
+        meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return ids, pos_t, meta, sample_rows, sampled
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, layer_done=None) -> dict[str, int]:
+        """Run one step; returns the sampled token for each request that completed its tokens.
+
+        Called by the engine once per step. ``layer_done(i)`` fires after layer ``i``'s
+        KV is in the cache (the layer-wise KV sender hooks in here).
+        """
+        ids, positions, meta, rows, sampled = self.prepare(batch)
+        hidden = self.model(ids, positions, self.kv_slots, meta, layer_done)
+        if not sampled:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])
+        tokens = sample(
+            logits,
+            [r.sampling_params for r in sampled],
+            [len(r.output_token_ids) for r in sampled],
+        )
+        return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}

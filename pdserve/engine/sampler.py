@@ -1,0 +1,57 @@
+"""Token sampling (torch): greedy, temperature, top-k, top-p, seeded.
+
+Randomness is counter-based (see ``sampling.py``): output token ``i`` of a request is
+drawn with a generator seeded from ``(seed, i)`` using the exponential-race trick
+(argmax of p / Exp(1) noise samples exactly from p). The same request therefore
+draws the same tokens whatever batch it shares and whichever engine runs the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.sampling import SamplingParams
+
+_MASK64 = (1 << 63) - 1
+
+
+def _stream_seed(seed: int, index: int) -> int:
+    # splitmix64-style mixing so nearby (seed, index) pairs give unrelated streams.
+    z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK64
+
+
+def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (keep at least one).
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
+    """One token per row of ``logits`` ([N, V] float32).
+
+    ``indices[i]`` is the output index of the token being drawn for row ``i``.
+    """
+    if all(p.is_greedy for p in params):
+        return logits.argmax(-1).tolist()
+    out = []
+    for row, p, index in zip(logits, params, indices, strict=True):
+        if p.is_greedy:
+            out.append(int(row.argmax()))
+            continue
+        probs = _filter(row, p).softmax(-1)
+        gen = torch.Generator(device=row.device).manual_seed(_stream_seed(p.seed or 0, index))
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        out.append(int((probs / noise).argmax()))
+    return out
