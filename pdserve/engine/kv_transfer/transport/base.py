@@ -1,0 +1,205 @@
+"""The one KV transport interface, its value types, and helpers every transport shares.
+
+A transport moves bytes between a local registered region and a peer's registered
+region. It knows nothing about layers, blocks or requests: the KV connector turns
+block tables into ``TransferItem`` lists (one contiguous run of bytes each).
+
+Invariants every transport keeps:
+- Bytes are only ever written into, or read from, memory its owner registered with
+  ``register_memory``; a batch that reaches outside is FAILED with a message naming
+  the range, and the peer keeps serving.
+- ``write_batch``/``read_batch`` never block on the network; ``poll`` never blocks.
+- Every batch ends DONE or FAILED, at the latest ``timeout_s`` after submission
+  (dead or SIGSTOPped peers included). Terminal states latch: a late reply for a
+  batch that already FAILED changes nothing. A FAILED write may have partly landed.
+- ``notify`` to a peer is delivered after every batch submitted earlier to that peer.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import enum
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class TransferItem(NamedTuple):
+    """One contiguous run: ``length`` bytes at ``local_addr`` <-> ``remote_addr``."""
+
+    local_addr: int
+    remote_addr: int
+    length: int
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    state: TransferState
+    message: str = ""
+
+    @property
+    def is_pending(self) -> bool:
+        return self.state is TransferState.PENDING
+
+    @property
+    def is_done(self) -> bool:
+        return self.state is TransferState.DONE
+
+    @property
+    def is_failed(self) -> bool:
+        return self.state is TransferState.FAILED
+
+
+PENDING = TransferStatus(TransferState.PENDING)
+DONE = TransferStatus(TransferState.DONE)
+
+_batch_ids = itertools.count(1)
+
+
+class BatchHandle:
+    """One submitted batch. Transports finish it from their threads; ``poll`` reads it.
+
+    The first ``finish``/``fail`` wins (terminal states latch); the deadline turns a
+    silent batch into FAILED when it is polled or waited on.
+    """
+
+    def __init__(self, peer: str, num_bytes: int, timeout_s: float) -> None:
+        self.batch_id = next(_batch_ids)
+        self.peer = peer
+        self.num_bytes = num_bytes
+        self.deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        self._status = PENDING
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+
+    def finish(self) -> bool:
+        return self._settle(DONE)
+
+    def fail(self, message: str) -> bool:
+        return self._settle(TransferStatus(TransferState.FAILED, message))
+
+    def _settle(self, status: TransferStatus) -> bool:
+        with self._lock:
+            if not self._status.is_pending:
+                return False
+            self._status = status
+        self._event.set()
+        return True
+
+    def status(self) -> TransferStatus:
+        if self._status.is_pending and time.monotonic() >= self.deadline:
+            self.fail(f"timed out after {self._timeout_s:.1f} s waiting for peer {self.peer}")
+        return self._status
+
+    def wait(self, timeout_s: float | None = None) -> TransferStatus:
+        """Block until terminal (tests and benchmarks only; engines use ``poll``)."""
+        limit = self.deadline - time.monotonic()
+        if timeout_s is not None:
+            limit = min(limit, timeout_s)
+        self._event.wait(max(limit, 0.0))
+        return self.status()
+
+
+class Regions:
+    """Registered address ranges of one process; answers "is [addr, addr+n) inside one?"."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int]] = []
+
+    def add(self, ptr: int, length: int) -> None:
+        if ptr <= 0 or length <= 0:
+            raise ValueError(f"bad region ptr={ptr:#x} length={length}")
+        self._ranges.append((ptr, length))
+
+    def as_list(self) -> list[tuple[int, int]]:
+        return list(self._ranges)
+
+    def contains(self, addr: int, length: int) -> bool:
+        return length >= 0 and any(b <= addr and addr + length <= b + n for b, n in self._ranges)
+
+    def check(self, items: list[TransferItem], *, remote: bool, ranges=None) -> str | None:
+        """Return a message for the first item outside the ranges, or None."""
+        ranges = self._ranges if ranges is None else ranges
+        side = "remote" if remote else "local"
+        for item in items:
+            addr = item.remote_addr if remote else item.local_addr
+            if item.length < 0 or not any(
+                b <= addr and addr + item.length <= b + n for b, n in ranges
+            ):
+                return (
+                    f"{side} range [{addr:#x}, +{item.length}) is outside the "
+                    f"{'peer' if remote else 'local'} registered memory"
+                )
+        return None
+
+
+def coalesce(items: list[TransferItem]) -> list[TransferItem]:
+    """Merge neighbours that are contiguous on both sides (fewer, larger copies)."""
+    merged: list[TransferItem] = []
+    for item in items:
+        if item.length == 0:
+            continue
+        if merged:
+            last = merged[-1]
+            if (
+                last.local_addr + last.length == item.local_addr
+                and last.remote_addr + last.length == item.remote_addr
+            ):
+                merged[-1] = TransferItem(last.local_addr, last.remote_addr, last.length + item.length)
+                continue
+        merged.append(TransferItem(*item))
+    return merged
+
+
+def raw_view(ptr: int, length: int) -> memoryview:
+    """A writable byte view of ``length`` bytes at ``ptr`` (the caller owns validity)."""
+    return memoryview((ctypes.c_char * length).from_address(ptr)).cast("B")
+
+
+class Transport(abc.ABC):
+    """Moves KV bytes to and from peers. The KV connector's worker half is the caller."""
+
+    name: str = ""
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """What a peer passes as ``peer`` to reach us ("host:port")."""
+
+    @abc.abstractmethod
+    def register_memory(self, ptr: int, length: int) -> None:
+        """Called once per KV region at engine start, before peers connect."""
+
+    @abc.abstractmethod
+    def write_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+        """Push local bytes into the peer's registered memory (P in push modes)."""
+
+    @abc.abstractmethod
+    def read_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+        """Pull the peer's registered bytes into local memory (D in pull mode)."""
+
+    def poll(self, handle: BatchHandle) -> TransferStatus:
+        """Called by the connector every step; never blocks."""
+        return handle.status()
+
+    @abc.abstractmethod
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send a small control message (e.g. DONE + first token); ordered after batches."""
+
+    @abc.abstractmethod
+    def recv_notifications(self) -> list[tuple[str, bytes]]:
+        """Drain (peer endpoint, message) pairs received so far; never blocks."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop threads and close sockets; pending batches become FAILED. Idempotent."""

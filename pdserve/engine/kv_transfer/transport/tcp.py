@@ -1,0 +1,139 @@
+"""Our own TCP transport: KV bytes over the channel's sockets, for nodes without Mooncake.
+
+Owns the WRITE/READ ops of the channel. A batch is one frame: a table of
+(remote_addr, length) pairs, then every item's bytes back to back, sent with
+``sendmsg`` from views over registered memory and received with ``recvmsg_into``
+straight into the peer's registered memory.
+
+Invariants:
+- Local items are checked against our registered regions before anything is sent;
+  remote items are checked by us against the regions the peer advertised and again
+  by the peer, which refuses (NACK) a batch that leaves its registered memory and
+  drains its payload without writing a byte of it.
+- One sender thread per peer, so batches and notifies to a peer stay in order.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from pdserve.engine.kv_transfer.transport import wire
+from pdserve.engine.kv_transfer.transport.base import (
+    BatchHandle,
+    Regions,
+    TransferItem,
+    Transport,
+    coalesce,
+    raw_view,
+)
+from pdserve.engine.kv_transfer.transport.channel import Channel, PeerLink
+
+
+class TcpTransport(Transport):
+    name = "tcp"
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        auth_token: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._regions = Regions()
+        self._channel = Channel(
+            info=lambda: {"regions": self._regions.as_list()},
+            on_frame=self._serve_frame,
+            host=host,
+            port=port,
+            advertise_host=advertise_host,
+            auth_token=auth_token,
+            timeout_s=timeout_s,
+        )
+
+    @property
+    def endpoint(self) -> str:
+        return self._channel.endpoint
+
+    def register_memory(self, ptr: int, length: int) -> None:
+        self._regions.add(ptr, length)
+
+    def write_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+        return self._submit(peer, items, wire.OP_WRITE)
+
+    def read_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+        return self._submit(peer, items, wire.OP_READ)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._channel.link(peer).submit(
+            None, lambda link: wire.send_frame(link.connect(), wire.OP_NOTIFY, body=message)
+        )
+
+    def recv_notifications(self) -> list[tuple[str, bytes]]:
+        return self._channel.notifications()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # -- client side (runs on the peer's sender thread) --------------------------------
+
+    def _submit(self, peer: str, items: list[TransferItem], op: int) -> BatchHandle:
+        items = coalesce(items)
+        handle = BatchHandle(peer, sum(i.length for i in items), self.timeout_s)
+        problem = self._regions.check(items, remote=False)
+        if problem is not None:
+            handle.fail(problem)
+            return handle
+
+        def job(link: PeerLink) -> None:
+            sock = link.connect()
+            problem = self._regions.check(items, remote=True, ranges=link.info["regions"])
+            if problem is not None:
+                handle.fail(problem)
+                return
+            local_views = [raw_view(i.local_addr, i.length) for i in items]
+            link.expect(handle, lambda s, rop, body: _on_reply(handle, s, rop, body, local_views))
+            payload = local_views if op == wire.OP_WRITE else ()
+            wire.send_frame(sock, op, handle.batch_id, wire.encode_table(items), payload)
+
+        self._channel.link(peer).submit(handle, job)
+        return handle
+
+    # -- server side (runs on the connection's thread) ---------------------------------
+
+    def _serve_frame(self, sock: socket.socket, op: int, batch_id: int, body: bytes) -> None:
+        table = wire.decode_table(body)
+        items = [TransferItem(0, addr, n) for addr, n in table]
+        problem = self._regions.check(items, remote=True)
+        if op == wire.OP_WRITE:
+            if problem is not None:
+                wire.drain(sock, sum(n for _, n in table))
+                wire.send_frame(sock, wire.OP_NACK, batch_id, f"refused: {problem}".encode())
+                return
+            wire.recv_into_views(sock, [raw_view(addr, n) for addr, n in table])
+            wire.send_frame(sock, wire.OP_ACK, batch_id)
+        elif op == wire.OP_READ:
+            if problem is not None:
+                wire.send_frame(sock, wire.OP_NACK, batch_id, f"refused: {problem}".encode())
+                return
+            views = [raw_view(addr, n) for addr, n in table]
+            wire.send_frame(sock, wire.OP_DATA, batch_id, b"", views)
+        else:
+            raise ValueError(f"unexpected op {op}")
+
+
+def _on_reply(
+    handle: BatchHandle, sock: socket.socket, op: int, body: bytes, local_views: list
+) -> None:
+    """Reader thread: finish a batch from its ACK/NACK, or land a READ's DATA payload."""
+    if op == wire.OP_ACK:
+        handle.finish()
+    elif op == wire.OP_DATA:
+        wire.recv_into_views(sock, local_views)
+        handle.finish()
+    elif op == wire.OP_NACK:
+        handle.fail(body.decode(errors="replace"))
+    else:
+        raise ValueError(f"unexpected reply op {op}")
