@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.engine.cli_serve", "serve an engine over gRPC"),
     "generate": ("pdserve.engine.cli_generate", "generate from a prompt (in-process or via a server)"),
+    "crds": ("pdserve.api.crd_cli", "write the CRD YAML generated from pdserve.api"),
 }
 
 

@@ -1,1 +1,30 @@
 """Schemas shared by every component: cluster specs, wire types. The bottom layer."""
+
+from pdserve.api.cluster import PDCluster, PDClusterSpec, PDClusterStatus
+from pdserve.api.conditions import Condition, get_condition, is_condition_true, set_condition
+from pdserve.api.instance import PDInstance, PDInstanceSpec, PDInstanceStatus
+from pdserve.api.manifest import (
+    ManifestError,
+    default_cluster,
+    dump_manifest,
+    load_manifest,
+    parse_manifest,
+)
+
+__all__ = [
+    "Condition",
+    "ManifestError",
+    "PDCluster",
+    "PDClusterSpec",
+    "PDClusterStatus",
+    "PDInstance",
+    "PDInstanceSpec",
+    "PDInstanceStatus",
+    "default_cluster",
+    "dump_manifest",
+    "get_condition",
+    "is_condition_true",
+    "load_manifest",
+    "parse_manifest",
+    "set_condition",
+]

@@ -46,17 +46,17 @@ def _rule(rule: str, message: str, field_path: str | None = None) -> dict:
 MODEL_RULES = [_rule(
     "(has(self.preset) ? 1 : 0) + (has(self.path) ? 1 : 0)"
     " + (has(self.pvc) ? 1 : 0) + (has(self.image) ? 1 : 0) == 1",
-    "model: set exactly one of preset, path, pvc, image",
+    "spec.model: set exactly one of preset, path, pvc, image",
 )]
 KV_TRANSFER_RULES = [_rule(
     "self.mode != 'layerwise' || self.decodeAllocation == 'dispatch'",
-    "kvTransfer.decodeAllocation must be dispatch when kvTransfer.mode is layerwise "
+    "spec.kvTransfer.decodeAllocation must be dispatch when spec.kvTransfer.mode is layerwise "
     "(decode blocks must exist before the first layer is written)",
     ".decodeAllocation",
 )]
 HEARTBEAT_RULES = [_rule(
     "self.failedAfterMissed > self.suspectAfterMissed",
-    "heartbeat.failedAfterMissed must be greater than heartbeat.suspectAfterMissed",
+    "spec.heartbeat.failedAfterMissed must be greater than spec.heartbeat.suspectAfterMissed",
     ".failedAfterMissed",
 )]
 SPEC_RULES = [
@@ -230,6 +230,7 @@ class PDClusterStatus(StatusModel):
     """PD when both pools serve; Fallback while requests run hybrid."""
     conditions: list[Condition] = Field(
         default_factory=list,
+        max_length=16,
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],

@@ -15,7 +15,7 @@ import re
 from decimal import Decimal
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 GROUP = "pdserve.io"
@@ -36,11 +36,20 @@ _SUFFIXES: dict[str, Decimal] = {
     "T": Decimal("1e12"), "P": Decimal("1e15"), "E": Decimal("1e18"),
 }
 
+
+
+def _check_quantity(value: int | str) -> int | str:
+    if isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+        raise ValueError(f"not a Kubernetes quantity such as 500m, 8Gi or 4: {value!r}")
+    return value
+
+
 # int or a quantity string ("500m", "8Gi"); the converter turns this into
-# `x-kubernetes-int-or-string` with the quantity pattern.
+# `x-kubernetes-int-or-string` with the quantity pattern, as controller-gen does.
 Quantity = Annotated[
-    int | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)],
-    Field(json_schema_extra={"x-kubernetes-int-or-string": True}),
+    int | str,
+    AfterValidator(_check_quantity),
+    Field(json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
 ]
 
 

@@ -52,6 +52,7 @@ class PDInstanceStatus(StatusModel):
     """Role the engine last reported (differs from spec.role during a switch)."""
     conditions: list[Condition] = Field(
         default_factory=list,
+        max_length=16,
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],

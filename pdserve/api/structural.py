@@ -83,7 +83,20 @@ def _convert(node: Any, defs: dict) -> Any:
             out[key] = copy.deepcopy(value)
     if out.get("x-kubernetes-int-or-string"):
         _fold_int_or_string(out)
-    return out
+    return {k: out[k] for k in sorted(out, key=_key_order)}
+
+
+_FIRST = ("type", "description")
+_LAST = ("properties", "additionalProperties", "items", "required", "x-kubernetes-validations")
+
+
+def _key_order(key: str) -> tuple[int, int, str]:
+    """Readable generated YAML: type and description first, nested schemas last."""
+    if key in _FIRST:
+        return (0, _FIRST.index(key), key)
+    if key in _LAST:
+        return (2, _LAST.index(key), key)
+    return (1, 0, key)
 
 
 def _convert_properties(props: dict, required: set[str], defs: dict) -> dict:

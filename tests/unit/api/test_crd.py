@@ -1,0 +1,144 @@
+"""The generated CRDs: structural, in sync with the committed copies, CLI behaviour."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel, Field
+
+from pdserve.api import PDCluster, default_cluster
+from pdserve.api.common import ApiModel, Quantity
+from pdserve.api.crd import KINDS, build_crd, render_crd_files
+from pdserve.api.crd_cli import DEFAULT_DIRS, add_arguments, run
+from pdserve.api.structural import apply_defaults, structural_violations, to_structural
+
+from .apiserver import admit
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def cli_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("directory", DEFAULT_DIRS)
+def test_committed_crds_match_the_models(directory):
+    files = render_crd_files()
+    for name, text in files.items():
+        committed = ROOT / directory / name
+        assert committed.is_file(), f"{committed} missing: run `pdserve crds`"
+        assert committed.read_text() == text, f"{committed} is stale: run `pdserve crds`"
+
+
+def test_cli_writes_then_checks_and_detects_drift(tmp_path, capsys):
+    out = str(tmp_path / "crds")
+    assert run(cli_args("--check", "--out", out)) == 1  # nothing written yet
+    assert run(cli_args("--out", out)) == 0
+    assert run(cli_args("--check", "--out", out)) == 0
+    (tmp_path / "crds" / "pdserve.io_pdclusters.yaml").write_text("stale\n")
+    assert run(cli_args("--check", "--out", out)) == 1
+    assert "out of date" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_crd_is_structural_and_well_formed(kind):
+    crd = build_crd(kind)
+    version = crd["spec"]["versions"][0]
+    schema = version["schema"]["openAPIV3Schema"]
+    assert structural_violations(schema) == []
+    assert "$ref" not in yaml.safe_dump(schema) and "title:" not in yaml.safe_dump(schema)
+    assert crd["spec"]["group"] == "pdserve.io" and version["name"] == "v1alpha1"
+    assert version["subresources"] == {"status": {}}
+    assert crd["metadata"]["name"] == f"{crd['spec']['names']['plural']}.pdserve.io"
+
+
+def test_printer_columns_and_short_names():
+    cluster = build_crd("PDCluster")["spec"]
+    columns = [c["name"] for c in cluster["versions"][0]["additionalPrinterColumns"]]
+    assert columns == ["Mode", "Prefill", "Decode", "Ready", "Age"]
+    assert cluster["names"]["shortNames"] == ["pdc"]
+    instance = build_crd("PDInstance")["spec"]
+    assert instance["names"]["shortNames"] == ["pdi"]
+    assert instance["versions"][0]["additionalPrinterColumns"]
+
+
+def test_quantities_are_int_or_string():
+    schema = build_crd("PDCluster")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    pool = schema["properties"]["spec"]["properties"]["prefill"]["properties"]
+    limit = pool["resources"]["properties"]["limits"]["additionalProperties"]
+    assert limit["x-kubernetes-int-or-string"] is True and "pattern" in limit
+    assert pool["nodeSelector"]["additionalProperties"] == {"type": "string"}
+
+
+def test_default_cluster_is_admitted_and_unchanged_by_defaulting():
+    schema = build_crd("PDCluster")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    manifest = default_cluster().to_manifest()
+    stored, errors = admit(schema, manifest)
+    assert errors == []
+    assert PDCluster.model_validate(stored) == default_cluster()
+
+
+class _Inner(ApiModel):
+    size: int = Field(default=2, gt=0)
+
+
+class _Outer(BaseModel):
+    inner: _Inner = Field(default_factory=_Inner)
+    maybe: _Inner | None = None
+    name: str | None = None
+    memory: Quantity = "1Gi"
+    tags: dict[str, str] = Field(default_factory=dict)
+
+
+def test_converter_inlines_refs_maps_optional_and_fills_nested_defaults():
+    schema = to_structural(_Outer.model_json_schema())
+    assert structural_violations(schema) == []
+    props = schema["properties"]
+    assert props["inner"]["default"] == {}  # so the apiserver defaults inner.size
+    assert "default" not in props["maybe"] and props["maybe"]["type"] == "object"
+    assert props["name"] == {"type": "string"}
+    assert props["inner"]["properties"]["size"]["exclusiveMinimum"] is True
+    assert "additionalProperties" not in props["inner"]  # extra="forbid" is not a map
+    assert props["memory"]["anyOf"] == [{"type": "integer"}, {"type": "string"}]
+    assert apply_defaults(schema, {}) == {"inner": {"size": 2}, "memory": "1Gi"}
+
+
+def test_checker_reports_non_structural_schemas():
+    bad = {"type": "object", "properties": {
+        "a": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "b": {"$ref": "#/$defs/B"},
+        "c": {"type": "object", "properties": {}, "additionalProperties": False},
+    }}
+    problems = structural_violations(bad)
+    assert any(p.startswith(".a:") for p in problems)
+    assert any(p.startswith(".b:") and "$ref" in p for p in problems)
+    assert any(p.startswith(".c:") and "additionalProperties" in p for p in problems)
+
+
+@pytest.mark.parametrize(
+    "tp_prefill,tp_decode,replicas_prefill,replicas_decode",
+    list(itertools.product([1, 2, 3, 4], [1, 2, 4], [0, 1], [0, 2])),
+)
+def test_cel_rules_and_model_validators_agree(tp_prefill, tp_decode, replicas_prefill,
+                                              replicas_decode):
+    schema = build_crd("PDCluster")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    manifest = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                "metadata": {"name": "x"}, "spec": {
+                    "model": {"preset": "tiny"},
+                    "prefill": {"replicas": replicas_prefill,
+                                "parallelism": {"tensorParallelSize": tp_prefill}},
+                    "decode": {"replicas": replicas_decode,
+                               "parallelism": {"tensorParallelSize": tp_decode}}}}
+    _, errors = admit(schema, manifest)
+    try:
+        PDCluster.model_validate(manifest)
+        model_ok = True
+    except ValueError:
+        model_ok = False
+    assert (errors == []) == model_ok, errors

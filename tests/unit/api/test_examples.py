@@ -1,0 +1,71 @@
+"""Every example under examples/ against the generated CRD and the models.
+
+Valid examples: admitted by the CRD schema (defaults, OpenAPI, CEL) and loaded
+by ``PDCluster.from_file``. Invalid ones (examples/invalid/, each naming the
+field in an ``# expect-error:`` line): rejected by both, naming that field.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.api import PDCluster
+from pdserve.api.crd import build_crd
+from pdserve.api.manifest import ManifestError, load_manifest
+
+from .apiserver import admit
+
+ROOT = Path(__file__).resolve().parents[3]
+VALID = sorted((ROOT / "examples").glob("*.yaml"))
+INVALID = sorted((ROOT / "examples" / "invalid").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def cluster_schema() -> dict:
+    return build_crd("PDCluster")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def expected_field(path: Path) -> str:
+    match = re.search(r"^# expect-error: (\S+)$", path.read_text(), re.MULTILINE)
+    assert match, f"{path.name} needs an '# expect-error: <field>' line"
+    return match.group(1)
+
+
+def test_examples_exist():
+    assert {p.name for p in VALID} >= {"minimal.yaml", "production.yaml"}
+    assert len(INVALID) >= 3
+
+
+@pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
+def test_valid_example_is_admitted_by_the_crd(path, cluster_schema):
+    raw = yaml.safe_load(path.read_text())
+    stored, errors = admit(cluster_schema, raw)
+    assert errors == []
+    # The CRD's defaults are the models' defaults: defaulting changes nothing.
+    assert PDCluster.model_validate(stored) == PDCluster.model_validate(raw)
+
+
+@pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
+def test_valid_example_loads_through_the_models(path):
+    cluster = PDCluster.from_file(path)
+    assert cluster.kind == "PDCluster"
+    assert cluster.spec.prefill.replicas + cluster.spec.decode.replicas > 0
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)
+def test_invalid_example_is_rejected_by_the_crd(path, cluster_schema):
+    _, errors = admit(cluster_schema, yaml.safe_load(path.read_text()))
+    assert errors, f"{path.name} was admitted"
+    assert any(e.startswith(expected_field(path)) for e in errors), errors
+
+
+@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)
+def test_invalid_example_is_rejected_by_the_models(path):
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    assert str(path) in str(info.value)
+    assert any(p.startswith(expected_field(path)) for p in info.value.problems), info.value
