@@ -29,7 +29,7 @@ lint: install
 	$(BIN)/lint-imports
 
 proto: install
-	$(BIN)/python -m pdserve.engine.proto.build
+	$(BIN)/python -m pdserve.api.proto.build
 
 test: install system-deps lint
 	$(BIN)/python -m pytest -q tests

@@ -146,11 +146,10 @@ class BlockManager:
         for i in range(num_full):
             block_id = request.block_table[i]
             block_hash = request.block_hashes[i]
-            if self._block_hash[block_id] is None:
-                # A duplicate (same content computed twice concurrently) stays private.
-                if block_hash not in self._cached:
-                    self._cached[block_hash] = block_id
-                    self._block_hash[block_id] = block_hash
+            # A duplicate (same content computed twice concurrently) stays private.
+            if self._block_hash[block_id] is None and block_hash not in self._cached:
+                self._cached[block_hash] = block_id
+                self._block_hash[block_id] = block_hash
 
     def free(self, request: Request) -> None:
         """Release every block of ``request``; called once when it finishes or is preempted.

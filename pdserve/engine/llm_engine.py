@@ -110,7 +110,7 @@ class LLMEngine:
             raise EngineInputError(f"request id {request_id!r} is already in use")
         if prompt_token_ids is None:
             if prompt is None:
-                raise EngineInputError("either a prompt or prompt token ids is required")
+                raise EngineInputError("the prompt is empty: send prompt text or prompt token ids")
             if self.tokenizer is None:
                 raise EngineInputError("this model has no tokenizer: send prompt token ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
@@ -151,6 +151,17 @@ class LLMEngine:
             return False
         return self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
+    def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
+        """End a request with an error (its blocks freed); returns its final output."""
+        request = self.requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        if request is None or not self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message):
+            return None
+        return RequestOutput(
+            request_id, [], "", True, "error", request.num_prompt_tokens,
+            len(request.output_token_ids), request.num_cached_tokens, message,
+        )
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -186,9 +197,7 @@ class LLMEngine:
         status = None
         if hit_stop or token in params.stop_token_ids or token in request.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
-        elif len(request.output_token_ids) >= params.max_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-        elif request.num_tokens >= self.token_capacity:
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.token_capacity:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             new_text += detok.flush()

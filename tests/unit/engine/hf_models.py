@@ -28,9 +28,7 @@ def build_hf_model(kind: str, tie: bool = False, seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif p.dim() == 1:
-                p.copy_(0.1 * torch.randn_like(p))
-            elif "embed" in name:
+            elif p.dim() == 1 or "embed" in name:
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)

@@ -1,0 +1,70 @@
+"""A small asyncio client of the engine's gRPC service, shared by every component.
+
+Callers: the CLI (``pdserve generate --server``), the Coordinator and the NodeAgent.
+Errors come back as ``grpc.aio.AioRpcError`` with the engine's status and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.api.proto import engine_pb2 as pb
+from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+
+
+class EngineClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.EngineStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def generate(
+        self, request: pb.GenerateRequest, timeout_s: float | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        return self._stub.Generate(request, timeout=timeout_s)
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self._stub.Abort(pb.AbortRequest(request_id=request_id))).aborted
+
+    async def health(self, timeout_s: float = 2.0) -> pb.HealthResponse:
+        return await self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
+
+    async def stats(self, timeout_s: float = 2.0) -> pb.StatsResponse:
+        return await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s)
+
+
+def build_generate_request(
+    request_id: str = "",
+    prompt: str = "",
+    prompt_token_ids: list[int] | None = None,
+    *,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
+) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos,
+    )
+    if seed is not None:
+        sampling.seed = seed
+    return pb.GenerateRequest(
+        request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids or [],
+        sampling=sampling,
+    )

@@ -1,0 +1,1 @@
+"""Protocol buffers of the internal gRPC services and their generated modules."""

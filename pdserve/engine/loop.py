@@ -1,0 +1,132 @@
+"""The engine's own thread: the only thread that touches ``LLMEngine``.
+
+Other threads (the gRPC server's event loop) talk to it through ``submit`` and
+``abort``, which enqueue commands; the loop drains them between steps, runs
+``step()`` while there is work, and hands each ``RequestOutput`` to the request's
+sink. A failing step never kills the loop: every request in it ends with an error
+and the engine goes on with new ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from pdserve.engine.llm_engine import EngineInputError, LLMEngine, RequestOutput
+from pdserve.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[RequestOutput], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout_s)
+
+    # -- called from other threads ------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int] | None,
+        prompt: str | None,
+        params: SamplingParams,
+        sink: Sink,
+    ) -> Future:
+        """Queue a request. The future resolves to None once admitted, or raises
+        ``EngineInputError`` when the engine refuses it."""
+        admitted: Future = Future()
+        self._inbox.put(("add", request_id, prompt_token_ids, prompt, params, sink, admitted))
+        return admitted
+
+    def abort(self, request_id: str) -> None:
+        """Ask the loop to end a request; idempotent."""
+        self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> Future:
+        """Run ``fn(engine)`` on the loop thread (stats, reconfiguration)."""
+        result: Future = Future()
+        self._inbox.put(("call", fn, result))
+        return result
+
+    # -- the loop thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            block = not self.engine.has_unfinished
+            try:
+                self._drain(block)
+            except Exception:  # noqa: BLE001 - the loop must survive anything a command does
+                log.exception("engine command failed")
+            if self.engine.has_unfinished:
+                self._step()
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, ids, prompt, params, sink, admitted = cmd
+                try:
+                    self.engine.add_request(rid, ids, params, prompt)
+                except EngineInputError as exc:
+                    admitted.set_exception(exc)
+                    continue
+                self._sinks[rid] = sink
+                admitted.set_result(None)
+                log.info("request %s admitted", rid)
+            elif kind == "abort":
+                if self.engine.abort_request(cmd[1]):
+                    log.info("request %s aborted", cmd[1])
+                self._sinks.pop(cmd[1], None)
+            elif kind == "call":
+                try:
+                    cmd[2].set_result(cmd[1](self.engine))
+                except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                    cmd[2].set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+            log.exception("engine step failed; failing its requests")
+            self._fail_all(f"engine step failed: {exc}")
+            return
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+                log.info(
+                    "request %s finished reason=%s prompt_tokens=%d output_tokens=%d cached=%d",
+                    out.request_id, out.finish_reason, out.num_prompt_tokens,
+                    out.num_output_tokens, out.num_cached_tokens,
+                )
+            if sink is not None:
+                sink(out)
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self.engine.requests):
+            out = self.engine.fail_request(rid, message)
+            sink = self._sinks.pop(rid, None)
+            if sink is not None and out is not None:
+                sink(out)

@@ -1,0 +1,124 @@
+"""The engine's gRPC server (``pdserve.engine.v1.Engine``).
+
+The asyncio server owns the network; ``EngineLoop`` owns the engine. A Generate
+call submits the request, waits for admission (bad input → INVALID_ARGUMENT with the
+engine's message), then streams outputs from an asyncio queue fed by the loop
+thread. A client that goes away (cancelled RPC) aborts its request, so its KV
+blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from pdserve.api.proto import engine_pb2 as pb
+from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+from pdserve.engine.llm_engine import EngineInputError, LLMEngine, RequestOutput
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def sampling_from_proto(msg: pb.SamplingParams, has_sampling: bool) -> SamplingParams:
+    if not has_sampling:
+        return SamplingParams()
+    return SamplingParams(
+        max_tokens=msg.max_tokens or 16,
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=list(msg.stop_token_ids),
+        stop=list(msg.stop),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=out.request_id,
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        finished=out.finished,
+        finish_reason=out.finish_reason or "",
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_output_tokens=out.num_output_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        error=out.error or "",
+    )
+
+
+class EngineService(pb_grpc.EngineServicer):
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
+        try:
+            params = sampling_from_proto(request.sampling, request.HasField("sampling"))
+        except (TypeError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        aio_loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(out: RequestOutput) -> None:
+            aio_loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        admitted = self.loop.submit(
+            rid, list(request.prompt_token_ids) or None, request.prompt or None, params, sink
+        )
+        try:
+            await asyncio.wrap_future(admitted)
+        except EngineInputError as exc:
+            log.info("request %s refused: %s", rid, exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield output_to_proto(out)
+        finally:
+            if not finished:  # the client went away or the call was cancelled
+                self.loop.abort(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        done = self.loop.call(lambda e: e.abort_request(request.request_id))
+        return pb.AbortResponse(aborted=bool(await asyncio.wrap_future(done)))
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        engine = self.loop.engine
+        return pb.HealthResponse(
+            serving=True, role=engine.config.role, model=engine.model_config.name,
+            device=engine.config.device,
+        )
+
+    async def Stats(self, request, context) -> pb.StatsResponse:
+        stats = await asyncio.wrap_future(self.loop.call(lambda e: e.stats()))
+        fields = {k: v for k, v in stats.__dict__.items() if k in pb.StatsResponse.DESCRIPTOR.fields_by_name}
+        return pb.StatsResponse(**fields)
+
+
+async def serve(engine: LLMEngine, host: str, port: int, ready=None) -> None:
+    """Run the server until cancelled. ``ready(bound_port)`` is called once listening."""
+    loop = EngineLoop(engine)
+    loop.start()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_EngineServicer_to_server(EngineService(loop), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        loop.stop()
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    if ready is not None:
+        ready(bound)
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(grace=1.0)
+        loop.stop()
