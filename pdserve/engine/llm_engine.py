@@ -10,13 +10,14 @@ others go on.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.device import prepare_device
 from pdserve.engine.loader import load_model
@@ -76,7 +77,7 @@ class LLMEngine:
         bytes_per_block = cfg.kv_bytes_per_token(dtype_bytes) * config.block_size
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
         if num_blocks < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"kv_cache_bytes={config.kv_cache_bytes} is below one block ({bytes_per_block} bytes)"
             )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -116,6 +117,11 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         if not prompt_token_ids:
             raise EngineInputError("the prompt is empty")
+        try:
+            # A float or string id would pass the range check and crash the step for all.
+            prompt_token_ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise EngineInputError("prompt token ids must be integers") from None
         vocab = self.model_config.vocab_size
         if any(not (0 <= t < vocab) for t in prompt_token_ids):
             raise EngineInputError(f"prompt token ids must be in [0, {vocab})")
