@@ -142,3 +142,21 @@ def test_cel_rules_and_model_validators_agree(tp_prefill, tp_decode, replicas_pr
     except ValueError:
         model_ok = False
     assert (errors == []) == model_ok, errors
+
+
+def test_pdinstance_manifest_is_admitted_and_bad_role_rejected():
+    from pdserve.api import PDInstance
+
+    schema = build_crd("PDInstance")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    manifest = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDInstance",
+                "metadata": {"name": "tiny-prefill-0"},
+                "spec": {"role": "prefill", "cluster": "tiny", "pool": "prefill", "ordinal": 0},
+                "status": {"phase": "Running", "pod": "tiny-prefill-0", "health": "Ready",
+                           "endpoints": {"engine": "10.0.0.5:50051"},
+                           "lastHeartbeat": "2025-01-01T12:00:00Z"}}
+    assert admit(schema, manifest)[1] == []
+    instance = PDInstance.model_validate(manifest)
+    assert PDInstance.model_validate(instance.to_manifest()) == instance
+    assert instance.status.endpoints == {"engine": "10.0.0.5:50051"}
+    manifest["spec"]["role"] = "router"
+    assert any(e.startswith("spec.role") for e in admit(schema, manifest)[1])
