@@ -1,0 +1,141 @@
+"""Mooncake Transfer Engine transport (RDMA in production, its TCP protocol elsewhere).
+
+Wraps ``mooncake.engine.TransferEngine`` in P2PHANDSHAKE mode (no metadata server):
+each side's Mooncake session is "host:rpc_port". Our endpoint is the channel's
+address; the peer's Mooncake session id and registered regions come from its
+WELCOME reply, which also authenticates us. Notifications travel on the channel,
+since Mooncake's own notify needs its metadata service.
+
+Why batches complete on the per-peer sender thread: ``get_batch_transfer_status``
+busy-spins a core until the whole batch ends (``transfer_check_status`` only looks
+at the first task), so it must never run on the engine's compute thread. The call
+releases the GIL. Mooncake's own deadline (MC_TRANSFER_TIMEOUT, at least 5 s) can
+outlast ours: ``poll`` FAILs the batch at our deadline and the late result is ignored.
+
+Invariants: remote ranges are checked against the peer's advertised regions before
+submission (Mooncake also refuses them server-side); the process environment gets
+MC_FORCE_TCP=1 for protocol "tcp" and MC_TRANSFER_TIMEOUT unless already set.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from pdserve.engine.kv_transfer.transport import wire
+from pdserve.engine.kv_transfer.transport.base import (
+    BatchHandle,
+    Regions,
+    TransferItem,
+    Transport,
+    coalesce,
+)
+from pdserve.engine.kv_transfer.transport.channel import Channel, PeerLink
+
+_MIN_MOONCAKE_TIMEOUT_S = 5
+
+
+class MooncakeTransport(Transport):
+    name = "mooncake"
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        protocol: str = "tcp",
+        device_name: str = "",
+        auth_token: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        if protocol == "tcp":
+            os.environ.setdefault("MC_FORCE_TCP", "1")
+        os.environ.setdefault(
+            "MC_TRANSFER_TIMEOUT", str(max(_MIN_MOONCAKE_TIMEOUT_S, math.ceil(timeout_s)))
+        )
+        from mooncake.engine import TransferEngine  # imported late: env must be set first
+
+        self.timeout_s = timeout_s
+        self._engine = TransferEngine()
+        mc_host = advertise_host or host
+        rc = self._engine.initialize(mc_host, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake initialize({mc_host}, P2PHANDSHAKE, {protocol}) = {rc}")
+        self.session_id = f"{mc_host}:{self._engine.get_rpc_port()}"
+        self._regions = Regions()
+        self._channel = Channel(
+            info=lambda: {"regions": self._regions.as_list(), "session": self.session_id},
+            host=host,
+            port=port,
+            advertise_host=advertise_host,
+            auth_token=auth_token,
+            timeout_s=timeout_s,
+        )
+
+    @property
+    def endpoint(self) -> str:
+        return self._channel.endpoint
+
+    def register_memory(self, ptr: int, length: int) -> None:
+        rc = self._engine.register_memory(ptr, length)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake register_memory({ptr:#x}, {length}) = {rc}")
+        self._regions.add(ptr, length)
+
+    def write_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+        return self._submit(peer, items, is_write=True)
+
+    def read_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+        return self._submit(peer, items, is_write=False)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._channel.link(peer).submit(
+            None, lambda link: wire.send_frame(link.connect(), wire.OP_NOTIFY, body=message)
+        )
+
+    def recv_notifications(self) -> list[tuple[str, bytes]]:
+        return self._channel.notifications()
+
+    def close(self) -> None:
+        self._channel.close()
+        for ptr, _ in self._regions.as_list():
+            self._engine.unregister_memory(ptr)
+        self._regions = Regions()
+
+    def _submit(self, peer: str, items: list[TransferItem], *, is_write: bool) -> BatchHandle:
+        items = coalesce(items)
+        handle = BatchHandle(peer, sum(i.length for i in items), self.timeout_s)
+        problem = self._regions.check(items, remote=False)
+        if problem is not None or not items:
+            handle.fail(problem) if problem else handle.finish()
+            return handle
+
+        def job(link: PeerLink) -> None:
+            link.connect()
+            problem = self._regions.check(items, remote=True, ranges=link.info["regions"])
+            if problem is not None:
+                handle.fail(problem)
+                return
+            submit = (
+                self._engine.batch_transfer_async_write
+                if is_write
+                else self._engine.batch_transfer_async_read
+            )
+            batch_id = submit(
+                link.info["session"],
+                [i.local_addr for i in items],
+                [i.remote_addr for i in items],
+                [i.length for i in items],
+            )
+            if batch_id <= 0:
+                handle.fail(f"Mooncake refused to submit the batch ({batch_id})")
+                return
+            rc = self._engine.get_batch_transfer_status([batch_id])  # spins; GIL released
+            if rc == 0:
+                handle.finish()
+            else:
+                handle.fail(f"Mooncake batch to {link.info['session']} failed (rc={rc})")
+
+        self._channel.link(peer).submit(handle, job)
+        return handle

@@ -1,0 +1,193 @@
+"""Same-node transport: P copies straight into D's KV cache through POSIX shared memory.
+
+D creates its KV tensor in a /dev/shm file (``ShmTensor``) and registers it; the
+WELCOME reply on the channel names the file and where it is mapped in D. P maps
+the file once per peer and ``ctypes.memmove``s each item (the GIL is released during
+the copy). A batch is DONE only after D answers a FENCE on the channel, so a dead
+or stopped D makes the batch FAILED even though the copy itself never needs D.
+
+Invariants:
+- Only memory inside a /dev/shm mapping can be registered; P only touches ranges
+  inside regions D registered (checked before the first byte moves).
+- Peers must share a kernel (same boot id) and /dev/shm; otherwise batches FAIL
+  with that reason. On Kubernetes this means one pod, or a shared memory volume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import mmap
+import os
+import threading
+import uuid
+
+import torch
+
+from pdserve.engine.kv_transfer.transport import wire
+from pdserve.engine.kv_transfer.transport.base import (
+    BatchHandle,
+    Regions,
+    TransferItem,
+    Transport,
+    coalesce,
+)
+from pdserve.engine.kv_transfer.transport.channel import Channel, PeerLink
+
+SHM_DIR = "/dev/shm"
+
+
+class ShmTensor:
+    """A torch tensor whose storage is a /dev/shm file. Created by the engine's runner."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, name: str | None = None):
+        numel = math.prod(shape)
+        num_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.name = name or f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, num_bytes)
+            self._mmap = mmap.mmap(fd, num_bytes)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self._mmap, dtype=dtype, count=numel).view(shape)
+
+    def close(self) -> None:
+        """Unlink the file; the memory lives on while the tensor or a peer maps it."""
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def allocate_shm_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, name: str | None = None
+) -> ShmTensor:
+    """Where the engine allocates its KV cache when the transport is shm."""
+    return ShmTensor(shape, dtype, name)
+
+
+def find_shm_mapping(ptr: int, length: int) -> dict:
+    """The /dev/shm mapping of this process that holds [ptr, ptr+length), from /proc/self/maps."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or not fields[5].startswith(SHM_DIR + "/"):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= ptr and ptr + length <= end:
+                return {"path": fields[5].strip(), "base": start, "length": end - start,
+                        "file_offset": int(fields[2], 16)}
+    raise ValueError(
+        f"[{ptr:#x}, +{length}) is not inside a {SHM_DIR} mapping; allocate the KV cache "
+        "with allocate_shm_tensor() to use the shm transport"
+    )
+
+
+def _boot_id() -> str:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0,
+                 auth_token: str | None = None, timeout_s: float = 10.0) -> None:
+        self.timeout_s = timeout_s
+        self._regions = Regions()
+        self._segments: list[dict] = []
+        self._maps: dict[str, tuple[mmap.mmap, ctypes.c_char, int]] = {}  # path -> map
+        self._copy_lock = threading.Lock()
+        self._boot_id = _boot_id()
+        self._channel = Channel(
+            info=lambda: {"regions": self._regions.as_list(), "segments": self._segments,
+                          "boot_id": self._boot_id},
+            host=host, port=port, auth_token=auth_token, timeout_s=timeout_s,
+        )
+
+    @property
+    def endpoint(self) -> str:
+        return self._channel.endpoint
+
+    def register_memory(self, ptr: int, length: int) -> None:
+        self._segments.append(find_shm_mapping(ptr, length))
+        self._regions.add(ptr, length)
+
+    def write_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+        return self._submit(peer, items, is_write=True)
+
+    def read_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+        return self._submit(peer, items, is_write=False)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._channel.link(peer).submit(
+            None, lambda link: wire.send_frame(link.connect(), wire.OP_NOTIFY, body=message)
+        )
+
+    def recv_notifications(self) -> list[tuple[str, bytes]]:
+        return self._channel.notifications()
+
+    def close(self) -> None:
+        self._channel.close()
+        with self._copy_lock:  # never unmap under a running copy
+            maps, self._maps = self._maps, {}
+            while maps:
+                mm, _, _ = maps.popitem()[1]  # drops the ctypes anchor, then unmaps
+                with contextlib.suppress(BufferError):
+                    mm.close()
+
+    def _submit(self, peer: str, items: list[TransferItem], *, is_write: bool) -> BatchHandle:
+        items = coalesce(items)
+        handle = BatchHandle(peer, sum(i.length for i in items), self.timeout_s)
+        problem = self._regions.check(items, remote=False)
+        if problem is not None:
+            handle.fail(problem)
+            return handle
+
+        def job(link: PeerLink) -> None:
+            sock = link.connect()
+            if link.info.get("boot_id") != self._boot_id:
+                raise RuntimeError(f"peer {peer} is on another node; shm needs one host")
+            problem = self._regions.check(items, remote=True, ranges=link.info["regions"])
+            if problem is not None:
+                handle.fail(problem)
+                return
+            with self._copy_lock:
+                for item in items:
+                    remote = self._translate(link.info["segments"], item.remote_addr)
+                    src, dst = (item.local_addr, remote) if is_write else (remote, item.local_addr)
+                    ctypes.memmove(dst, src, item.length)
+            link.expect(handle, lambda s, op, body: _on_fence(handle, op))
+            wire.send_frame(sock, wire.OP_FENCE, handle.batch_id)
+
+        self._channel.link(peer).submit(handle, job)
+        return handle
+
+    def _translate(self, segments: list[dict], addr: int) -> int:
+        """Peer address -> our mapping of the same byte (maps the peer's file on first use)."""
+        for seg in segments:
+            if seg["base"] <= addr < seg["base"] + seg["length"]:
+                return self._map(seg["path"]) + seg["file_offset"] + addr - seg["base"]
+        raise ValueError(f"remote address {addr:#x} is in no shared segment of the peer")
+
+    def _map(self, path: str) -> int:
+        if path not in self._maps:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                raise RuntimeError(f"{path} is not visible here (/dev/shm not shared)") from None
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            anchor = ctypes.c_char.from_buffer(mm)
+            self._maps[path] = (mm, anchor, ctypes.addressof(anchor))
+        return self._maps[path][2]
+
+
+def _on_fence(handle: BatchHandle, op: int) -> None:
+    if op == wire.OP_ACK:
+        handle.finish()
+    else:
+        handle.fail(f"unexpected reply op {op} to fence")

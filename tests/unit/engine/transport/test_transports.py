@@ -1,0 +1,213 @@
+"""Every KV transport between two real processes: bytes, refusals, notify, auth, faults.
+
+The test process plays P (prefill); ``kv_peer`` runs in a child process and plays D,
+holding a KV tensor shaped like the engine's. Each (layer, K|V, block) piece moves
+as one TransferItem. Peers are reaped and shared-memory files removed at the end.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.engine.kv_transfer.transport import TransferItem, create_transport
+from tests.unit.engine.transport.kv_peer import KV_DTYPE, KV_SHAPE, allocate_kv, fill
+
+REPO = Path(__file__).resolve().parents[4]
+NAMES = ["tcp", "shm", "mooncake"]
+TOKEN = "s3cret"
+TIMEOUT_S = 1.5
+SLACK_S = 1.0
+NUM_BLOCKS = KV_SHAPE[2]
+BLOCK_BYTES = int(np.prod(KV_SHAPE[3:])) * torch.empty((), dtype=KV_DTYPE).element_size()
+
+
+def piece_addr(base: int, layer: int, kv: int, block: int) -> int:
+    return base + ((layer * 2 + kv) * NUM_BLOCKS + block) * BLOCK_BYTES
+
+
+class Peer:
+    """One kv_peer child process, driven line by line over stdin/stdout."""
+
+    def __init__(self, name: str, log_dir: Path, **options) -> None:
+        self.log_path = log_dir / f"{name}-peer-{time.monotonic_ns()}.log"
+        with open(self.log_path, "w") as log:  # the child keeps its own copy of the fd
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.unit.engine.transport.kv_peer", name,
+                 json.dumps(options)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                text=True, cwd=REPO,
+            )
+        info = self.ask(None)
+        self.endpoint, self.addr, self.nbytes = info["endpoint"], info["addr"], info["nbytes"]
+
+    def ask(self, command: str | None):
+        if command is not None:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"peer exited; its log:\n{self.log_path.read_text()[-2000:]}"
+        return json.loads(line)
+
+    def dump(self) -> torch.Tensor:
+        raw = base64.b64decode(self.ask("dump"))
+        return torch.frombuffer(bytearray(raw), dtype=KV_DTYPE).view(KV_SHAPE)
+
+    def piece(self, layer: int, kv: int, block: int) -> int:
+        return piece_addr(self.addr, layer, kv, block)
+
+    def reap(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("exit\n")
+            self.proc.stdin.flush()
+        code = self.proc.wait(timeout=10)
+        for path in glob.glob(f"/dev/shm/pdserve-kv-{self.proc.pid}-*"):
+            os.unlink(path)  # what the node agent does for an engine that died
+        return code
+
+
+class Side:
+    """P: the transport under test, living in this process, and its KV tensor."""
+
+    def __init__(self, name: str, auth_token: str) -> None:
+        self.transport = create_transport(name, auth_token=auth_token, timeout_s=TIMEOUT_S)
+        self.kv, self.owner = allocate_kv(name)
+        self.transport.register_memory(self.kv.data_ptr(), self.kv.nbytes)
+
+    def piece(self, layer: int, kv: int, block: int) -> int:
+        return piece_addr(self.kv.data_ptr(), layer, kv, block)
+
+    def close(self) -> None:
+        self.transport.close()
+        if self.owner is not None:
+            self.owner.close()
+
+
+def finish(transport, handle, limit_s: float = TIMEOUT_S + SLACK_S):
+    """Poll like the engine loop does, until the batch is terminal or ``limit_s`` passes."""
+    deadline = time.monotonic() + limit_s
+    while (status := transport.poll(handle)).is_pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return status
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def pair(request, tmp_path_factory):
+    name = request.param
+    peer = Peer(name, tmp_path_factory.mktemp(name), auth_token=TOKEN)
+    side = Side(name, TOKEN)
+    yield side, peer
+    side.close()
+    assert peer.reap() == 0
+    assert not glob.glob(f"/dev/shm/pdserve-kv-{os.getpid()}-*"), "shm segment leaked"
+
+
+def test_block_pieces_pushed_and_pulled_byte_exact(pair):
+    side, peer = pair
+    fill(side.kv, seed=1)
+    moves = [(0, 7), (1, 2), (2, 5), (3, 0)]  # (P block, D block): D's blocks are scattered
+    items = [
+        TransferItem(side.piece(layer, kv, src), peer.piece(layer, kv, dst), BLOCK_BYTES)
+        for layer in range(KV_SHAPE[0]) for kv in range(2) for src, dst in moves
+    ]
+    status = finish(side.transport, side.transport.write_batch(peer.endpoint, items))
+    assert status.is_done, status.message
+    remote = peer.dump()
+    for src, dst in moves:
+        assert torch.equal(remote[:, :, dst], side.kv[:, :, src])
+    assert not remote[:, :, [1, 3, 4, 6]].any(), "a block nobody wrote changed"
+
+    peer.ask("fill 2")
+    expected = peer.dump()
+    items = [
+        TransferItem(side.piece(layer, kv, b), peer.piece(layer, kv, b), BLOCK_BYTES)
+        for layer in range(KV_SHAPE[0]) for kv in range(2) for b in (6, 3)
+    ]
+    status = finish(side.transport, side.transport.read_batch(peer.endpoint, items))
+    assert status.is_done, status.message
+    assert torch.equal(side.kv[:, :, [6, 3]], expected[:, :, [6, 3]])
+
+
+def test_write_outside_registered_memory_is_refused_and_peer_keeps_serving(pair):
+    side, peer = pair
+    t = side.transport
+    past_end = TransferItem(side.piece(0, 0, 0), peer.addr + peer.nbytes - 64, BLOCK_BYTES)
+    status = finish(t, t.write_batch(peer.endpoint, [past_end]))
+    assert status.is_failed and "outside the peer registered memory" in status.message
+    local_bad = TransferItem(side.kv.data_ptr() - BLOCK_BYTES, peer.addr, BLOCK_BYTES)
+    status = finish(t, t.write_batch(peer.endpoint, [local_bad]))
+    assert status.is_failed and "local range" in status.message
+
+    # Even a P that skips its own check (here: believes D registered far more) cannot
+    # write outside D's memory: the peer side refuses as well.
+    t._channel.link(peer.endpoint).info["regions"] = [[peer.addr, 1 << 40]]
+    far = TransferItem(side.piece(0, 0, 0), peer.addr + (1 << 30), BLOCK_BYTES)
+    status = finish(t, t.write_batch(peer.endpoint, [far]))
+    assert status.is_failed, "an out-of-range write was accepted"
+
+    ok = TransferItem(side.piece(0, 0, 1), peer.piece(1, 1, 7), BLOCK_BYTES)
+    status = finish(t, t.write_batch(peer.endpoint, [ok]))
+    assert status.is_done, status.message
+    assert peer.proc.poll() is None
+
+
+def test_notify_round_trip(pair):
+    side, peer = pair
+    side.transport.notify(peer.endpoint, b"DONE req-1 first_token=42")
+    deadline = time.monotonic() + 5
+    while not (notes := peer.ask("notes")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert notes == [[side.transport.endpoint, "DONE req-1 first_token=42"]]
+
+    peer.ask(f"notify {side.transport.endpoint} FREE req-1")
+    got: list = []
+    while not got and time.monotonic() < deadline:
+        got = side.transport.recv_notifications()
+        time.sleep(0.02)
+    assert got == [(peer.endpoint, b"FREE req-1")]
+
+
+def test_wrong_auth_token_is_refused_with_a_logged_reason(pair):
+    side, peer = pair
+    intruder = Side(pair[0].transport.name, auth_token="guess")
+    try:
+        item = TransferItem(intruder.piece(0, 0, 0), peer.piece(0, 0, 0), BLOCK_BYTES)
+        status = finish(intruder.transport, intruder.transport.write_batch(peer.endpoint, [item]))
+    finally:
+        intruder.close()
+    assert status.is_failed and "bad auth token" in status.message
+    assert "bad auth token" in peer.log_path.read_text()
+
+
+def test_stopped_then_dead_peer_fail_within_timeout(pair, tmp_path):
+    side, _ = pair
+    t = side.transport
+    victim = Peer(t.name, tmp_path, auth_token=TOKEN)
+    items = [
+        TransferItem(side.piece(layer, kv, b), victim.piece(layer, kv, b), BLOCK_BYTES)
+        for layer in range(KV_SHAPE[0]) for kv in range(2) for b in range(NUM_BLOCKS)
+    ]
+    assert finish(t, t.write_batch(victim.endpoint, items)).is_done
+
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    status = finish(t, t.write_batch(victim.endpoint, items))
+    assert status.is_failed and time.monotonic() - started <= TIMEOUT_S + SLACK_S, status
+
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    started = time.monotonic()
+    status = finish(t, t.write_batch(victim.endpoint, items))
+    assert status.is_failed and time.monotonic() - started <= TIMEOUT_S + SLACK_S, status
+    assert victim.reap() == -signal.SIGKILL
