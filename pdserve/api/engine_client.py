@@ -57,14 +57,19 @@ def build_generate_request(
     stop: list[str] | None = None,
     stop_token_ids: list[int] | None = None,
     ignore_eos: bool = False,
+    kv_transfer: dict | None = None,
 ) -> pb.GenerateRequest:
+    """``kv_transfer``: {"role", "mode", "transfer_id", "peer"} for one disaggregated leg."""
     sampling = pb.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos,
     )
     if seed is not None:
         sampling.seed = seed
-    return pb.GenerateRequest(
+    request = pb.GenerateRequest(
         request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids or [],
         sampling=sampling,
     )
+    if kv_transfer is not None:
+        request.kv_transfer.CopyFrom(pb.KVTransferParams(**kv_transfer))
+    return request

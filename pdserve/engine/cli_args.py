@@ -21,6 +21,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    k = parser.add_argument_group("KV transfer")
+    k.add_argument("--kv-transport", default="tcp", choices=("tcp", "shm", "mooncake", "none"))
+    k.add_argument("--kv-host", default="127.0.0.1", help="address peers reach the KV transport on")
+    k.add_argument("--kv-port", type=int, default=0)
+    k.add_argument("--kv-auth-token", default=None, help="shared secret peers must present")
+    k.add_argument("--decode-allocation", default="dispatch", choices=("dispatch", "prefill_complete"))
+    k.add_argument("--kv-transfer-timeout", type=float, default=10.0, help="seconds per batch")
+    k.add_argument("--kv-descriptor-timeout", type=float, default=10.0)
+    k.add_argument("--kv-done-timeout", type=float, default=30.0)
+    k.add_argument("--kv-lease", type=float, default=30.0)
+    k.add_argument("--kv-abort-ack-timeout", type=float, default=5.0)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -30,4 +41,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+        kv_transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
+        kv_auth_token=args.kv_auth_token, decode_allocation=args.decode_allocation,
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
+        kv_descriptor_timeout_s=args.kv_descriptor_timeout, kv_done_timeout_s=args.kv_done_timeout,
+        kv_lease_s=args.kv_lease, kv_abort_ack_timeout_s=args.kv_abort_ack_timeout,
     )

@@ -43,7 +43,9 @@ def _run_local(args, ids):
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling import SamplingParams
 
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    config.kv_transport = "none"  # one process, nothing to transfer
+    engine = LLMEngine(config)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,

@@ -125,6 +125,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None
+    # KV transfer between engines (disaggregation). "none" turns the connector off.
+    kv_transport: str = "none"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_auth_token: str | None = None
+    kv_transfer_timeout_s: float = 10.0  # one batch of writes/reads
+    decode_allocation: str = "dispatch"  # or "prefill_complete"
+    kv_descriptor_timeout_s: float = 10.0  # P waiting for D's destination blocks
+    kv_done_timeout_s: float = 30.0  # D waiting for P's DONE/READY (longer than P's)
+    kv_lease_s: float = 30.0  # P (pull) holding prefilled blocks for D
+    kv_abort_ack_timeout_s: float = 5.0
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -142,5 +153,13 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.kv_transport not in ("none", "tcp", "shm", "mooncake"):
+            raise ConfigError(f"kv_transport must be none, tcp, shm or mooncake, got {self.kv_transport!r}")
+        if self.decode_allocation not in ("dispatch", "prefill_complete"):
+            raise ConfigError(
+                f"decode_allocation must be dispatch or prefill_complete, got {self.decode_allocation!r}"
+            )
+        if self.kv_done_timeout_s <= self.kv_descriptor_timeout_s:
+            raise ConfigError("kv_done_timeout_s must exceed kv_descriptor_timeout_s (D waits longer than P)")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError("max_num_batched_tokens must be at least block_size")

@@ -9,6 +9,7 @@ others go on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import time
@@ -20,6 +21,8 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.device import prepare_device
+from pdserve.engine.kv_transfer.params import KVTransferError, KVTransferParams
+from pdserve.engine.kv_transfer.setup import build_connector, kv_allocator
 from pdserve.engine.loader import load_model
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
@@ -44,6 +47,28 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+
+
+@dataclass
+class TransferStats:
+    """Running totals of finished KV transfers (the metrics layer reads these)."""
+
+    num_ok: int = 0
+    num_failed: int = 0
+    num_bytes: int = 0
+    exposed_s_total: float = 0.0  # P: time from prefill end to every write settled
+    duration_s_total: float = 0.0
+
+    def record(self, xfer, ok: bool) -> None:
+        now = time.monotonic()
+        if not ok:
+            self.num_failed += 1
+            return
+        self.num_ok += 1
+        self.num_bytes += sum(h.num_bytes for h in xfer.handles)
+        self.duration_s_total += now - xfer.started_s
+        if xfer.params.role == "prefill" and xfer.prefill_done_s is not None:
+            self.exposed_s_total += now - xfer.prefill_done_s
 
 
 @dataclass
@@ -82,7 +107,12 @@ class LLMEngine:
             )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, kv_allocator(config))
+        self.transfer_stats = TransferStats()
+        self.connector = build_connector(
+            config, cfg, self.runner, self.block_manager, self.transfer_stats.record
+        )
+        self.last_step_idle = False
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
@@ -104,9 +134,17 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         sampling_params: SamplingParams | None = None,
         prompt: str | None = None,
+        kv_transfer: KVTransferParams | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises ``EngineInputError`` on bad input."""
+        """Validate and queue a request. Raises ``EngineInputError`` on bad input.
+
+        With ``kv_transfer`` the request is one leg of a disaggregated request: as
+        ``prefill`` it stops after the first token and hands its KV to the peer; as
+        ``decode`` it waits for the peer's KV and then decodes.
+        """
         params = sampling_params or SamplingParams()
+        if kv_transfer is not None:
+            self._check_kv_transfer(kv_transfer)
         if request_id in self.requests:
             raise EngineInputError(f"request id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -140,8 +178,25 @@ class LLMEngine:
         request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids)
         self.requests[request_id] = request
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
-        self.scheduler.add(request)
+        if kv_transfer is not None and kv_transfer.role == "decode":
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        else:
+            self.scheduler.add(request)
+        if kv_transfer is not None:
+            self.connector.admit(request, kv_transfer)
         return request
+
+    def _check_kv_transfer(self, kv: KVTransferParams) -> None:
+        try:
+            kv.validate()
+        except KVTransferError as exc:
+            raise EngineInputError(str(exc)) from None
+        if self.connector is None:
+            raise EngineInputError("this engine has no KV transport (kv_transport=none)")
+        if self.config.role not in (kv.role, "hybrid"):
+            raise EngineInputError(f"a {self.config.role} engine cannot take the {kv.role} leg")
+        if kv.transfer_id in self.connector.transfers:
+            raise EngineInputError(f"transfer id {kv.transfer_id!r} is already in use")
 
     @property
     def token_capacity(self) -> int:
@@ -155,13 +210,21 @@ class LLMEngine:
         self._detok.pop(request_id, None)
         if request is None:
             return False
+        if self.connector is not None and self.connector.owns(request):
+            self.connector.abort(request, "aborted")
+            return self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED, free_blocks=False)
         return self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
         """End a request with an error (its blocks freed); returns its final output."""
         request = self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)
-        if request is None or not self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message):
+        if request is None:
+            return None
+        owned = self.connector is not None and self.connector.owns(request)
+        if owned:
+            self.connector.abort(request, message)
+        if not self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message, free_blocks=not owned):
             return None
         return RequestOutput(
             request_id, [], "", True, "error", request.num_prompt_tokens,
@@ -170,17 +233,24 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Work left: requests to schedule, or KV transfers to drive."""
+        if self.scheduler.num_unfinished:
+            return True
+        return self.connector is not None and self.connector.num_pending > 0
 
     # -- the step ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report what changed."""
+        """Drive KV transfers, schedule, run the model once, sample, report what changed."""
+        outputs = self._apply_connector_events() if self.connector is not None else []
         batch = self.scheduler.schedule()
+        self.last_step_idle = not batch and not outputs
         if not batch:
-            return []
-        sampled = self.runner.execute(batch)
-        outputs = []
+            return outputs
+        hook = None
+        if self.connector is not None:
+            hook = self.connector.worker.layer_hook(self.connector.plan_layerwise(batch.items))
+        sampled = self.runner.execute(batch, hook)
         now = time.monotonic()
         for request, num_new in batch.items:
             request.num_computed_tokens += num_new
@@ -188,11 +258,63 @@ class LLMEngine:
                 self.num_prompt_tokens_total += num_new
             self.block_manager.cache_full_blocks(request)
             token = sampled.get(request.request_id)
-            if token is not None:
-                if request.first_token_s is None:
-                    request.first_token_s = now
+            if token is None:
+                continue
+            if request.first_token_s is None:
+                request.first_token_s = now
+            if request.pinned:  # prefill leg: hand off instead of decoding on
+                outputs.append(self._hand_off(request, token))
+            else:
                 outputs.append(self._append_token(request, token))
         return outputs
+
+    def _hand_off(self, request: Request, token: int) -> RequestOutput:
+        """P: report the first token and give the request's KV to the connector."""
+        request.output_token_ids.append(token)
+        self.num_generation_tokens_total += 1
+        new_text, _ = self._detok[request.request_id].append(request.output_token_ids)
+        self.scheduler.detach(request)
+        self.connector.on_prefill_done(request, token)
+        return self._output(request, [token], new_text)
+
+    def _apply_connector_events(self) -> list[RequestOutput]:
+        events = self.connector.update()
+        outputs = []
+        for request, token, seed in events.exposed:
+            if self.requests.get(request.request_id) is not request:
+                self.block_manager.free(request)  # aborted meanwhile
+                continue
+            if seed is not None:  # continue P's random stream
+                request.sampling_params = dataclasses.replace(request.sampling_params, seed=seed)
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.block_manager.cache_full_blocks(request)
+            self.scheduler.add_running(request)
+            request.first_token_s = time.monotonic()
+            outputs.append(self._append_token(request, token))
+        for request in events.handed_off:
+            if self.requests.pop(request.request_id, None) is request:
+                self._detok.pop(request.request_id, None)
+                self.scheduler.finish(request, RequestStatus.FINISHED_HANDOFF, free_blocks=False)
+                outputs.append(self._output(request, [], ""))
+        for request, reason in events.failed:
+            if self.requests.pop(request.request_id, None) is request:
+                self._detok.pop(request.request_id, None)
+                self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, reason, free_blocks=False)
+                outputs.append(self._output(request, [], ""))
+        return outputs
+
+    def _output(self, request: Request, token_ids: list[int], text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            error=request.error,
+        )
 
     def _append_token(self, request: Request, token: int) -> RequestOutput:
         request.output_token_ids.append(token)
@@ -211,16 +333,7 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
             self._detok.pop(request.request_id, None)
         request.output_text += new_text
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=[token],
-            new_text=new_text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=len(request.output_token_ids),
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        return self._output(request, [token], new_text)
 
     # -- conveniences ----------------------------------------------------------
 
@@ -241,7 +354,26 @@ class LLMEngine:
             num_generation_tokens_total=self.num_generation_tokens_total,
             role=self.config.role,
             model=self.model_config.name,
+            extra=self._transfer_extra(),
         )
+
+    def _transfer_extra(self) -> dict:
+        c, t = self.connector, self.transfer_stats
+        if c is None:
+            return {"kv_transport": "none"}
+        return {
+            "kv_transport": c.worker.transport.name, "kv_endpoint": c.worker.endpoint,
+            "kv_compat_hash": c.worker.layout.compat_hash,
+            "num_kv_transfers_active": c.num_active,
+            "num_kv_blocks_quarantined": c.num_quarantined_blocks,
+            "kv_transfers_ok": t.num_ok, "kv_transfers_failed": t.num_failed,
+            "kv_transfer_bytes": t.num_bytes, "kv_exposed_s_total": t.exposed_s_total,
+        }
+
+    def close(self) -> None:
+        """Stop the KV transport's threads; called once at shutdown."""
+        if self.connector is not None:
+            self.connector.worker.close()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

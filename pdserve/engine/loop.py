@@ -38,6 +38,7 @@ class EngineLoop:
         self._stopped.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout_s)
+        self.engine.close()
 
     # -- called from other threads ------------------------------------------
 
@@ -48,11 +49,13 @@ class EngineLoop:
         prompt: str | None,
         params: SamplingParams,
         sink: Sink,
+        kv_transfer=None,
     ) -> Future:
         """Queue a request. The future resolves to None once admitted, or raises
         ``EngineInputError`` when the engine refuses it."""
         admitted: Future = Future()
-        self._inbox.put(("add", request_id, prompt_token_ids, prompt, params, sink, admitted))
+        self._inbox.put(("add", request_id, prompt_token_ids, prompt, params, sink, admitted,
+                         kv_transfer))
         return admitted
 
     def abort(self, request_id: str) -> None:
@@ -69,26 +72,31 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            block = not self.engine.has_unfinished
+            if not self.engine.has_unfinished:
+                wait_s = 0.5
+            elif self.engine.last_step_idle:
+                wait_s = 0.001  # only transfers to drive: poll, but don't spin
+            else:
+                wait_s = 0.0
             try:
-                self._drain(block)
+                self._drain(wait_s)
             except Exception:  # noqa: BLE001 - the loop must survive anything a command does
                 log.exception("engine command failed")
             if self.engine.has_unfinished:
                 self._step()
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, wait_s: float) -> None:
         while True:
             try:
-                cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                cmd = self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait()
             except queue.Empty:
                 return
-            block = False
+            wait_s = 0.0
             kind = cmd[0]
             if kind == "add":
-                _, rid, ids, prompt, params, sink, admitted = cmd
+                _, rid, ids, prompt, params, sink, admitted, kv = cmd
                 try:
-                    self.engine.add_request(rid, ids, params, prompt)
+                    self.engine.add_request(rid, ids, params, prompt, kv)
                 except EngineInputError as exc:
                     admitted.set_exception(exc)
                     continue

@@ -63,6 +63,10 @@ class Request:
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None
         self.error: str | None = None
+        # Disaggregation: the transfer this request's KV belongs to (P or D side), and
+        # whether it may be preempted (never while its blocks may be in flight).
+        self.transfer_id: str | None = None
+        self.pinned = False
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -18,16 +18,21 @@ from pdserve.engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: Transformer, num_blocks: int, block_size: int, allocate=None
+    ) -> None:
+        """``allocate(shape, dtype)`` places the KV cache (e.g. in shared memory)."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = model.embed_tokens.device
-        self.kv_cache = torch.zeros(
-            cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-            dtype=model.embed_tokens.dtype, device=self.device,
-        )
+        shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = model.embed_tokens.dtype
+        if allocate is None:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        else:
+            self.kv_cache = allocate(shape, dtype)
         # Flattened slot view used by attention: [layers, 2, num_slots, kv_heads, head_dim].
         self.kv_slots = self.kv_cache.view(
             cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim

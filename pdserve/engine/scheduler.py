@@ -71,7 +71,10 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not bm.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self._pick_victim(i)
+                if victim is None:  # only pinned requests left: wait for blocks
+                    break
+                self.running.remove(victim)
                 self._preempt(victim)
                 batch.num_preempted += 1
                 if victim is request:
@@ -79,6 +82,9 @@ class Scheduler:
             else:
                 batch.items.append((request, num_new))
                 budget -= num_new
+                i += 1
+                continue
+            if request in self.running:
                 i += 1
 
         while (
@@ -104,6 +110,26 @@ class Scheduler:
             budget -= num_new
         return batch
 
+    def _pick_victim(self, first: int) -> Request | None:
+        """The most recently admitted running request at index >= ``first`` (not yet in
+        this step's batch) that may be preempted."""
+        for request in reversed(self.running[first:]):
+            if not request.pinned:
+                return request
+        return None
+
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose KV is already in its blocks (decode role, KV received)."""
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_s is None:
+            request.first_scheduled_s = time.monotonic()
+        self.running.append(request)
+
+    def detach(self, request: Request) -> None:
+        """Take a request out of scheduling, keeping its blocks (prefill role, handing off)."""
+        if request in self.running:
+            self.running.remove(request)
+
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
@@ -112,13 +138,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> bool:
-        """End ``request`` wherever it is and free its blocks. Idempotent."""
+    def finish(
+        self, request: Request, status: RequestStatus, error: str | None = None,
+        free_blocks: bool = True,
+    ) -> bool:
+        """End ``request`` wherever it is and free its blocks (unless the KV connector
+        owns them: ``free_blocks=False``). Idempotent."""
         if not request.finish(status, error):
             return False
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.block_manager.free(request)
+        if free_blocks:
+            self.block_manager.free(request)
         return True

@@ -17,6 +17,7 @@ import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.llm_engine import EngineInputError, LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling import SamplingParams
@@ -69,8 +70,12 @@ class EngineService(pb_grpc.EngineServicer):
         def sink(out: RequestOutput) -> None:
             aio_loop.call_soon_threadsafe(outputs.put_nowait, out)
 
+        kv = None
+        if request.HasField("kv_transfer"):
+            k = request.kv_transfer
+            kv = KVTransferParams(role=k.role, mode=k.mode, transfer_id=k.transfer_id, peer=k.peer)
         admitted = self.loop.submit(
-            rid, list(request.prompt_token_ids) or None, request.prompt or None, params, sink
+            rid, list(request.prompt_token_ids) or None, request.prompt or None, params, sink, kv
         )
         try:
             await asyncio.wrap_future(admitted)
@@ -93,14 +98,19 @@ class EngineService(pb_grpc.EngineServicer):
 
     async def Health(self, request, context) -> pb.HealthResponse:
         engine = self.loop.engine
+        kv = engine.connector
         return pb.HealthResponse(
             serving=True, role=engine.config.role, model=engine.model_config.name,
             device=engine.config.device,
+            kv_transport=kv.worker.transport.name if kv else "none",
+            kv_endpoint=kv.worker.endpoint if kv else "",
+            kv_compat_hash=kv.worker.layout.compat_hash if kv else "",
         )
 
     async def Stats(self, request, context) -> pb.StatsResponse:
         stats = await asyncio.wrap_future(self.loop.call(lambda e: e.stats()))
-        fields = {k: v for k, v in stats.__dict__.items() if k in pb.StatsResponse.DESCRIPTOR.fields_by_name}
+        flat = {**stats.__dict__, **stats.extra}
+        fields = {k: v for k, v in flat.items() if k in pb.StatsResponse.DESCRIPTOR.fields_by_name}
         return pb.StatsResponse(**fields)
 
 

@@ -26,17 +26,31 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class KVTransferParams(_message.Message):
+    __slots__ = ("role", "mode", "transfer_id", "peer")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    mode: str
+    transfer_id: str
+    peer: str
+    def __init__(self, role: _Optional[str] = ..., mode: _Optional[str] = ..., transfer_id: _Optional[str] = ..., peer: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "kv_transfer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    kv_transfer: KVTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "error")
@@ -77,23 +91,29 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "role", "model", "device")
+    __slots__ = ("serving", "role", "model", "device", "kv_transport", "kv_endpoint", "kv_compat_hash")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     role: str
     model: str
     device: str
-    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    kv_transport: str
+    kv_endpoint: str
+    kv_compat_hash: str
+    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "kv_cache_bytes", "block_size", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_prompt_tokens_total", "num_generation_tokens_total", "role", "model")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "kv_cache_bytes", "block_size", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_prompt_tokens_total", "num_generation_tokens_total", "role", "model", "kv_transport", "kv_endpoint", "kv_compat_hash", "num_kv_transfers_active", "num_kv_blocks_quarantined", "kv_transfers_ok", "kv_transfers_failed", "kv_transfer_bytes", "kv_exposed_s_total")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +128,15 @@ class StatsResponse(_message.Message):
     NUM_GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_TRANSFERS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_OK_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPOSED_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
@@ -122,4 +151,13 @@ class StatsResponse(_message.Message):
     num_generation_tokens_total: int
     role: str
     model: str
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., role: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    kv_transport: str
+    kv_endpoint: str
+    kv_compat_hash: str
+    num_kv_transfers_active: int
+    num_kv_blocks_quarantined: int
+    kv_transfers_ok: int
+    kv_transfers_failed: int
+    kv_transfer_bytes: int
+    kv_exposed_s_total: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., num_kv_transfers_active: _Optional[int] = ..., num_kv_blocks_quarantined: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_exposed_s_total: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,64 @@
+"""Builds an engine's KV connector from its configuration: transport, layout, both halves.
+
+Called once by ``LLMEngine`` at start-up. For the shm transport the KV cache itself
+must live in shared memory, so this module also supplies the runner's allocator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.kv_transfer.connector import ConnectorTimeouts, KVConnector
+from pdserve.engine.kv_transfer.layout import KVLayout
+from pdserve.engine.kv_transfer.transport import create_transport
+from pdserve.engine.kv_transfer.worker import ConnectorWorker
+
+
+def kv_allocator(config: EngineConfig):
+    """The runner's KV allocator for this transport (None: ordinary memory)."""
+    if config.kv_transport != "shm":
+        return None
+    from pdserve.engine.kv_transfer.transport.shm import allocate_shm_tensor
+
+    def allocate(shape, dtype):
+        shm = allocate_shm_tensor(tuple(shape), dtype)
+        shm.close()  # unlink the name now: the mapping lives as long as the tensor
+        allocate.keepalive = shm
+        return shm.tensor
+
+    return allocate
+
+
+def model_identity(config: EngineConfig, model_config: ModelConfig) -> str:
+    """What must be the same model on both sides: checkpoint name and architecture."""
+    arch = repr(sorted(model_config.__dict__.items()))
+    return f"{config.model}:{hashlib.sha256(arch.encode()).hexdigest()[:12]}"
+
+
+def build_connector(config: EngineConfig, model_config: ModelConfig, runner, block_manager,
+                    on_transfer_done=None) -> KVConnector | None:
+    if config.kv_transport == "none":
+        return None
+    transport = create_transport(
+        config.kv_transport, host=config.kv_host, port=config.kv_port,
+        auth_token=config.kv_auth_token, timeout_s=config.kv_transfer_timeout_s,
+    )
+    kv = runner.kv_cache
+    layout = KVLayout(
+        model_id=model_identity(config, model_config),
+        dtype=config.dtype,
+        block_size=config.block_size,
+        num_layers=model_config.num_hidden_layers,
+        num_kv_heads=model_config.num_key_value_heads,
+        head_dim=model_config.head_dim,
+        dtype_bytes=kv.element_size(),
+        num_blocks=runner.num_blocks,
+        base_addr=kv.data_ptr(),
+    )
+    timeouts = ConnectorTimeouts(
+        descriptor_s=config.kv_descriptor_timeout_s, done_s=config.kv_done_timeout_s,
+        lease_s=config.kv_lease_s, abort_ack_s=config.kv_abort_ack_timeout_s,
+    )
+    return KVConnector(ConnectorWorker(transport, layout), block_manager, timeouts,
+                       config.decode_allocation, on_transfer_done)

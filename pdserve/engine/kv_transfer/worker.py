@@ -1,0 +1,155 @@
+"""Worker half of the KV connector: memory registration, handshakes, moving bytes.
+
+Called by the scheduler half (``connector.py``) on the engine thread, except the
+layer-wise sender thread, which turns "layer i is computed" into write batches off
+the compute thread. The worker knows byte ranges and peers; it never decides when
+a request's blocks may be freed.
+
+Invariant: a write job counts in ``Transfer.num_jobs_queued`` from the moment it is
+queued until its batch has been submitted, so the scheduler half can tell "every
+write issued and settled" from "some still to come".
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from pdserve.engine.kv_transfer import messages
+from pdserve.engine.kv_transfer.layout import KVLayout, token_range_items
+from pdserve.engine.kv_transfer.transport.base import BatchHandle, Transport
+
+log = logging.getLogger(__name__)
+
+
+class ConnectorWorker:
+    def __init__(self, transport: Transport, layout: KVLayout) -> None:
+        self.transport = transport
+        self.layout = layout
+        transport.register_memory(layout.base_addr, layout.region_bytes)
+        self.peers: dict[str, KVLayout] = {}  # handshake cache
+        self.rejected: dict[str, str] = {}  # peer -> why it is incompatible
+        self._hello_sent: set[str] = set()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
+        self._sender.start()
+
+    @property
+    def endpoint(self) -> str:
+        return self.transport.endpoint
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._sender.join(5.0)
+        self.transport.close()
+
+    # -- control messages ------------------------------------------------------
+
+    def send(self, peer: str, kind: str, **fields) -> None:
+        try:
+            self.transport.notify(peer, messages.encode(kind, self.endpoint, **fields))
+        except Exception as exc:  # noqa: BLE001 - an unreachable peer shows up as a deadline
+            log.warning("cannot send %s to %s: %s", kind, peer, exc)
+
+    def handshake(self, peer: str) -> str | None:
+        """'ready', None while pending, or the rejection reason. Sends HELLO once."""
+        if peer in self.rejected:
+            return self.rejected[peer]
+        if peer in self.peers:
+            return "ready"
+        if peer not in self._hello_sent:
+            self._hello_sent.add(peer)
+            self.send(peer, "HELLO", layout=self.layout.to_dict())
+        return None
+
+    def forget_peer(self, peer: str) -> None:
+        self.peers.pop(peer, None)
+        self.rejected.pop(peer, None)
+        self._hello_sent.discard(peer)
+
+    def receive(self) -> list[dict]:
+        """Drain incoming messages; handshakes are answered here, the rest returned."""
+        out = []
+        for _, raw in self.transport.recv_notifications():
+            try:
+                msg = messages.decode(raw)
+            except messages.MessageError as exc:
+                log.warning("dropping malformed KV control message: %s", exc)
+                continue
+            kind, peer = msg["t"], msg["from"]
+            if kind in ("HELLO", "HELLO_ACK"):
+                self._on_hello(peer, msg, reply=kind == "HELLO")
+            elif kind == "HELLO_REJECT":
+                self.rejected[peer] = str(msg.get("reason", "rejected by peer"))
+            else:
+                out.append(msg)
+        return out
+
+    def _on_hello(self, peer: str, msg: dict, reply: bool) -> None:
+        try:
+            theirs = KVLayout.from_dict(msg["layout"])
+        except (KeyError, TypeError, ValueError) as exc:
+            self.rejected[peer] = f"malformed handshake: {exc}"
+            return
+        reason = self.layout.mismatch(theirs)
+        if reason is None and msg["layout"].get("compat_hash") != theirs.compat_hash:
+            reason = "compatibility hash does not match the layout it was sent with"
+        if reason is not None:
+            reason = f"incompatible KV layout with {peer}: {reason}"
+            log.warning("%s", reason)
+            self.rejected[peer] = reason
+            if reply:
+                self.send(peer, "HELLO_REJECT", reason=reason)
+            return
+        self.peers[peer] = theirs
+        self.rejected.pop(peer, None)
+        if reply:
+            self.send(peer, "HELLO_ACK", layout=self.layout.to_dict())
+
+    # -- bytes -------------------------------------------------------------------
+
+    def queue_write(self, xfer, layers: range, start: int, end: int) -> None:
+        """Queue writes of tokens [start, end) in ``layers`` to the transfer's peer."""
+        if end <= start:
+            return
+        with xfer.lock:
+            xfer.num_jobs_queued += 1
+        self._jobs.put((xfer, layers, start, end))
+
+    def read(self, xfer, start: int, end: int) -> BatchHandle:
+        """Pull mode (D): read tokens [start, end) of all layers from the peer's blocks."""
+        remote = self.peers[xfer.peer]
+        items = token_range_items(self.layout, remote, xfer.request.block_table,
+                                  xfer.remote_blocks, range(self.layout.num_layers), start, end)
+        return self.transport.read_batch(xfer.peer, items)
+
+    def layer_hook(self, plan: list[tuple[object, int, int]]):
+        """A callback for the model: after layer i, queue that layer's writes in ``plan``."""
+        if not plan:
+            return None
+
+        def on_layer(i: int) -> None:
+            for xfer, start, end in plan:
+                self.queue_write(xfer, range(i, i + 1), start, end)
+
+        return on_layer
+
+    def _send_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            xfer, layers, start, end = job
+            try:
+                if not xfer.cancelled:
+                    remote = self.peers[xfer.peer]
+                    items = token_range_items(self.layout, remote, xfer.request.block_table,
+                                              xfer.remote_blocks, layers, start, end)
+                    handle = self.transport.write_batch(xfer.peer, items)
+                    with xfer.lock:
+                        xfer.handles.append(handle)
+            except Exception as exc:  # noqa: BLE001 - recorded on the transfer, never fatal
+                log.warning("transfer %s: write failed to start: %s", xfer.transfer_id, exc)
+                with xfer.lock:
+                    xfer.error = xfer.error or f"write failed to start: {exc}"
+            finally:
+                with xfer.lock:
+                    xfer.num_jobs_queued -= 1
