@@ -43,6 +43,12 @@ class EngineClient:
     async def stats(self, timeout_s: float = 2.0) -> pb.StatsResponse:
         return await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s)
 
+    async def drain(self, resume: bool = False, timeout_s: float = 2.0) -> pb.DrainResponse:
+        return await self._stub.Drain(pb.DrainRequest(resume=resume), timeout=timeout_s)
+
+    async def set_role(self, role: str, timeout_s: float = 2.0) -> pb.SetRoleResponse:
+        return await self._stub.SetRole(pb.SetRoleRequest(role=role), timeout=timeout_s)
+
 
 def build_generate_request(
     request_id: str = "",

@@ -36,6 +36,10 @@ class EngineInputError(ValueError):
     """A request the engine refuses; the message says why."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine is draining and admits no new requests."""
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -113,6 +117,7 @@ class LLMEngine:
             config, cfg, self.runner, self.block_manager, self.transfer_stats.record
         )
         self.last_step_idle = False
+        self.draining = False
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
@@ -143,6 +148,8 @@ class LLMEngine:
         ``decode`` it waits for the peer's KV and then decodes.
         """
         params = sampling_params or SamplingParams()
+        if self.draining:
+            raise EngineUnavailable("the engine is draining and admits no new requests")
         if kv_transfer is not None:
             self._check_kv_transfer(kv_transfer)
         if request_id in self.requests:
@@ -214,6 +221,20 @@ class LLMEngine:
             self.connector.abort(request, "aborted")
             return self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED, free_blocks=False)
         return self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def set_role(self, role: str) -> None:
+        """Switch role in place. Called by the server on the Controller's command, after a
+        drain: refused while requests or transfers are in flight."""
+        if role not in ("prefill", "decode", "hybrid"):
+            raise EngineInputError(f"role must be prefill, decode or hybrid, got {role!r}")
+        if self.has_unfinished:
+            raise EngineUnavailable(
+                f"cannot switch role with {self.scheduler.num_unfinished} requests in flight; drain first"
+            )
+        if role != "hybrid" and self.connector is None:
+            raise EngineInputError(f"a {role} engine needs a KV transport (kv_transport=none)")
+        log.info("role %s -> %s", self.config.role, role)
+        self.config.role = role
 
     def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
         """End a request with an error (its blocks freed); returns its final output."""

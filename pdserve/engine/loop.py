@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from pdserve.engine.llm_engine import EngineInputError, LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class EngineLoop:
                 _, rid, ids, prompt, params, sink, admitted, kv = cmd
                 try:
                     self.engine.add_request(rid, ids, params, prompt, kv)
-                except EngineInputError as exc:
+                except (EngineInputError, EngineUnavailable) as exc:
                     admitted.set_exception(exc)
                     continue
                 self._sinks[rid] = sink

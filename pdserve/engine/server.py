@@ -18,7 +18,7 @@ import grpc
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
 from pdserve.engine.kv_transfer.params import KVTransferParams
-from pdserve.engine.llm_engine import EngineInputError, LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampling import SamplingParams
 
@@ -82,6 +82,8 @@ class EngineService(pb_grpc.EngineServicer):
         except EngineInputError as exc:
             log.info("request %s refused: %s", rid, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finished = False
         try:
             while not finished:
@@ -105,7 +107,25 @@ class EngineService(pb_grpc.EngineServicer):
             kv_transport=kv.worker.transport.name if kv else "none",
             kv_endpoint=kv.worker.endpoint if kv else "",
             kv_compat_hash=kv.worker.layout.compat_hash if kv else "",
+            draining=engine.draining,
         )
+
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        def drain(engine: LLMEngine):
+            engine.draining = not request.resume
+            return engine.draining, engine.scheduler.num_unfinished
+
+        draining, unfinished = await asyncio.wrap_future(self.loop.call(drain))
+        return pb.DrainResponse(draining=draining, num_unfinished=unfinished)
+
+    async def SetRole(self, request: pb.SetRoleRequest, context) -> pb.SetRoleResponse:
+        try:
+            await asyncio.wrap_future(self.loop.call(lambda e: e.set_role(request.role)))
+        except EngineInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineUnavailable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.SetRoleResponse(role=self.loop.engine.config.role)
 
     async def Stats(self, request, context) -> pb.StatsResponse:
         stats = await asyncio.wrap_future(self.loop.call(lambda e: e.stats()))

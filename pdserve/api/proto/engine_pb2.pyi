@@ -6,6 +6,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DrainRequest(_message.Message):
+    __slots__ = ("resume",)
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    resume: bool
+    def __init__(self, resume: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining", "num_unfinished")
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_UNFINISHED_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    num_unfinished: int
+    def __init__(self, draining: _Optional[bool] = ..., num_unfinished: _Optional[int] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    def __init__(self, role: _Optional[str] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    def __init__(self, role: _Optional[str] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "ignore_eos")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -91,7 +117,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "role", "model", "device", "kv_transport", "kv_endpoint", "kv_compat_hash")
+    __slots__ = ("serving", "role", "model", "device", "kv_transport", "kv_endpoint", "kv_compat_hash", "draining")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +125,7 @@ class HealthResponse(_message.Message):
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     role: str
     model: str
@@ -106,7 +133,8 @@ class HealthResponse(_message.Message):
     kv_transport: str
     kv_endpoint: str
     kv_compat_hash: str
-    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

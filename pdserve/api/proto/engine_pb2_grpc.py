@@ -54,6 +54,16 @@ class EngineStub:
                 request_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.StatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.engine.v1.Engine/Drain',
+                request_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.engine.v1.Engine/SetRole',
+                request_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -86,6 +96,21 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Stop admitting new requests (Generate fails with UNAVAILABLE); running ones finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRole(self, request, context):
+        """Change role in place (prefill <-> decode <-> hybrid). Refused with
+        FAILED_PRECONDITION while requests or KV transfers are in flight: drain first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +133,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.StatsRequest.FromString,
                     response_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.StatsResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.DrainResponse.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +253,60 @@ class Engine:
             '/pdserve.engine.v1.Engine/Stats',
             pdserve_dot_api_dot_proto_dot_engine__pb2.StatsRequest.SerializeToString,
             pdserve_dot_api_dot_proto_dot_engine__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.engine.v1.Engine/Drain',
+            pdserve_dot_api_dot_proto_dot_engine__pb2.DrainRequest.SerializeToString,
+            pdserve_dot_api_dot_proto_dot_engine__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.engine.v1.Engine/SetRole',
+            pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleRequest.SerializeToString,
+            pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,
