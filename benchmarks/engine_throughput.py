@@ -1,0 +1,263 @@
+"""Engine throughput on CPU: pdserve's ``LLMEngine`` against transformers' ``generate``.
+
+Both sides load the same Hugging Face Llama checkpoint (a pdserve preset's weights
+copied into ``transformers.LlamaForCausalLM`` and saved with ``save_pretrained``) and
+run greedy generation on the same random prompts. Each side runs in its own
+subprocess, so each peak RSS is that side's alone.
+
+Definitions, for a batch of B prompts of P tokens and N new tokens each:
+
+- TTFT: from submitting the batch until every request has its first token. Both
+  sides compute the whole batch's prefill in one forward pass (pdserve's token
+  budget is raised to B×P so that it does not chunk).
+- prefill tok/s = B×P / TTFT
+- decode tok/s = B×(N−1) / (total − TTFT): the tokens generated after the first,
+  over the time spent generating them.
+
+Peak RSS of the engine process (``resource.getrusage``) is set against the bytes of
+the weights plus the KV cache budget; the difference is the overhead (Python, torch
+libraries, activations, allocator slack).
+
+    .venv/bin/python benchmarks/engine_throughput.py            # full run
+    .venv/bin/python benchmarks/engine_throughput.py --quick    # a short check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BLOCK_SIZE = 16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small", help="pdserve preset to benchmark")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--quick", action="store_true",
+                        help="batch 1 and 8, 64-token prompts, 16 new tokens")
+    parser.add_argument("--worker", choices=["checkpoint", "pdserve", "transformers"],
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch_sizes, args.prompt_len, args.new_tokens = "1,8", 64, 16
+    args.batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (decode needs tokens after the first)")
+    return args
+
+
+def make_prompts(batch_size: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(batch_size * 1000 + prompt_len)
+    return [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
+
+
+def rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+# -- the checkpoint ---------------------------------------------------------------------
+
+
+def build_checkpoint(preset: str, path: Path) -> None:
+    """Copy a pdserve preset's weights into ``LlamaForCausalLM`` and save it to ``path``."""
+    import torch
+    import transformers
+
+    from pdserve.engine.loader import load_model
+
+    ours, _ = load_model(preset)
+    cfg = ours.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    state = {
+        "model.embed_tokens.weight": ours.embed_tokens,
+        "model.norm.weight": ours.norm.weight,
+        "lm_head.weight": ours.lm_head,
+    }
+    for i, layer in enumerate(ours.layers):
+        attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}."
+        q, k, v = attn.qkv_weight.split([attn.q_size, attn.kv_size, attn.kv_size])
+        gate, up = mlp.gate_up_weight.split(mlp.intermediate)
+        state.update({
+            prefix + "self_attn.q_proj.weight": q,
+            prefix + "self_attn.k_proj.weight": k,
+            prefix + "self_attn.v_proj.weight": v,
+            prefix + "self_attn.o_proj.weight": attn.o_weight,
+            prefix + "mlp.gate_proj.weight": gate,
+            prefix + "mlp.up_proj.weight": up,
+            prefix + "mlp.down_proj.weight": mlp.down_weight,
+            prefix + "input_layernorm.weight": layer.input_layernorm.weight,
+            prefix + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+        })
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(hf_config)
+    hf.load_state_dict({k: t.contiguous().clone() for k, t in state.items()}, assign=True)
+    hf.save_pretrained(path, safe_serialization=True)
+
+
+# -- the two sides ------------------------------------------------------------------------
+
+
+def run_pdserve(args: argparse.Namespace) -> dict:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling import SamplingParams
+
+    start_rss = rss_bytes()
+    max_bs, seq_len = max(args.batch_sizes), args.prompt_len + args.new_tokens
+    engine = LLMEngine(EngineConfig(
+        model=args.checkpoint, block_size=BLOCK_SIZE, num_threads=args.threads,
+        num_kv_blocks=max_bs * math.ceil(seq_len / BLOCK_SIZE),
+        max_num_seqs=max_bs, max_num_batched_tokens=max(2048, max_bs * args.prompt_len),
+        enable_prefix_caching=False,
+    ))
+    model = engine.runner.model
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    vocab = engine.model_config.vocab_size
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list]:
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        ttft = None
+        while engine.has_unfinished:
+            engine.step()
+            if ttft is None and all(r.output_token_ids for r in reqs):
+                ttft = time.perf_counter() - t0
+        return ttft, time.perf_counter() - t0, [r.output_token_ids for r in reqs]
+
+    generate(make_prompts(2, 32, vocab), 4)  # warm-up
+    rows = {}
+    for bs in args.batch_sizes:
+        ttft, total, outputs = generate(make_prompts(bs, args.prompt_len, vocab), args.new_tokens)
+        rows[bs] = dict(ttft_s=ttft, total_s=total, first_output=outputs[0])
+    return dict(rows=rows, peak_rss_bytes=rss_bytes(), start_rss_bytes=start_rss,
+                weights_bytes=weights_bytes, kv_cache_bytes=engine.runner.kv_cache_bytes)
+
+
+def run_transformers(args: argparse.Namespace) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    start_rss = rss_bytes()
+    model = transformers.LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+    model.eval()
+    vocab = model.config.vocab_size
+
+    class FirstTokenClock(transformers.LogitsProcessor):
+        """Called once per step after the forward pass: the first call ends the prefill."""
+
+        def __init__(self) -> None:
+            self.first_s: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.first_s is None:
+                self.first_s = time.perf_counter()
+            return scores
+
+    @torch.inference_mode()
+    def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list]:
+        clock = FirstTokenClock()
+        t0 = time.perf_counter()
+        ids = torch.tensor(prompts)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+            eos_token_id=None, logits_processor=transformers.LogitsProcessorList([clock]),
+        )
+        total = time.perf_counter() - t0
+        assert out.shape[1] == ids.shape[1] + new_tokens
+        return clock.first_s - t0, total, out[:, ids.shape[1]:].tolist()
+
+    generate(make_prompts(2, 32, vocab), 4)  # warm-up
+    rows = {}
+    for bs in args.batch_sizes:
+        ttft, total, outputs = generate(make_prompts(bs, args.prompt_len, vocab), args.new_tokens)
+        rows[bs] = dict(ttft_s=ttft, total_s=total, first_output=outputs[0])
+    return dict(rows=rows, peak_rss_bytes=rss_bytes(), start_rss_bytes=start_rss)
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def rates(row: dict, bs: int, args: argparse.Namespace) -> tuple[float, float]:
+    prefill = bs * args.prompt_len / row["ttft_s"]
+    decode = bs * (args.new_tokens - 1) / (row["total_s"] - row["ttft_s"])
+    return prefill, decode
+
+
+def report(args: argparse.Namespace, ours: dict, theirs: dict) -> None:
+    mib = 2**20
+    print(f"\nmodel={args.model} prompt_len={args.prompt_len} new_tokens={args.new_tokens} "
+          f"threads={args.threads} (float32, greedy)\n")
+    header = ("| batch | pdserve prefill tok/s | HF prefill tok/s | pdserve decode tok/s "
+              "| HF decode tok/s | decode ratio | same tokens |")
+    print(header)
+    print("|" + "|".join("---:" for _ in range(header.count("|") - 1)) + "|")
+    for bs in args.batch_sizes:
+        o, t = ours["rows"][str(bs)], theirs["rows"][str(bs)]
+        op, od = rates(o, bs, args)
+        tp, td = rates(t, bs, args)
+        same = "yes" if o["first_output"] == t["first_output"] else "no"
+        print(f"| {bs} | {op:,.0f} | {tp:,.0f} | {od:,.0f} | {td:,.0f} | {od / td:.2f}x | {same} |")
+    budget = ours["weights_bytes"] + ours["kv_cache_bytes"]
+    peak = ours["peak_rss_bytes"]
+    print(f"\npdserve engine process peak RSS: {peak / mib:,.0f} MiB; weights "
+          f"{ours['weights_bytes'] / mib:,.0f} MiB + KV budget {ours['kv_cache_bytes'] / mib:,.0f} MiB"
+          f" = {budget / mib:,.0f} MiB; overhead {(peak - budget) / mib:,.0f} MiB "
+          f"({ours['start_rss_bytes'] / mib:,.0f} MiB of it is Python and torch before loading)")
+    print(f"transformers process peak RSS: {theirs['peak_rss_bytes'] / mib:,.0f} MiB")
+
+
+def run_worker(side: str, args: argparse.Namespace, checkpoint: Path) -> dict:
+    cmd = [sys.executable, __file__, "--worker", side, "--checkpoint", str(checkpoint),
+           "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--threads", str(args.threads), "--model", args.model]
+    print(f"{side} ...", file=sys.stderr, flush=True)
+    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker == "checkpoint":
+        build_checkpoint(args.model, Path(args.checkpoint))
+        print(json.dumps({}))
+        return
+    if args.worker:
+        run = run_pdserve if args.worker == "pdserve" else run_transformers
+        print(json.dumps(run(args)))
+        return
+    # This process stays small (no torch): a child inherits its parent's peak RSS
+    # across fork and exec, which would inflate the engine's number.
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
+        checkpoint = Path(tmp) / args.model
+        run_worker("checkpoint", args, checkpoint)
+        ours = run_worker("pdserve", args, checkpoint)
+        theirs = run_worker("transformers", args, checkpoint)
+    report(args, ours, theirs)
+
+
+if __name__ == "__main__":
+    main()
