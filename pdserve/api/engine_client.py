@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import grpc
-
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+from pdserve.api.security import SecuritySettings, create_channel
 
 
 class EngineClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: SecuritySettings | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        security = security or SecuritySettings.from_env()
+        self._channel = create_channel(address, security)
+        self._md = security.metadata()
         self._stub = pb_grpc.EngineStub(self._channel)
 
     async def close(self) -> None:
@@ -32,22 +33,22 @@ class EngineClient:
     def generate(
         self, request: pb.GenerateRequest, timeout_s: float | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
-        return self._stub.Generate(request, timeout=timeout_s)
+        return self._stub.Generate(request, timeout=timeout_s, metadata=self._md)
 
     async def abort(self, request_id: str) -> bool:
-        return (await self._stub.Abort(pb.AbortRequest(request_id=request_id))).aborted
+        return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._md)).aborted
 
     async def health(self, timeout_s: float = 2.0) -> pb.HealthResponse:
-        return await self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
+        return await self._stub.Health(pb.HealthRequest(), timeout=timeout_s, metadata=self._md)
 
     async def stats(self, timeout_s: float = 2.0) -> pb.StatsResponse:
-        return await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s)
+        return await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md)
 
     async def drain(self, resume: bool = False, timeout_s: float = 2.0) -> pb.DrainResponse:
-        return await self._stub.Drain(pb.DrainRequest(resume=resume), timeout=timeout_s)
+        return await self._stub.Drain(pb.DrainRequest(resume=resume), timeout=timeout_s, metadata=self._md)
 
     async def set_role(self, role: str, timeout_s: float = 2.0) -> pb.SetRoleResponse:
-        return await self._stub.SetRole(pb.SetRoleRequest(role=role), timeout=timeout_s)
+        return await self._stub.SetRole(pb.SetRoleRequest(role=role), timeout=timeout_s, metadata=self._md)
 
 
 def build_generate_request(

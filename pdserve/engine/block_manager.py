@@ -16,33 +16,10 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 
+from pdserve.api.block_hash import hash_block
 from pdserve.engine.request import Request
-
-
-def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """Stable content hash of one full block, chained to its predecessor.
-
-    Stable across processes (not Python's ``hash``), so routers can compute the same
-    chain from a prompt.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    if parent_hash is not None:
-        h.update(parent_hash)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
-
-
-def hash_chain(token_ids: list[int], block_size: int) -> list[bytes]:
-    hashes: list[bytes] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
 
 
 class BlockManager:

@@ -23,12 +23,17 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from pdserve.api.security import SecuritySettings
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.server import serve
 
     try:
-        engine = LLMEngine(engine_config_from_args(args))
-    except (ConfigError, ValueError) as exc:
+        security = SecuritySettings.from_env()
+        config = engine_config_from_args(args)
+        # The cluster token also guards the KV transport: no one else writes into our KV.
+        config.kv_auth_token = config.kv_auth_token or security.token
+        engine = LLMEngine(config)
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -41,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     try:
-        asyncio.run(serve(engine, args.host, args.port, ready))
+        asyncio.run(serve(engine, args.host, args.port, ready, security))
     except KeyboardInterrupt:
         pass
     except OSError as exc:

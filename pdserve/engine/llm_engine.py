@@ -15,8 +15,6 @@ import operator
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
@@ -51,6 +49,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    timings: dict[str, float] | None = None  # with the first token and the final output
 
 
 @dataclass
@@ -310,7 +309,7 @@ class LLMEngine:
             request.num_computed_tokens = request.num_prompt_tokens
             self.block_manager.cache_full_blocks(request)
             self.scheduler.add_running(request)
-            request.first_token_s = time.monotonic()
+            request.first_token_s = request.kv_exposed_s = time.monotonic()
             outputs.append(self._append_token(request, token))
         for request in events.handed_off:
             if self.requests.pop(request.request_id, None) is request:
@@ -325,6 +324,9 @@ class LLMEngine:
         return outputs
 
     def _output(self, request: Request, token_ids: list[int], text: str) -> RequestOutput:
+        timings = None
+        if request.is_finished or len(request.output_token_ids) == 1:
+            timings = request_timings(request, time.monotonic())
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -335,6 +337,7 @@ class LLMEngine:
             num_output_tokens=len(request.output_token_ids),
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
+            timings=timings,
         )
 
     def _append_token(self, request: Request, token: int) -> RequestOutput:
@@ -410,5 +413,16 @@ class LLMEngine:
         return [r.output_token_ids for r in reqs]
 
 
-def torch_threads() -> int:
-    return torch.get_num_threads()
+def request_timings(request: Request, now: float) -> dict[str, float]:
+    """Stage durations of ``request`` so far, for the Coordinator's breakdown."""
+    t: dict[str, float] = {}
+    if request.kv_exposed_s is not None:  # decode leg
+        t["kv_wait_s"] = request.kv_exposed_s - request.arrival_s
+    elif request.first_scheduled_s is not None:
+        t["queue_s"] = request.first_scheduled_s - request.arrival_s
+        if request.first_token_s is not None:
+            t["prefill_s"] = request.first_token_s - request.first_scheduled_s
+    if request.is_finished and request.first_token_s is not None:
+        key = "kv_transfer_s" if request.status is RequestStatus.FINISHED_HANDOFF else "decode_s"
+        t[key] = now - request.first_token_s
+    return t

@@ -17,6 +17,7 @@ import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+from pdserve.api.security import SecuritySettings, add_port, server_interceptors
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
@@ -51,6 +52,7 @@ def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
         num_output_tokens=out.num_output_tokens,
         num_cached_tokens=out.num_cached_tokens,
         error=out.error or "",
+        timings=pb.Timings(**out.timings) if out.timings else None,
     )
 
 
@@ -134,13 +136,18 @@ class EngineService(pb_grpc.EngineServicer):
         return pb.StatsResponse(**fields)
 
 
-async def serve(engine: LLMEngine, host: str, port: int, ready=None) -> None:
+async def serve(
+    engine: LLMEngine, host: str, port: int, ready=None, security: SecuritySettings | None = None
+) -> None:
     """Run the server until cancelled. ``ready(bound_port)`` is called once listening."""
+    security = security or SecuritySettings()
     loop = EngineLoop(engine)
     loop.start()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0)], interceptors=server_interceptors(security)
+    )
     pb_grpc.add_EngineServicer_to_server(EngineService(loop), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", security)
     if bound == 0:
         loop.stop()
         raise OSError(f"cannot listen on {host}:{port}")

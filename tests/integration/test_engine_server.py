@@ -134,3 +134,33 @@ def test_cli_errors_exit_with_code_2(engine_server):
                              cwd=REPO, timeout=120)
         assert out.returncode == 2, out
         assert out.stderr.startswith("error:")
+
+
+def test_cluster_token_is_required_when_configured():
+    import os
+
+    from pdserve.api.security import SecuritySettings
+    from tests.procs import Proc
+
+    proc = Proc([*PDSERVE, "engine", "--model", "tiny", "--port", "0", "--num-kv-blocks", "32"],
+                env={"PDSERVE_CLUSTER_TOKEN": "s3cret"})
+    try:
+        address = proc.wait_for(r"serving model .* on (\S+:\d+)", timeout_s=120).group(1)
+
+        async def go(token):
+            async with EngineClient(address, SecuritySettings(token=token)) as client:
+                try:
+                    health = await client.health()
+                    msgs = [m async for m in client.generate(
+                        build_generate_request("t", "", [1, 2], max_tokens=2), timeout_s=30)]
+                    return health.serving and len(msgs) == 2, None
+                except grpc.aio.AioRpcError as exc:
+                    return False, exc.code()
+
+        assert asyncio.run(go("s3cret")) == (True, None)
+        assert asyncio.run(go("wrong")) == (False, grpc.StatusCode.UNAUTHENTICATED)
+        assert asyncio.run(go(None)) == (False, grpc.StatusCode.UNAUTHENTICATED)
+        proc.wait_for("refused .*wrong cluster token", timeout_s=10)
+        assert os.environ.get("PDSERVE_CLUSTER_TOKEN") is None
+    finally:
+        proc.stop()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager, hash_chain
+from pdserve.api.block_hash import hash_chain
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling import SamplingParams
 
