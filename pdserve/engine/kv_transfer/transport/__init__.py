@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pdserve.engine.kv_transfer.transport.base import (
     BatchHandle,
+    Items,
     TransferItem,
     TransferState,
     TransferStatus,
@@ -37,6 +38,7 @@ def create_transport(name: str, **options) -> Transport:
 __all__ = [
     "TRANSPORT_NAMES",
     "BatchHandle",
+    "Items",
     "TransferItem",
     "TransferState",
     "TransferStatus",

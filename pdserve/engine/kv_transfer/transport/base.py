@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 
 class TransferItem(NamedTuple):
     """One contiguous run: ``length`` bytes at ``local_addr`` <-> ``remote_addr``."""
@@ -111,53 +113,78 @@ class BatchHandle:
 
 
 class Regions:
-    """Registered address ranges of one process; answers "is [addr, addr+n) inside one?"."""
+    """Registered address ranges of one process, with a byte view over each.
+
+    Checks and lookups are vectorized over item arrays: a 2048-piece batch must cost
+    microseconds of Python, not milliseconds.
+    """
 
     def __init__(self) -> None:
         self._ranges: list[tuple[int, int]] = []
+        self._views: list[memoryview] = []
 
     def add(self, ptr: int, length: int) -> None:
         if ptr <= 0 or length <= 0:
             raise ValueError(f"bad region ptr={ptr:#x} length={length}")
         self._ranges.append((ptr, length))
+        self._views.append(raw_view(ptr, length))
 
     def as_list(self) -> list[tuple[int, int]]:
         return list(self._ranges)
 
-    def contains(self, addr: int, length: int) -> bool:
-        return length >= 0 and any(b <= addr and addr + length <= b + n for b, n in self._ranges)
-
-    def check(self, items: list[TransferItem], *, remote: bool, ranges=None) -> str | None:
-        """Return a message for the first item outside the ranges, or None."""
+    def check(self, addrs: np.ndarray, lengths: np.ndarray, *, side: str = "local",
+              ranges: list | None = None) -> str | None:
+        """A message naming the first [addr, +length) outside every range, or None."""
         ranges = self._ranges if ranges is None else ranges
-        side = "remote" if remote else "local"
-        for item in items:
-            addr = item.remote_addr if remote else item.local_addr
-            if item.length < 0 or not any(
-                b <= addr and addr + item.length <= b + n for b, n in ranges
-            ):
-                return (
-                    f"{side} range [{addr:#x}, +{item.length}) is outside the "
-                    f"{'peer' if remote else 'local'} registered memory"
-                )
-        return None
+        inside = np.zeros(len(addrs), dtype=bool)
+        for base, size in ranges:
+            inside |= (addrs >= base) & (addrs + lengths <= base + size)
+        inside &= lengths >= 0
+        if inside.all():
+            return None
+        bad = int(np.flatnonzero(~inside)[0])
+        owner = "peer" if side == "remote" else "local"
+        return (
+            f"{side} range [{int(addrs[bad]):#x}, +{int(lengths[bad])}) is outside the "
+            f"{owner} registered memory"
+        )
+
+    def views(self, addrs: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
+        """Byte views of checked ranges, sliced from the registered regions (no ctypes)."""
+        if len(self._ranges) == 1:
+            base, view = self._ranges[0][0], self._views[0]
+            pairs = zip(addrs.tolist(), lengths.tolist(), strict=True)
+            return [view[a - base : a - base + n] for a, n in pairs]
+        out = []
+        for a, n in zip(addrs.tolist(), lengths.tolist(), strict=True):
+            i = next(i for i, (b, size) in enumerate(self._ranges) if b <= a < b + size)
+            b = self._ranges[i][0]
+            out.append(self._views[i][a - b : a - b + n])
+        return out
 
 
-def coalesce(items: list[TransferItem]) -> list[TransferItem]:
-    """Merge neighbours that are contiguous on both sides (fewer, larger copies)."""
-    merged: list[TransferItem] = []
-    for item in items:
-        if item.length == 0:
-            continue
-        if merged:
-            last = merged[-1]
-            if (
-                last.local_addr + last.length == item.local_addr
-                and last.remote_addr + last.length == item.remote_addr
-            ):
-                merged[-1] = TransferItem(last.local_addr, last.remote_addr, last.length + item.length)
-                continue
-        merged.append(TransferItem(*item))
+Items = list[TransferItem] | np.ndarray  # an array is int64, shape (n, 3), same columns
+
+
+def as_array(items: Items) -> np.ndarray:
+    """Items as an int64 array of shape (n, 3): local_addr, remote_addr, length."""
+    if isinstance(items, np.ndarray):
+        return items.astype(np.int64, copy=False).reshape(-1, 3)
+    flat = itertools.chain.from_iterable(items)  # 5x faster than np.array on tuples
+    return np.fromiter(flat, dtype=np.int64, count=3 * len(items)).reshape(-1, 3)
+
+
+def coalesce(items: Items) -> np.ndarray:
+    """Drop empty items and merge neighbours contiguous on both sides (fewer, larger copies)."""
+    arr = as_array(items)
+    arr = arr[arr[:, 2] > 0]
+    if len(arr) <= 1:
+        return arr
+    ends = arr[:-1, :2] + arr[:-1, 2:3]
+    joins = (arr[1:, 0] == ends[:, 0]) & (arr[1:, 1] == ends[:, 1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = arr[starts].copy()
+    merged[:, 2] = np.add.reduceat(arr[:, 2], starts)
     return merged
 
 
@@ -181,11 +208,15 @@ class Transport(abc.ABC):
         """Called once per KV region at engine start, before peers connect."""
 
     @abc.abstractmethod
-    def write_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
-        """Push local bytes into the peer's registered memory (P in push modes)."""
+    def write_batch(self, peer: str, items: Items) -> BatchHandle:
+        """Push local bytes into the peer's registered memory (P in push modes).
+
+        ``items`` is a list of TransferItem or, cheaper for thousands of blocks, an
+        int64 array of shape (n, 3) with the same columns.
+        """
 
     @abc.abstractmethod
-    def read_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+    def read_batch(self, peer: str, items: Items) -> BatchHandle:
         """Pull the peer's registered bytes into local memory (D in pull mode)."""
 
     def poll(self, handle: BatchHandle) -> TransferStatus:

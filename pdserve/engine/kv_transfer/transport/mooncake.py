@@ -25,8 +25,8 @@ import os
 from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.base import (
     BatchHandle,
+    Items,
     Regions,
-    TransferItem,
     Transport,
     coalesce,
 )
@@ -83,10 +83,10 @@ class MooncakeTransport(Transport):
             raise RuntimeError(f"Mooncake register_memory({ptr:#x}, {length}) = {rc}")
         self._regions.add(ptr, length)
 
-    def write_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+    def write_batch(self, peer: str, items: Items) -> BatchHandle:
         return self._submit(peer, items, is_write=True)
 
-    def read_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+    def read_batch(self, peer: str, items: Items) -> BatchHandle:
         return self._submit(peer, items, is_write=False)
 
     def notify(self, peer: str, message: bytes) -> None:
@@ -103,17 +103,22 @@ class MooncakeTransport(Transport):
             self._engine.unregister_memory(ptr)
         self._regions = Regions()
 
-    def _submit(self, peer: str, items: list[TransferItem], *, is_write: bool) -> BatchHandle:
-        items = coalesce(items)
-        handle = BatchHandle(peer, sum(i.length for i in items), self.timeout_s)
-        problem = self._regions.check(items, remote=False)
-        if problem is not None or not items:
-            handle.fail(problem) if problem else handle.finish()
+    def _submit(self, peer: str, items: Items, *, is_write: bool) -> BatchHandle:
+        arr = coalesce(items)
+        local, remote, lengths = arr[:, 0], arr[:, 1], arr[:, 2]
+        handle = BatchHandle(peer, int(lengths.sum()), self.timeout_s)
+        problem = self._regions.check(local, lengths)
+        if problem is not None:
+            handle.fail(problem)
+            return handle
+        if not len(arr):
+            handle.finish()
             return handle
 
         def job(link: PeerLink) -> None:
             link.connect()
-            problem = self._regions.check(items, remote=True, ranges=link.info["regions"])
+            ranges = link.info["regions"]
+            problem = self._regions.check(remote, lengths, side="remote", ranges=ranges)
             if problem is not None:
                 handle.fail(problem)
                 return
@@ -124,9 +129,9 @@ class MooncakeTransport(Transport):
             )
             batch_id = submit(
                 link.info["session"],
-                [i.local_addr for i in items],
-                [i.remote_addr for i in items],
-                [i.length for i in items],
+                local.tolist(),
+                remote.tolist(),
+                lengths.tolist(),
             )
             if batch_id <= 0:
                 handle.fail(f"Mooncake refused to submit the batch ({batch_id})")

@@ -23,13 +23,14 @@ import os
 import threading
 import uuid
 
+import numpy as np
 import torch
 
 from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.base import (
     BatchHandle,
+    Items,
     Regions,
-    TransferItem,
     Transport,
     coalesce,
 )
@@ -114,10 +115,10 @@ class ShmTransport(Transport):
         self._segments.append(find_shm_mapping(ptr, length))
         self._regions.add(ptr, length)
 
-    def write_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+    def write_batch(self, peer: str, items: Items) -> BatchHandle:
         return self._submit(peer, items, is_write=True)
 
-    def read_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+    def read_batch(self, peer: str, items: Items) -> BatchHandle:
         return self._submit(peer, items, is_write=False)
 
     def notify(self, peer: str, message: bytes) -> None:
@@ -137,10 +138,11 @@ class ShmTransport(Transport):
                 with contextlib.suppress(BufferError):
                     mm.close()
 
-    def _submit(self, peer: str, items: list[TransferItem], *, is_write: bool) -> BatchHandle:
-        items = coalesce(items)
-        handle = BatchHandle(peer, sum(i.length for i in items), self.timeout_s)
-        problem = self._regions.check(items, remote=False)
+    def _submit(self, peer: str, items: Items, *, is_write: bool) -> BatchHandle:
+        arr = coalesce(items)
+        local, remote, lengths = arr[:, 0], arr[:, 1], arr[:, 2]
+        handle = BatchHandle(peer, int(lengths.sum()), self.timeout_s)
+        problem = self._regions.check(local, lengths)
         if problem is not None:
             handle.fail(problem)
             return handle
@@ -149,27 +151,36 @@ class ShmTransport(Transport):
             sock = link.connect()
             if link.info.get("boot_id") != self._boot_id:
                 raise RuntimeError(f"peer {peer} is on another node; shm needs one host")
-            problem = self._regions.check(items, remote=True, ranges=link.info["regions"])
+            ranges = link.info["regions"]
+            problem = self._regions.check(remote, lengths, side="remote", ranges=ranges)
             if problem is not None:
                 handle.fail(problem)
                 return
+            mapped = self._translate(link.info["segments"], remote, lengths)
             with self._copy_lock:
-                for item in items:
-                    remote = self._translate(link.info["segments"], item.remote_addr)
-                    src, dst = (item.local_addr, remote) if is_write else (remote, item.local_addr)
-                    ctypes.memmove(dst, src, item.length)
+                for src, dst, n in zip(local.tolist(), mapped.tolist(), lengths.tolist(),
+                                       strict=True):
+                    if not is_write:
+                        src, dst = dst, src
+                    ctypes.memmove(dst, src, n)
             link.expect(handle, lambda s, op, body: _on_fence(handle, op))
             wire.send_frame(sock, wire.OP_FENCE, handle.batch_id)
 
         self._channel.link(peer).submit(handle, job)
         return handle
 
-    def _translate(self, segments: list[dict], addr: int) -> int:
-        """Peer address -> our mapping of the same byte (maps the peer's file on first use)."""
+    def _translate(self, segments: list[dict], remote: np.ndarray, lengths: np.ndarray):
+        """Peer addresses -> our mapping of the same bytes (maps a peer file on first use)."""
+        mapped = np.full(len(remote), -1, dtype=np.int64)
         for seg in segments:
-            if seg["base"] <= addr < seg["base"] + seg["length"]:
-                return self._map(seg["path"]) + seg["file_offset"] + addr - seg["base"]
-        raise ValueError(f"remote address {addr:#x} is in no shared segment of the peer")
+            base, size = seg["base"], seg["length"]
+            hit = (remote >= base) & (remote + lengths <= base + size)
+            if hit.any():
+                mapped[hit] = self._map(seg["path"]) + seg["file_offset"] + remote[hit] - base
+        if (mapped < 0).any():
+            bad = int(remote[np.flatnonzero(mapped < 0)[0]])
+            raise ValueError(f"remote address {bad:#x} is in no shared segment of the peer")
+        return mapped
 
     def _map(self, path: str) -> int:
         if path not in self._maps:

@@ -20,11 +20,10 @@ import socket
 from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.base import (
     BatchHandle,
+    Items,
     Regions,
-    TransferItem,
     Transport,
     coalesce,
-    raw_view,
 )
 from pdserve.engine.kv_transfer.transport.channel import Channel, PeerLink
 
@@ -60,10 +59,10 @@ class TcpTransport(Transport):
     def register_memory(self, ptr: int, length: int) -> None:
         self._regions.add(ptr, length)
 
-    def write_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+    def write_batch(self, peer: str, items: Items) -> BatchHandle:
         return self._submit(peer, items, wire.OP_WRITE)
 
-    def read_batch(self, peer: str, items: list[TransferItem]) -> BatchHandle:
+    def read_batch(self, peer: str, items: Items) -> BatchHandle:
         return self._submit(peer, items, wire.OP_READ)
 
     def notify(self, peer: str, message: bytes) -> None:
@@ -79,24 +78,26 @@ class TcpTransport(Transport):
 
     # -- client side (runs on the peer's sender thread) --------------------------------
 
-    def _submit(self, peer: str, items: list[TransferItem], op: int) -> BatchHandle:
-        items = coalesce(items)
-        handle = BatchHandle(peer, sum(i.length for i in items), self.timeout_s)
-        problem = self._regions.check(items, remote=False)
+    def _submit(self, peer: str, items: Items, op: int) -> BatchHandle:
+        arr = coalesce(items)
+        local, remote, lengths = arr[:, 0], arr[:, 1], arr[:, 2]
+        handle = BatchHandle(peer, int(lengths.sum()), self.timeout_s)
+        problem = self._regions.check(local, lengths)
         if problem is not None:
             handle.fail(problem)
             return handle
 
         def job(link: PeerLink) -> None:
             sock = link.connect()
-            problem = self._regions.check(items, remote=True, ranges=link.info["regions"])
+            ranges = link.info["regions"]
+            problem = self._regions.check(remote, lengths, side="remote", ranges=ranges)
             if problem is not None:
                 handle.fail(problem)
                 return
-            local_views = [raw_view(i.local_addr, i.length) for i in items]
-            link.expect(handle, lambda s, rop, body: _on_reply(handle, s, rop, body, local_views))
-            payload = local_views if op == wire.OP_WRITE else ()
-            wire.send_frame(sock, op, handle.batch_id, wire.encode_table(items), payload)
+            views = self._regions.views(local, lengths)
+            link.expect(handle, lambda s, rop, body: _on_reply(handle, s, rop, body, views))
+            payload = views if op == wire.OP_WRITE else ()
+            wire.send_frame(sock, op, handle.batch_id, wire.encode_table(remote, lengths), payload)
 
         self._channel.link(peer).submit(handle, job)
         return handle
@@ -104,21 +105,17 @@ class TcpTransport(Transport):
     # -- server side (runs on the connection's thread) ---------------------------------
 
     def _serve_frame(self, sock: socket.socket, op: int, batch_id: int, body: bytes) -> None:
-        table = wire.decode_table(body)
-        items = [TransferItem(0, addr, n) for addr, n in table]
-        problem = self._regions.check(items, remote=True)
-        if op == wire.OP_WRITE:
-            if problem is not None:
-                wire.drain(sock, sum(n for _, n in table))
-                wire.send_frame(sock, wire.OP_NACK, batch_id, f"refused: {problem}".encode())
-                return
-            wire.recv_into_views(sock, [raw_view(addr, n) for addr, n in table])
+        addrs, lengths = wire.decode_table(body)
+        problem = self._regions.check(addrs, lengths, side="remote")
+        if problem is not None:
+            if op == wire.OP_WRITE:
+                wire.drain(sock, int(lengths.sum()))
+            wire.send_frame(sock, wire.OP_NACK, batch_id, f"refused: {problem}".encode())
+        elif op == wire.OP_WRITE:
+            wire.recv_into_views(sock, self._regions.views(addrs, lengths))
             wire.send_frame(sock, wire.OP_ACK, batch_id)
         elif op == wire.OP_READ:
-            if problem is not None:
-                wire.send_frame(sock, wire.OP_NACK, batch_id, f"refused: {problem}".encode())
-                return
-            views = [raw_view(addr, n) for addr, n in table]
+            views = self._regions.views(addrs, lengths)
             wire.send_frame(sock, wire.OP_DATA, batch_id, b"", views)
         else:
             raise ValueError(f"unexpected op {op}")
