@@ -16,6 +16,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.engine.cli_serve", "serve an engine over gRPC"),
     "generate": ("pdserve.engine.cli_generate", "generate from a prompt (in-process or via a server)"),
     "crds": ("pdserve.api.crd_cli", "write the CRD YAML generated from pdserve.api"),
+    "controller": ("pdserve.controller.cli", "run the Controller (registry, health, failover, view)"),
+    "nodeagent": ("pdserve.nodeagent.cli", "supervise engines and heartbeat to the Controller"),
+    "up": ("pdserve.local.up", "run a whole cluster locally as processes"),
 }
 
 

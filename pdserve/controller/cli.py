@@ -1,0 +1,110 @@
+"""``pdserve controller``: flags, settings from the PDCluster spec, and the process lifecycle.
+
+The spec (``--cluster-file`` or the built-in default) gives the cluster name,
+heartbeat thresholds and fallback policy; flags override them (tests use short
+intervals). SIGTERM/SIGINT stop it cleanly: the leader resigns, so a standby
+takes over at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+
+from aiohttp import web
+
+from pdserve.api import PDCluster
+from pdserve.api.manifest import default_cluster
+from pdserve.api.security import SecuritySettings
+from pdserve.controller.cluster import ClusterSettings
+from pdserve.controller.core import Controller, ControllerSettings
+from pdserve.controller.fallback import POOL_ROLES, FallbackSettings
+from pdserve.controller.health import HealthThresholds
+from pdserve.controller.rebalance import RebalanceSettings
+from pdserve.controller.service import create_grpc_server, create_http_app
+from pdserve.controller.store import open_store
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-f", "--cluster-file", help="PDCluster YAML (default: the built-in cluster)")
+    p.add_argument("--store", default="memory://", help="memory:// or etcd://HOST:PORT")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50050, help="gRPC port; 0 picks a free one")
+    p.add_argument("--http-port", type=int, default=0, help="/metrics, /healthz, /readyz, /leaderz")
+    p.add_argument("--advertise", help="HOST:PORT peers reach this replica on (the leader key value)")
+    p.add_argument("--leader-ttl", type=int, default=5, help="seconds; a dead leader is replaced after this")
+    p.add_argument("--lease-ttl", type=int, default=30, help="seconds an instance record outlives its agent")
+    p.add_argument("--heartbeat-interval", type=float, help="overrides spec.heartbeat.intervalSeconds")
+    p.add_argument("--suspect-after", type=int, help="missed heartbeats before SUSPECT")
+    p.add_argument("--failed-after", type=int, help="missed heartbeats before FAILED")
+    p.add_argument("--hysteresis", type=float, help="overrides spec.fallback.hysteresisSeconds")
+    p.add_argument("--startup-grace", type=float, default=60.0,
+                   help="seconds before an incomplete cluster may enter fallback")
+    p.add_argument("--replace-after-failures", type=int, default=3)
+    p.add_argument("--replace-window", type=float, default=600.0, help="seconds")
+    p.add_argument("--rebalance-window", type=float, default=30.0, help="seconds of imbalance before a role switch")
+    p.add_argument("--rebalance-min-interval", type=float, default=120.0, help="seconds between role switches")
+    p.add_argument("--no-rebalance", action="store_true")
+    p.add_argument("--log-level", default="INFO")
+
+
+def build_settings(args: argparse.Namespace, cluster: PDCluster, identity: str) -> ControllerSettings:
+    spec = cluster.spec
+    hb = spec.heartbeat
+    thresholds = HealthThresholds(
+        interval_s=args.heartbeat_interval or hb.interval_seconds,
+        suspect_after_missed=args.suspect_after or hb.suspect_after_missed,
+        failed_after_missed=args.failed_after or hb.failed_after_missed)
+    configured = tuple(r for r in POOL_ROLES if getattr(spec, r).replicas > 0)
+    fb = FallbackSettings(
+        policy=spec.fallback.policy, startup_grace_s=args.startup_grace, configured_roles=configured,
+        hysteresis_s=spec.fallback.hysteresis_seconds if args.hysteresis is None else args.hysteresis)
+    rebalance = RebalanceSettings(window_s=args.rebalance_window,
+                                  min_interval_s=args.rebalance_min_interval,
+                                  reverse_cooldown_s=5 * args.rebalance_min_interval,
+                                  enabled=not args.no_rebalance)
+    return ControllerSettings(
+        cluster_name=cluster.metadata.name, identity=identity, leader_ttl_s=args.leader_ttl,
+        lease_ttl_s=args.lease_ttl,
+        cluster=ClusterSettings(thresholds=thresholds, fallback=fb, rebalance=rebalance,
+                                replace_after_failures=args.replace_after_failures,
+                                replace_window_s=args.replace_window,
+                                forget_after_s=max(args.lease_ttl, thresholds.interval_s * 20)))
+
+
+async def serve(args: argparse.Namespace) -> int:
+    cluster = PDCluster.from_file(args.cluster_file) if args.cluster_file else default_cluster()
+    store = open_store(args.store)
+    security = SecuritySettings.from_env()
+    controller = Controller(build_settings(args, cluster, "pending"), store)
+    server, port = await create_grpc_server(controller, f"{args.host}:{args.port}", security)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    identity = args.advertise or (f"{host}:{port}" if host == "127.0.0.1" else f"{socket.getfqdn()}:{port}")
+    controller.settings = build_settings(args, cluster, identity)
+    controller.election.identity = identity
+    runner = web.AppRunner(create_http_app(controller))
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.http_port)
+    await site.start()
+    http_port = site._server.sockets[0].getsockname()[1]
+    await controller.start()
+    print(f"controller serving on {host}:{port} (http {host}:{http_port}, store {args.store}, "
+          f"{'leader' if controller.is_leader else 'standby'})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await controller.stop()
+    await server.stop(1.0)
+    await runner.cleanup()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))

@@ -1,0 +1,190 @@
+"""The leader's working state: instance registry, health, mode, commands, the view.
+
+Owns every ``InstanceRecord`` and the ``ModeState``. Pure with respect to I/O:
+the Controller feeds it heartbeats and ticks (with clocks), and reads back
+commands for agents, the routable view, events, and which keys to persist
+(``dirty`` / ``removed``).
+
+Invariants: the view holds READY instances only, so a FAILED instance leaves it
+in the same call that fails it; a command is re-sent only after
+``command_timeout_s`` without the reported role reaching the target; the view
+``version`` grows on every change of what it shows.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from pdserve.api.proto import controller_pb2 as pb
+from pdserve.controller import fallback, health
+from pdserve.controller.health import FAILED, READY, HealthThresholds, InstanceRecord
+from pdserve.controller.rebalance import PoolMember, RebalancePolicy, RebalanceSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    thresholds: HealthThresholds = HealthThresholds()
+    fallback: fallback.FallbackSettings = fallback.FallbackSettings()
+    rebalance: RebalanceSettings = RebalanceSettings()
+    replace_after_failures: int = 3
+    replace_window_s: float = 600.0
+    command_timeout_s: float = 30.0
+    drain_deadline_s: float = 30.0
+    forget_after_s: float = 60.0   # a silent FAILED instance is dropped after this
+
+
+class Cluster:
+    def __init__(self, settings: ClusterSettings, now_s: float) -> None:
+        self.settings = settings
+        self.records: dict[str, InstanceRecord] = {}
+        self.mode = fallback.ModeState()
+        self.started_s = now_s
+        self.events: collections.deque[str] = collections.deque(maxlen=32)
+        self.dirty: set[str] = set()       # instance ids to persist
+        self.removed: set[str] = set()     # instance ids to delete from the store
+        self.replacements: list[tuple[str, str]] = []  # (instance id, reason) to record
+        self.num_failovers = 0
+        self.num_role_switches = 0
+        self.meta_dirty = False
+        self._pending: dict[str, list[pb.Command]] = collections.defaultdict(list)
+        self._command_ids = itertools.count(1)
+        self._rebalance = RebalancePolicy(settings.rebalance)
+        self._view_key: tuple = ()
+        self.view_version = 0
+
+    # --- inputs -------------------------------------------------------------
+    def apply_heartbeat(self, agent_id: str, reports, now_s: float) -> list[pb.Command]:
+        """Called by the gRPC Heartbeat handler (leader only). Returns the agent's commands."""
+        for rep in reports:
+            rec = self.records.get(rep.instance_id)
+            if rec is None:
+                rec = self.records[rep.instance_id] = InstanceRecord(
+                    rep.instance_id, pool=rep.pool or rep.role,
+                    assigned_role=rep.pool or rep.role, health_since_s=now_s)
+                self._event(f"{rep.instance_id}: registered ({rec.pool} pool, agent {agent_id})")
+            self._update_from_report(rec, agent_id, rep, now_s)
+        commands = self._pending.pop(agent_id, [])
+        return commands
+
+    def _update_from_report(self, rec: InstanceRecord, agent_id: str, rep, now_s: float) -> None:
+        before = rec.to_json()
+        rec.agent_id, rec.role, rec.model = agent_id, rep.role, rep.model
+        rec.engine_address, rec.kv_endpoint = rep.engine_address, rep.kv_endpoint
+        rec.kv_transport, rec.kv_compat_hash = rep.kv_transport, rep.kv_compat_hash
+        rec.num_restarts, rec.process_state, rec.probe_ok = rep.num_restarts, rep.process_state, rep.probe_ok
+        rec.load = {f.name: getattr(rep.load, f.name) for f in pb.InstanceLoad.DESCRIPTOR.fields}
+        rec.last_heartbeat_s, rec.last_heartbeat_unix_s = now_s, time.time()
+        is_kv_ready = bool(rep.kv_endpoint) or rep.kv_transport == "none"
+        new = health.health_from_report(rec.health, rep.process_state, rep.probe_ok, is_kv_ready)
+        reason = f"process {rep.process_state}, probe {'ok' if rep.probe_ok else 'failing'}"
+        if new == health.FAILED:
+            reason = rep.last_error or reason
+        self._set_health(rec, new, reason, now_s)
+        if new == FAILED and rep.process_state == "running" and rec.health_since_s == now_s:
+            self._command(rec, "restart")  # hung engine: the agent kills and relaunches it
+        if rec.command_sent_s is not None and rec.role == self.target_role(rec):
+            rec.command_sent_s = None
+        if rec.to_json() != before:
+            self.dirty.add(rec.instance_id)
+
+    def tick(self, now_s: float) -> None:
+        """Called by the Controller's loop every half interval (leader only)."""
+        t = self.settings.thresholds
+        for rec in list(self.records.values()):
+            missed = (now_s - rec.last_heartbeat_s) / t.interval_s
+            new = health.health_from_silence(rec.health, missed, t)
+            self._set_health(rec, new, f"missed {int(missed)} heartbeats", now_s)
+            if rec.health == FAILED and now_s - rec.last_heartbeat_s >= self.settings.forget_after_s:
+                del self.records[rec.instance_id]
+                self.removed.add(rec.instance_id)
+                self._event(f"{rec.instance_id}: forgotten (silent for {self.settings.forget_after_s:g}s)")
+        alive = collections.Counter(r.assigned_role for r in self.records.values()
+                                    if r.health in health.ALIVE)
+        was_complete = self.mode.has_been_complete
+        event = fallback.evaluate(self.mode, alive, now_s, self.started_s, self.settings.fallback)
+        self.meta_dirty |= was_complete != self.mode.has_been_complete
+        if event:
+            self.meta_dirty = True
+            self._event(event, logging.WARNING)
+        self._rebalance_step(now_s)
+        self._send_role_commands(now_s)
+
+    # --- decisions ------------------------------------------------------------
+    def target_role(self, rec: InstanceRecord) -> str:
+        return fallback.target_role(self.mode, rec.assigned_role, self.settings.fallback)
+
+    def _rebalance_step(self, now_s: float) -> None:
+        if self.mode.mode != fallback.PD or any(r.command_sent_s for r in self.records.values()):
+            return
+        members = [PoolMember(r.instance_id, r.assigned_role, r.load.get("num_running", 0),
+                              r.load.get("num_waiting", 0), r.load.get("num_kv_blocks_used", 0),
+                              r.load.get("num_kv_blocks_free", 0))
+                   for r in self.records.values() if r.health == READY]
+        move = self._rebalance.decide(members, now_s)
+        if move:
+            self.records[move.instance_id].assigned_role = move.to_role
+            self.dirty.add(move.instance_id)
+            self._event(f"{move.instance_id}: role switch {move.from_role} -> {move.to_role} ({move.reason})",
+                        logging.WARNING)
+
+    def _send_role_commands(self, now_s: float) -> None:
+        for rec in self.records.values():
+            target = self.target_role(rec)
+            if rec.health != READY or not rec.role or rec.role == target:
+                continue
+            if rec.command_sent_s is not None and now_s - rec.command_sent_s < self.settings.command_timeout_s:
+                continue
+            rec.command_sent_s = now_s
+            self.num_role_switches += 1
+            self._command(rec, "switch_role", role=target, deadline_s=self.settings.drain_deadline_s)
+            self._event(f"{rec.instance_id}: switch role {rec.role} -> {target} (drain first)")
+
+    def _command(self, rec: InstanceRecord, kind: str, **fields) -> None:
+        cmd = pb.Command(command_id=f"c{next(self._command_ids)}", instance_id=rec.instance_id,
+                         kind=kind, **fields)
+        self._pending[rec.agent_id].append(cmd)
+
+    def _set_health(self, rec: InstanceRecord, new: str, reason: str, now_s: float) -> None:
+        event = health.set_health(rec, new, reason, now_s)
+        if not event:
+            return
+        self.dirty.add(rec.instance_id)
+        self._event(event, logging.WARNING if new == FAILED else logging.INFO)
+        if new != FAILED:
+            return
+        self.num_failovers += 1
+        n = health.count_recent_failures(rec, self.settings.replace_window_s, time.time())
+        if n >= self.settings.replace_after_failures and not rec.replacement_requested:
+            rec.replacement_requested = True
+            why = f"{n} failures within {self.settings.replace_window_s:g}s; last: {reason}"
+            self.replacements.append((rec.instance_id, why))
+            self._event(f"{rec.instance_id}: replacement requested ({why})", logging.WARNING)
+
+    def _event(self, line: str, level: int = logging.INFO) -> None:
+        log.log(level, "%s", line)
+        self.events.append(f"{time.strftime('%H:%M:%S')} {line}")
+
+    # --- outputs --------------------------------------------------------------
+    def view(self, leader: str) -> pb.ClusterView:
+        """The routable view (READY only); ``version`` bumps when its content changes."""
+        routable = sorted((r for r in self.records.values() if r.health == READY),
+                          key=lambda r: r.instance_id)
+        key = (self.mode.mode, self.mode.reason, leader, tuple(
+            (r.instance_id, r.role, r.engine_address, r.kv_endpoint, r.kv_compat_hash) for r in routable))
+        if key != self._view_key:
+            self._view_key, self.view_version = key, self.view_version + 1
+        return pb.ClusterView(
+            version=self.view_version, mode=self.mode.mode, fallback_reason=self.mode.reason,
+            leader=leader, recent_events=list(self.events)[-10:],
+            instances=[pb.InstanceView(
+                instance_id=r.instance_id, role=r.role, health=r.health,
+                engine_address=r.engine_address, kv_endpoint=r.kv_endpoint,
+                kv_transport=r.kv_transport, kv_compat_hash=r.kv_compat_hash, model=r.model,
+                load=pb.InstanceLoad(**r.load), last_heartbeat_unix_s=r.last_heartbeat_unix_s)
+                for r in routable])

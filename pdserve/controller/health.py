@@ -1,0 +1,119 @@
+"""Per-instance record and the health state machine (pure: no I/O, clocks passed in).
+
+States::
+
+    STARTING --ready report--> READY --missed >= suspect--> SUSPECT
+        ^                        |  \\                         |
+        |                 exit / probe fail        missed >= failed
+        |                        v                             v
+        +---- agent restarts -- FAILED <------------------------+
+    READY <--> DRAINING while the agent drains the engine (role switch)
+
+Invariants: only READY instances are routable; every transition into FAILED is
+counted (``failures``, unix times, for the replacement window); a heartbeat always
+refreshes ``last_heartbeat_s`` (monotonic) and the data-plane fields; the fields
+in ``PERSISTED`` are what a new leader needs to carry on (the rest arrives with
+the next heartbeat).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+STARTING, READY, SUSPECT, FAILED, DRAINING = "STARTING", "READY", "SUSPECT", "FAILED", "DRAINING"
+ALIVE = (READY, DRAINING)  # counts as present in its pool for fallback decisions
+
+PERSISTED = (
+    "instance_id", "agent_id", "pool", "assigned_role", "role", "health", "engine_address",
+    "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "num_restarts", "failures",
+    "lease_id", "last_error", "replacement_requested",
+)
+
+
+@dataclass(frozen=True)
+class HealthThresholds:
+    interval_s: float = 1.0
+    suspect_after_missed: int = 3
+    failed_after_missed: int = 10
+
+
+@dataclass
+class InstanceRecord:
+    instance_id: str
+    agent_id: str = ""
+    pool: str = ""
+    assigned_role: str = ""       # the role the Controller wants outside fallback
+    role: str = ""                # the role the engine reports now
+    health: str = STARTING
+    engine_address: str = ""
+    kv_endpoint: str = ""
+    kv_transport: str = ""
+    kv_compat_hash: str = ""
+    model: str = ""
+    num_restarts: int = 0
+    failures: list[float] = field(default_factory=list)
+    lease_id: int = 0
+    last_error: str = ""
+    replacement_requested: bool = False
+    # not persisted
+    process_state: str = ""
+    probe_ok: bool = False
+    load: dict = field(default_factory=dict)
+    last_heartbeat_s: float = 0.0
+    last_heartbeat_unix_s: float = 0.0
+    health_since_s: float = 0.0
+    command_sent_s: float | None = None
+    lease_refreshed_s: float = 0.0
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        return json.dumps({k: data[k] for k in PERSISTED}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, now_s: float) -> InstanceRecord:
+        """A record loaded by a new leader: its clocks restart now (one full grace)."""
+        data = json.loads(text)
+        rec = cls(**{k: v for k, v in data.items() if k in PERSISTED})
+        rec.last_heartbeat_s = rec.health_since_s = now_s
+        rec.last_heartbeat_unix_s = time.time()
+        return rec
+
+
+def health_from_report(current: str, process_state: str, probe_ok: bool, is_kv_ready: bool) -> str:
+    """The health a fresh report implies. Called by ``Cluster.apply_heartbeat``."""
+    if process_state in ("exited", "restarting"):
+        return FAILED
+    if process_state == "draining":
+        return DRAINING
+    if process_state == "starting":
+        return STARTING
+    if not probe_ok:
+        return FAILED if current in (READY, SUSPECT, DRAINING) else current
+    return READY if is_kv_ready else STARTING
+
+
+def health_from_silence(current: str, missed: float, t: HealthThresholds) -> str:
+    """The health implied by ``missed`` heartbeat intervals without a report."""
+    if current != FAILED and missed >= t.failed_after_missed:
+        return FAILED
+    if current in (READY, STARTING, DRAINING) and missed >= t.suspect_after_missed:
+        return SUSPECT
+    return current
+
+
+def set_health(rec: InstanceRecord, health: str, reason: str, now_s: float) -> str | None:
+    """Move ``rec`` to ``health``; returns an event line, or None when nothing changed."""
+    if health == rec.health:
+        return None
+    old, rec.health, rec.health_since_s = rec.health, health, now_s
+    if health == FAILED:
+        rec.failures.append(time.time())
+        rec.last_error = reason
+    return f"{rec.instance_id}: {old} -> {health} ({reason})"
+
+
+def count_recent_failures(rec: InstanceRecord, window_s: float, now_unix_s: float) -> int:
+    rec.failures = [t for t in rec.failures if now_unix_s - t <= window_s]
+    return len(rec.failures)

@@ -1,0 +1,103 @@
+"""Mirror of the leader's state in the store, and its load by a new leader.
+
+Keys under ``/pdserve/<cluster>/``:
+
+- ``instances/<id>``: an ``InstanceRecord`` (JSON), each under its own lease of
+  ``lease_ttl_s``, kept alive while the instance's agent heartbeats. An agent that
+  goes silent lets its entries expire; so does a Controller that dies with no
+  standby to take over.
+- ``meta``: the mode (PD/FALLBACK), missing pools, whether the cluster was
+  complete once. No lease: it is the cluster's, not a process's.
+- ``replace/<id>``: a replacement request for the operator (it deletes the key
+  once it has acted). No lease.
+- ``leader``: the elected Controller (see ``election.py``).
+
+Invariants: a write that fails leaves its key dirty for the next flush; after the
+store comes back from an outage every record and the meta are written again
+(etcd restarted from an older snapshot, or lost its data, converges).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from pdserve.controller.cluster import Cluster, ClusterSettings
+from pdserve.controller.fallback import ModeState
+from pdserve.controller.health import InstanceRecord
+from pdserve.controller.store import Store, StoreError
+
+log = logging.getLogger(__name__)
+
+
+class StatePersister:
+    def __init__(self, store: Store, prefix: str, lease_ttl_s: int) -> None:
+        self.store, self.prefix, self.lease_ttl_s = store, prefix.rstrip("/"), lease_ttl_s
+        self.is_store_ok = True
+
+    def key(self, *parts: str) -> str:
+        return "/".join([self.prefix, *parts])
+
+    async def load(self, settings: ClusterSettings, now_s: float) -> Cluster:
+        """Called by the Controller when it becomes leader: the last leader's state."""
+        cluster = Cluster(settings, now_s)
+        for key, text in (await self.store.get_prefix(self.key("instances", ""))).items():
+            try:
+                rec = InstanceRecord.from_json(text, now_s)
+            except (ValueError, TypeError) as exc:
+                log.warning("skipping unreadable record %s: %s", key, exc)
+                continue
+            cluster.records[rec.instance_id] = rec
+        meta = await self.store.get(self.key("meta"))
+        if meta:
+            cluster.mode = ModeState(**json.loads(meta))
+            cluster.mode.complete_since_s = None
+        return cluster
+
+    async def flush(self, cluster: Cluster, now_s: float) -> None:
+        """Called by the leader's tick loop: write what changed, keep leases alive."""
+        try:
+            if not self.is_store_ok:  # back from an outage: write everything again
+                cluster.dirty.update(cluster.records)
+                cluster.meta_dirty = True
+            await self._flush(cluster, now_s)
+            if not self.is_store_ok:
+                log.info("store reachable again; state rewritten")
+            self.is_store_ok = True
+        except StoreError as exc:
+            if self.is_store_ok:
+                log.warning("store unreachable, state kept in memory: %s", exc)
+            self.is_store_ok = False
+
+    async def _flush(self, cluster: Cluster, now_s: float) -> None:
+        interval = cluster.settings.thresholds.interval_s
+        for rec in list(cluster.records.values()):
+            is_heard = now_s - rec.last_heartbeat_s < 2 * interval
+            if rec.lease_id and is_heard and now_s - rec.lease_refreshed_s >= self.lease_ttl_s / 3:
+                if not await self.store.refresh_lease(rec.lease_id):
+                    rec.lease_id = 0
+                    cluster.dirty.add(rec.instance_id)
+                rec.lease_refreshed_s = now_s
+        while cluster.dirty:
+            rec = cluster.records.get(instance_id := next(iter(cluster.dirty)))
+            if rec is not None:
+                if not rec.lease_id:
+                    rec.lease_id = await self.store.grant_lease(self.lease_ttl_s)
+                    rec.lease_refreshed_s = now_s
+                await self.store.put(self.key("instances", instance_id), rec.to_json(), rec.lease_id)
+            cluster.dirty.discard(instance_id)
+        for instance_id in list(cluster.removed):
+            await self.store.delete(self.key("instances", instance_id))
+            cluster.removed.discard(instance_id)
+        while cluster.replacements:
+            instance_id, reason = cluster.replacements[0]
+            await self.store.put(self.key("replace", instance_id), json.dumps(
+                {"instance": instance_id, "reason": reason, "requested_unix_s": time.time()}))
+            cluster.replacements.pop(0)
+        if cluster.meta_dirty:
+            m = cluster.mode
+            await self.store.put(self.key("meta"), json.dumps({
+                "mode": m.mode, "reason": m.reason, "missing_roles": m.missing_roles,
+                "has_been_complete": m.has_been_complete}))
+            cluster.meta_dirty = False

@@ -1,0 +1,1 @@
+"""Local mode (``pdserve up``): a whole PDCluster as processes on one machine."""

@@ -1,0 +1,253 @@
+"""The NodeAgent: supervises its instances' engines, probes them, heartbeats to the
+Controller and executes its commands.
+
+Owns one ``EngineProcess`` and one probe state per instance, the Controller
+channel, and the command tasks. Loops: one supervisor per engine, one probe loop
+per engine, one heartbeat loop (every interval, and at once when an engine's
+process state changes, so a death is reported without waiting).
+
+Commands: ``drain`` (stop admitting), ``switch_role`` (drain, wait until idle or
+the deadline, SetRole, resume; if the engine cannot switch in place the process
+is relaunched with the new role), ``restart`` (kill; relaunch without backoff).
+
+Invariants: ``probe_ok`` is False until a probe succeeded since the last launch
+and after two failed probes in a row; a Controller that answers
+FAILED_PRECONDITION (standby) or is unreachable makes the agent try the next
+address; at most one command runs per instance at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.api.engine_client import EngineClient
+from pdserve.api.proto import controller_pb2 as pb
+from pdserve.api.proto import controller_pb2_grpc as pb_grpc
+from pdserve.api.security import SecuritySettings, create_channel
+from pdserve.nodeagent.engine_args import with_role
+from pdserve.nodeagent.process import Backoff, EngineProcess
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    pool: str
+    role: str
+    argv: list[str]
+    process: EngineProcess | None = None
+    health: object | None = None       # last engine HealthResponse
+    load: pb.InstanceLoad = field(default_factory=pb.InstanceLoad)
+    num_probe_ok: int = 0              # successes since the last launch
+    num_probe_failed: int = 0          # consecutive failures
+    is_busy: bool = False              # a command is running
+    last_error: str = ""
+    _totals: tuple[float, int, int] | None = None
+
+    @property
+    def probe_ok(self) -> bool:
+        return self.num_probe_ok > 0 and self.num_probe_failed < 2
+
+    @property
+    def is_ready(self) -> bool:
+        h = self.health
+        return self.probe_ok and h is not None and (bool(h.kv_endpoint) or h.kv_transport == "none")
+
+    def report(self) -> pb.InstanceReport:
+        p, h = self.process, self.health
+        state = "draining" if self.is_busy and p.state == "running" else p.state
+        return pb.InstanceReport(
+            instance_id=self.instance_id, role=self.role, process_state=state,
+            engine_address=p.address, kv_endpoint=h.kv_endpoint if h else "",
+            kv_transport=h.kv_transport if h else "", kv_compat_hash=h.kv_compat_hash if h else "",
+            model=h.model if h else "", load=self.load, num_restarts=p.num_restarts,
+            probe_ok=self.probe_ok, last_error=self.last_error or p.last_exit, pool=self.pool)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    agent_id: str = socket.gethostname()
+    controllers: tuple[str, ...] = ("127.0.0.1:50050",)
+    interval_s: float = 1.0
+    probe_timeout_s: float = 1.0
+    backoff: Backoff = Backoff()
+    echo_engine_output: bool = True
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings, instances: list[Instance],
+                 security: SecuritySettings) -> None:
+        self.settings, self.security = settings, security
+        self.instances = {i.instance_id: i for i in instances}
+        self._wake = asyncio.Event()
+        self._controller_index = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.ControllerStub | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.num_heartbeats_failed = 0
+        self.last_heartbeat_ok_s: float | None = None
+        for inst in instances:
+            inst.process = EngineProcess(inst.instance_id, lambda i=inst: with_role(i.argv, i.role),
+                                         settings.backoff, self._on_process_change,
+                                         echo=settings.echo_engine_output)
+
+    def _on_process_change(self) -> None:
+        for inst in self.instances.values():
+            if inst.process.state != "running":
+                inst.num_probe_ok, inst.health = 0, None
+        self._wake.set()
+
+    async def start(self) -> None:
+        """Called by the CLI: launch every engine and start the loops."""
+        for inst in self.instances.values():
+            self._tasks += [asyncio.create_task(inst.process.supervise()),
+                            asyncio.create_task(self._probe_loop(inst))]
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+
+    async def stop(self) -> None:
+        """Called on SIGTERM: stop the loops, then every engine (reaped)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(i.process.stop() for i in self.instances.values()))
+        if self._channel is not None:
+            await self._channel.close()
+
+    # --- probes ---------------------------------------------------------------
+    async def _probe_loop(self, inst: Instance) -> None:
+        client: EngineClient | None = None
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            p = inst.process
+            if p.state != "running" or not p.address:
+                continue
+            if client is None or client.address != p.address:
+                if client is not None:
+                    await client.close()
+                client = EngineClient(p.address, self.security)
+            try:
+                inst.health = await client.health(self.settings.probe_timeout_s)
+                stats = await client.stats(self.settings.probe_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                inst.num_probe_failed += 1
+                inst.last_error = f"probe failed: {exc.code().name}"
+                if inst.num_probe_failed == 2:
+                    self._wake.set()
+                continue
+            was_ok = inst.probe_ok
+            inst.num_probe_ok += 1
+            inst.num_probe_failed, inst.last_error = 0, ""
+            inst.role = inst.health.role or inst.role
+            inst.load = self._load(inst, stats)
+            if not was_ok:
+                self._wake.set()
+
+    @staticmethod
+    def _load(inst: Instance, s) -> pb.InstanceLoad:
+        now = time.monotonic()
+        prompt_rate = gen_rate = 0.0
+        if inst._totals is not None and now > inst._totals[0]:
+            dt = now - inst._totals[0]
+            prompt_rate = max(0, s.num_prompt_tokens_total - inst._totals[1]) / dt
+            gen_rate = max(0, s.num_generation_tokens_total - inst._totals[2]) / dt
+        inst._totals = (now, s.num_prompt_tokens_total, s.num_generation_tokens_total)
+        return pb.InstanceLoad(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_kv_blocks_used=s.num_kv_blocks_used, num_kv_blocks_free=s.num_kv_blocks_free,
+            prompt_tokens_per_s=prompt_rate, generation_tokens_per_s=gen_rate,
+            prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
+            prefix_cache_query_tokens=s.prefix_cache_query_tokens)
+
+    # --- heartbeats -------------------------------------------------------------
+    def _connect(self) -> pb_grpc.ControllerStub:
+        if self._stub is None:
+            address = self.settings.controllers[self._controller_index]
+            self._channel = create_channel(address, self.security)
+            self._stub = pb_grpc.ControllerStub(self._channel)
+        return self._stub
+
+    async def _next_controller(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = self._stub = None
+        self._controller_index = (self._controller_index + 1) % len(self.settings.controllers)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            await self.heartbeat_once()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
+
+    async def heartbeat_once(self) -> None:
+        request = pb.HeartbeatRequest(
+            agent_id=self.settings.agent_id, node=socket.gethostname(),
+            instances=[i.report() for i in self.instances.values()])
+        try:
+            reply = await self._connect().Heartbeat(
+                request, timeout=max(1.0, 2 * self.settings.interval_s), metadata=self.security.metadata())
+        except grpc.aio.AioRpcError as exc:
+            self.num_heartbeats_failed += 1
+            log.log(logging.INFO if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else logging.WARNING,
+                    "heartbeat to %s failed: %s %s", self.settings.controllers[self._controller_index],
+                    exc.code().name, exc.details())
+            await self._next_controller()
+            return
+        self.last_heartbeat_ok_s = time.monotonic()
+        for cmd in reply.commands:
+            inst = self.instances.get(cmd.instance_id)
+            if inst is None or inst.is_busy:
+                continue
+            inst.is_busy = True
+            self._tasks.append(asyncio.create_task(self._execute(inst, cmd)))
+
+    # --- commands ---------------------------------------------------------------
+    async def _execute(self, inst: Instance, cmd: pb.Command) -> None:
+        log.info("%s: command %s %s", inst.instance_id, cmd.kind, cmd.role)
+        try:
+            if cmd.kind == "restart":
+                inst.process.kill()
+            elif inst.process.address:
+                async with EngineClient(inst.process.address, self.security) as client:
+                    if cmd.kind == "drain":
+                        await client.drain()
+                    elif cmd.kind == "switch_role":
+                        await self._switch_role(inst, client, cmd.role, cmd.deadline_s or 30.0)
+        except grpc.aio.AioRpcError as exc:
+            inst.last_error = f"{cmd.kind} failed: {exc.code().name} {exc.details()}"
+            log.warning("%s: %s", inst.instance_id, inst.last_error)
+        finally:
+            inst.is_busy = False
+            self._wake.set()
+
+    async def _switch_role(self, inst: Instance, client: EngineClient, role: str, deadline_s: float) -> None:
+        self._wake.set()  # report "draining" now: the Controller takes it out of the view
+        await client.drain()
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                await client.set_role(role)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT):
+                    log.warning("%s: engine cannot switch in place (%s); relaunching as %s",
+                                inst.instance_id, exc.details(), role)
+                    inst.role = role
+                    inst.process.kill()
+                    return
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
+                    await client.drain(resume=True)
+                    raise
+            await asyncio.sleep(0.05)
+        await client.drain(resume=True)
+        inst.role = role
+        inst.health = await client.health(self.settings.probe_timeout_s)
+        log.info("%s: now %s", inst.instance_id, role)

@@ -1,0 +1,88 @@
+"""``pdserve nodeagent``: flags, the engine command lines, and the process lifecycle.
+
+One agent supervises one instance per Pod on Kubernetes, several in local mode
+(``--instance ID=ROLE`` repeated). Engine settings come from the PDCluster spec
+(``-f``, default: the built-in cluster); ``--engine-arg`` appends raw engine flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+
+from aiohttp import web
+
+from pdserve.api import PDCluster
+from pdserve.api.manifest import default_cluster
+from pdserve.api.security import SecuritySettings
+from pdserve.nodeagent.agent import Agent, AgentSettings, Instance
+from pdserve.nodeagent.engine_args import build_engine_argv
+from pdserve.nodeagent.http import create_http_app
+from pdserve.nodeagent.process import Backoff
+
+ROLES = ("prefill", "decode", "hybrid")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--controller", default="127.0.0.1:50050",
+                   help="Controller HOST:PORT; comma-separated replicas are tried in turn")
+    p.add_argument("--instance", action="append", required=True, metavar="ID=ROLE",
+                   help="an instance to run (role: prefill, decode, hybrid); repeatable")
+    p.add_argument("-f", "--cluster-file", help="PDCluster YAML for engine settings")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                   help="extra engine flag, e.g. --engine-arg=--num-kv-blocks=64; repeatable")
+    p.add_argument("--agent-id", default=socket.gethostname())
+    p.add_argument("--heartbeat-interval", type=float, help="overrides spec.heartbeat.intervalSeconds")
+    p.add_argument("--probe-timeout", type=float, default=1.0, help="seconds")
+    p.add_argument("--restart-backoff", type=float, default=0.5, help="first restart delay, seconds")
+    p.add_argument("--restart-backoff-max", type=float, default=30.0, help="seconds")
+    p.add_argument("--restart-stable-after", type=float, default=30.0,
+                   help="a run this long resets the backoff, seconds")
+    p.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
+    p.add_argument("--http-port", type=int, default=0, help="/healthz, /readyz, /metrics")
+    p.add_argument("--quiet-engines", action="store_true", help="do not echo engine output")
+    p.add_argument("--log-level", default="INFO")
+
+
+def parse_instance(text: str) -> tuple[str, str]:
+    instance_id, _, role = text.partition("=")
+    if not instance_id or role not in ROLES:
+        raise SystemExit(f"--instance {text!r}: expected ID=ROLE with ROLE one of {', '.join(ROLES)}")
+    return instance_id, role
+
+
+async def serve(args: argparse.Namespace) -> int:
+    cluster = PDCluster.from_file(args.cluster_file) if args.cluster_file else default_cluster()
+    settings = AgentSettings(
+        agent_id=args.agent_id, controllers=tuple(args.controller.split(",")),
+        interval_s=args.heartbeat_interval or cluster.spec.heartbeat.interval_seconds,
+        probe_timeout_s=args.probe_timeout, echo_engine_output=not args.quiet_engines,
+        backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after))
+    instances = [Instance(iid, role, role, build_engine_argv(cluster, role, args.engine_arg))
+                 for iid, role in map(parse_instance, args.instance)]
+    agent = Agent(settings, instances, SecuritySettings.from_env())
+    runner = web.AppRunner(create_http_app(agent))
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.http_port)
+    await site.start()
+    http_port = site._server.sockets[0].getsockname()[1]
+    await agent.start()
+    print(f"nodeagent {args.agent_id} supervising {len(instances)} engine(s) "
+          f"(http port {http_port}, controller {args.controller})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await agent.stop()
+    await runner.cleanup()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))
