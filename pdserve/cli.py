@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("pdserve.engine.cli_serve", "serve an engine over gRPC"),
     "generate": ("pdserve.engine.cli_generate", "generate from a prompt (in-process or via a server)"),
+    "coordinator": ("pdserve.coordinator.cli", "serve the OpenAI-compatible REST endpoint"),
     "crds": ("pdserve.api.crd_cli", "write the CRD YAML generated from pdserve.api"),
     "controller": ("pdserve.controller.cli", "run the Controller (registry, health, failover, view)"),
     "nodeagent": ("pdserve.nodeagent.cli", "supervise engines and heartbeat to the Controller"),

@@ -1,0 +1,169 @@
+"""``create_app(settings, ...)``: the Coordinator's ASGI app, with no module-level state.
+
+Routes: POST /v1/completions and /v1/chat/completions (JSON or SSE), GET /v1/models,
+/health (the process serves), /ready (some route exists: a compatible PD pair or,
+under the hybrid fallback, a hybrid engine), /metrics (Prometheus text from this
+app's own registry). Every error body is OpenAI's error JSON; pydantic validation
+failures are 400 (OpenAI's code for them), not FastAPI's 422.
+
+The app owns, through its lifespan, the instance view source (static poller or
+Controller watcher), the engine clients and the background aborts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from pdserve.api.security import SecuritySettings
+
+from .admission import Admission
+from .discovery import StaticDiscovery
+from .errors import ServeError
+from .guard import GuardMiddleware
+from .instances import InstanceRegistry
+from .legs import Aborter
+from .lifecycle import Deps
+from .metrics import CoordinatorMetrics
+from .prefix_index import PrefixIndex
+from .prompts import PromptBuilder
+from .router import Router
+from .schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthStatus,
+    ModelList,
+)
+from .serving import Completions
+from .settings import CoordinatorSettings
+from .watcher import ControllerWatcher
+
+log = logging.getLogger(__name__)
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 502, 503, 504)}
+
+
+def _completion_responses(model) -> dict:
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **_ERRORS}
+
+
+def _error_response(err: ServeError) -> Response:
+    return Response(err.json_bytes(), status_code=err.status, headers=err.headers,
+                    media_type="application/json")
+
+
+def read_api_key(path: str | None) -> str | None:
+    if not path:
+        return None
+    key = Path(path).read_text().strip()
+    if not key:
+        raise ValueError(f"API key file {path} is empty")
+    return key
+
+
+def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | None = None,
+               registry: InstanceRegistry | None = None, start_view: bool = True) -> FastAPI:
+    """Called by ``pdserve coordinator`` and by tests. ``registry`` with ``start_view=False``
+    lets a test feed the instance view by hand."""
+    security = security or SecuritySettings.from_env()
+    metrics = CoordinatorMetrics()
+    registry = registry or InstanceRegistry(security, settings.suspect_s)
+    index = PrefixIndex(settings.prefix_index_max_blocks)
+    deps = Deps(settings, registry, Router(settings, registry, index, metrics), metrics,
+                Aborter(registry))
+    admission = Admission(settings.max_concurrency, settings.max_queue, metrics)
+    completions = Completions(deps, PromptBuilder(settings.model), admission)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        source = None
+        if start_view and settings.controller:
+            source = ControllerWatcher(registry, settings.controller, settings.coordinator_id, security)
+        elif start_view:
+            source = StaticDiscovery(registry, list(settings.engines), settings.poll_interval_s)
+        if source is not None:
+            await source.start()
+        try:
+            yield
+        finally:
+            if source is not None:
+                await source.stop()
+            await deps.aborter.close()
+            await registry.close()
+
+    app = FastAPI(title="pdserve Coordinator", version="0.1.0", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.deps = deps
+    app.state.admission = admission
+    app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes,
+                       api_key=read_api_key(settings.api_key_file))
+
+    @app.exception_handler(ServeError)
+    async def serve_error(request: Request, exc: ServeError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
+        return _error_response(ServeError(400, message, code="invalid_request", param=where))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return _error_response(ServeError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(ServeError(500, "internal error", code="internal_error"))
+
+    @app.post("/v1/completions", response_model=None,
+              responses=_completion_responses(CompletionResponse))
+    async def v1_completions(body: CompletionRequest, request: Request) -> Response:
+        return await completions.handle(request, body, "completions")
+
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=_completion_responses(ChatCompletionResponse))
+    async def v1_chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await completions.handle(request, body, "chat")
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
+    async def v1_models() -> dict:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model",
+                                             "created": created, "owned_by": "pdserve"}]}
+
+    @app.get("/health", response_model=HealthStatus)
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
+    async def ready() -> Response:
+        pools = registry.pools()
+        can_pd = not Router.compatible(pools)[2]
+        can_hybrid = bool(pools.hybrid) and settings.fallback_policy == "hybrid"
+        ok = can_pd or can_hybrid
+        detail = {"prefill": len(pools.prefill), "decode": len(pools.decode),
+                  "hybrid": len(pools.hybrid), "mode": registry.mode}
+        body = {"status": "ready" if ok else "not ready", "detail": detail}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def prometheus() -> Response:
+        pools = registry.pools()
+        for role in ("prefill", "decode", "hybrid"):
+            metrics.instances.labels(role).set(len(getattr(pools, role)))
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,101 @@
+"""``pdserve coordinator``: serve the OpenAI-compatible REST endpoint.
+
+Instance view from ``--controller HOST:PORT`` (the Controller's WatchView stream)
+or from ``--engine HOST:PORT`` given once per engine (polled for Health and Stats).
+Prints ``pdserve coordinator serving on HOST:PORT`` once listening (``--port 0``
+picks a free port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+
+from pydantic import ValidationError
+
+from pdserve.api.cluster import FallbackPolicy, RoutingPolicy, TransferMode
+
+from .settings import CoordinatorSettings
+
+_POLICIES = RoutingPolicy.__args__
+_MODES = TransferMode.__args__
+_FALLBACKS = FallbackPolicy.__args__
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = CoordinatorSettings()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--model", default=d.model, help="preset (tiny, small) or checkpoint dir, for the tokenizer")
+    parser.add_argument("--served-model-name", default=None)
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
+                     help="static engine address (repeat); roles are read from each engine")
+    src.add_argument("--controller", default=None, metavar="HOST:PORT")
+    parser.add_argument("--coordinator-id", default=socket.gethostname())
+    parser.add_argument("--prefill-policy", default=d.prefill_policy, choices=_POLICIES)
+    parser.add_argument("--decode-policy", default=d.decode_policy, choices=_POLICIES)
+    parser.add_argument("--kv-mode", default=d.kv_mode, choices=_MODES)
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                        help="conditional disaggregation threshold in uncached tokens (0: off)")
+    parser.add_argument("--fallback-policy", default=d.fallback_policy, choices=_FALLBACKS)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--ttft-slo-s", type=float, default=None)
+    parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
+    parser.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
+    parser.add_argument("--max-queue", type=int, default=d.max_queue)
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    parser.add_argument("--max-retries", type=int, default=d.max_retries)
+    parser.add_argument("--poll-interval-s", type=float, default=d.poll_interval_s)
+    parser.add_argument("--max-tokens-default", type=int, default=d.max_tokens_default)
+    parser.add_argument("--api-key-file", default=None, help="file holding the API key (bearer token)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
+    return CoordinatorSettings(
+        model=args.model, served_model_name=args.served_model_name, engines=tuple(args.engine),
+        controller=args.controller, coordinator_id=args.coordinator_id,
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, kv_mode=args.kv_mode,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        fallback_policy=args.fallback_policy, block_size=args.block_size,
+        ttft_slo_s=args.ttft_slo_s, request_timeout_s=args.request_timeout_s,
+        max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
+        poll_interval_s=args.poll_interval_s, max_tokens_default=args.max_tokens_default,
+        api_key_file=args.api_key_file,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from .app import create_app
+
+    try:
+        settings = settings_from_args(args)
+        app = create_app(settings)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
+                            loop="asyncio", http="httptools", lifespan="on")
+    server = uvicorn.Server(config)
+    print(f"pdserve coordinator serving on {host}:{port}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(server.serve(sockets=[sock]))
+    return 0

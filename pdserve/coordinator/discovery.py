@@ -1,0 +1,76 @@
+"""Static instance view: a fixed list of engine addresses, each polled for Health and Stats.
+
+Used when no Controller is configured. Every ``poll_interval_s`` each engine's
+Health (role, KV endpoint, compat hash, draining) and Stats (queue depth, KV
+usage, block size) are read concurrently; an engine that does not answer within
+the interval is unhealthy (not routable) until it answers again. A role change
+(e.g. an operator switching an engine to hybrid) is seen at the next poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from .instances import Instance, InstanceRegistry
+
+log = logging.getLogger(__name__)
+
+
+class StaticDiscovery:
+    def __init__(self, registry: InstanceRegistry, addresses: list[str], interval_s: float) -> None:
+        self.registry = registry
+        self.addresses = list(addresses)
+        self.interval_s = interval_s
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Called by the app at startup: one poll first, so routing starts with a view."""
+        await self.poll_once()
+        self._task = asyncio.create_task(self._run(), name="static-discovery")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # a bug here must not end discovery
+                log.exception("engine poll failed")
+
+    async def poll_once(self) -> None:
+        found = await asyncio.gather(*(self._probe(a) for a in self.addresses))
+        self.registry.replace(list(found))
+
+    async def _probe(self, address: str) -> Instance:
+        client = self.registry.client(address)
+        timeout_s = max(0.2, min(2.0, self.interval_s))
+        try:
+            health, stats = await asyncio.gather(
+                client.health(timeout_s=timeout_s), client.stats(timeout_s=timeout_s)
+            )
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+            old = self.registry.get(address)
+            if old is None or old.healthy:
+                log.warning("engine %s does not answer: %s", address, _short(exc))
+            return Instance(address, address, old.role if old else "unknown", healthy=False)
+        return Instance(
+            instance_id=address, address=address, role=health.role,
+            kv_endpoint=health.kv_endpoint, kv_compat_hash=health.kv_compat_hash,
+            healthy=health.serving, draining=health.draining,
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            num_kv_blocks_used=stats.num_kv_blocks_used,
+            num_kv_blocks_free=stats.num_kv_blocks_free, block_size=stats.block_size,
+        )
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return type(exc).__name__

@@ -1,0 +1,33 @@
+"""Errors a client sees, in OpenAI's JSON shape: ``{"error": {message, type, param, code}}``.
+
+Every refusal of the Coordinator is a ``ServeError`` carrying its HTTP status; the
+app turns it into the JSON body (or a final SSE event once a stream has begun).
+"""
+
+from __future__ import annotations
+
+import orjson
+
+_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+    502: "upstream_error", 503: "service_unavailable", 504: "timeout_error",
+}
+
+
+class ServeError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+    def json_bytes(self) -> bytes:
+        return orjson.dumps(self.body())

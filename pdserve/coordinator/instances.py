@@ -1,0 +1,149 @@
+"""The instance view: which engines exist, their role, KV endpoint, compat hash and load.
+
+``InstanceRegistry`` is written by one source (the static poller or the Controller
+watcher) through ``replace``/``update``, and read by the router on every request.
+It also owns one ``EngineClient`` per engine address and the Coordinator's own
+count of legs in flight per engine (exact, unlike polled load).
+
+Invariants: only ``routable`` instances (healthy, not draining) are in pools; an
+instance that just failed a leg is ``suspect`` for ``suspect_s`` and is picked
+only when nothing else is left; waiters on ``wait_changed`` wake on every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from pdserve.api.engine_client import EngineClient
+from pdserve.api.security import SecuritySettings
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    address: str
+    role: str  # "prefill" | "decode" | "hybrid"
+    kv_endpoint: str = ""
+    kv_compat_hash: str = ""
+    healthy: bool = True
+    draining: bool = False
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_free: int = 0
+    block_size: int = 0
+    # Coordinator-side, exact: legs in flight and prompt tokens not yet prefilled.
+    num_inflight: int = 0
+    num_pending_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0  # EWMA from observed prefill timings; 0: unknown
+    suspect_until: float = 0.0
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def kv_usage(self) -> float:
+        total = self.num_kv_blocks_used + self.num_kv_blocks_free
+        return self.num_kv_blocks_used / total if total else 0.0
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests ahead of a new one: reported load or our own count, whichever is larger."""
+        return max(self.num_running + self.num_waiting, self.num_inflight)
+
+
+VIEW_FIELDS = (
+    "address", "role", "kv_endpoint", "kv_compat_hash", "healthy", "draining", "num_running",
+    "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "block_size",
+)
+
+
+@dataclass
+class Pools:
+    prefill: list[Instance] = field(default_factory=list)
+    decode: list[Instance] = field(default_factory=list)
+    hybrid: list[Instance] = field(default_factory=list)
+
+
+class InstanceRegistry:
+    def __init__(self, security: SecuritySettings | None = None, suspect_s: float = 5.0) -> None:
+        self._security = security or SecuritySettings.from_env()
+        self._suspect_s = suspect_s
+        self._instances: dict[str, Instance] = {}
+        self._clients: dict[str, EngineClient] = {}
+        self._changed = asyncio.Event()
+        self.mode = "PD"  # the Controller's view mode: "PD" | "FALLBACK"
+        self.fallback_reason = ""
+        self.version = 0
+
+    # -- written by the view source (static poller / Controller watcher) --
+
+    def replace(self, instances: list[Instance], mode: str = "PD", reason: str = "") -> None:
+        """A whole new view. Instances that stay keep their object (requests hold it)
+        and Coordinator-side counters; only the view's fields are updated."""
+        new: dict[str, Instance] = {}
+        for inst in instances:
+            old = self._instances.get(inst.instance_id)
+            if old is not None:
+                for name in VIEW_FIELDS:
+                    setattr(old, name, getattr(inst, name))
+                inst = old
+            new[inst.instance_id] = inst
+        self._instances = new
+        self.mode, self.fallback_reason = mode, reason
+        self.version += 1
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Called by the router while a request queues for a pool to come back."""
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), max(0.0, timeout_s))
+
+    # -- read by the router and the request lifecycle --
+
+    def all(self) -> list[Instance]:
+        return list(self._instances.values())
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def pools(self, exclude: set[str] = frozenset()) -> Pools:
+        """Routable instances by role; suspects and ``exclude`` only as a last resort."""
+        now = time.monotonic()
+        pools = Pools()
+        spare = Pools()
+        for inst in self._instances.values():
+            if not inst.routable:
+                continue
+            avoid = inst.suspect_until > now or inst.instance_id in exclude
+            getattr(spare if avoid else pools, inst.role).append(inst)
+        for role in ("prefill", "decode", "hybrid"):
+            if not getattr(pools, role):
+                setattr(pools, role, getattr(spare, role))
+        return pools
+
+    def mark_failed(self, instance_id: str) -> None:
+        """Called by the lifecycle when a leg on this instance failed."""
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            inst.suspect_until = time.monotonic() + self._suspect_s
+
+    def client(self, address: str) -> EngineClient:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = EngineClient(address, self._security)
+        return client
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()

@@ -1,0 +1,57 @@
+"""The Coordinator's Prometheus metrics, on one explicit registry per app.
+
+Names are ``pdserve_coordinator_<what>_<unit>``. Labels are bounded: endpoints and
+stages are fixed sets, status codes are HTTP codes, reasons are the router's and
+lifecycle's short labels (never free text, request ids or addresses).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0, 60.0)
+STAGES = ("prefill_queue", "prefill_compute", "kv_transfer", "decode_wait", "first_decode")
+
+
+class CoordinatorMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "pdserve_coordinator_"
+        self.requests = Counter(p + "requests_total", "Finished HTTP requests.",
+                                ["endpoint", "code"], registry=r)
+        self.fallbacks = Counter(p + "fallbacks_total", "Requests that met an empty pool, by "
+                                 "fallback policy and reason.", ["policy", "reason"], registry=r)
+        self.retries = Counter(p + "retries_total", "Legs retried after a failure.",
+                               ["leg", "stage"], registry=r)
+        self.continuations = Counter(p + "continuations_total", "Streams continued on a new "
+                                     "pair after the decode engine failed mid-stream.", registry=r)
+        self.rejected = Counter(p + "rejected_total", "Requests refused by admission control.",
+                                ["reason"], registry=r)
+        self.local_prefills = Counter(p + "local_prefills_total", "Requests run on one engine "
+                                      "by conditional disaggregation.", registry=r)
+        self.aborts = Counter(p + "aborts_total", "Requests ended early (client gone, deadline, "
+                              "stop string), both legs aborted.", ["reason"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens.", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens_total", "Output tokens.", registry=r)
+        self.inflight = Gauge(p + "inflight_requests", "Requests being served.", registry=r)
+        self.queued = Gauge(p + "queued_requests", "Requests waiting for admission.", registry=r)
+        self.queued_for_route = Gauge(p + "route_waiting_requests", "Requests waiting for an "
+                                      "engine pool (fallback policy queue).", registry=r)
+        self.instances = Gauge(p + "instances", "Routable engines by role.", ["role"], registry=r)
+        self.stage = Histogram(p + "stage_duration_seconds", "Per-request stage durations "
+                               "reported by the engines.", ["stage"], buckets=LATENCY_BUCKETS,
+                               registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean gap between output "
+                              "tokens after the first.", buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "request_duration_seconds", "Arrival to last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self._stage_children = {s: self.stage.labels(s) for s in STAGES}
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        self._stage_children[stage].observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

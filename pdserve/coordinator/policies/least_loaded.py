@@ -1,0 +1,27 @@
+"""least_loaded: the engine with the fewest requests ahead, then the lowest KV usage.
+
+Load per engine: ``queue_depth = max(running + waiting from the last Stats poll or
+Controller view, legs this Coordinator has in flight there)`` (polled load is up to
+one interval stale; our own count is exact but misses other Coordinators), then
+``kv_usage = used / (used + free)`` blocks.
+Algorithm: minimum of (queue_depth, kv_usage); ties go to the next engine after
+the last pick, so equal engines share work.
+Cost: O(N) over the pool's N candidates. No thresholds.
+"""
+
+from __future__ import annotations
+
+from ..instances import Instance
+from .base import Policy, RouteContext, least_queue
+
+
+class LeastLoaded(Policy):
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._tick = 0
+
+    def choose(self, candidates: list[Instance], ctx: RouteContext) -> Instance:
+        self._tick += 1
+        ordered = sorted(candidates, key=lambda i: i.instance_id)
+        return least_queue(ordered, self._tick)

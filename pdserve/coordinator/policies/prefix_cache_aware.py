@@ -1,0 +1,50 @@
+"""prefix_cache_aware: send a prompt where its prefix's KV probably is, unless that
+engine is much busier than the rest (sgl-router's cache-aware policy).
+
+Thresholds:
+  CACHE_THRESHOLD = 0.5     route by cache only when the best engine holds at least
+                            this fraction of the prompt's full blocks
+  BALANCE_ABS = 32          ... and the pool is balanced: max - min queue depth
+  BALANCE_REL = 1.5         <= BALANCE_ABS or max <= BALANCE_REL * min
+Algorithm: if the pool is imbalanced, pick the least loaded engine. Otherwise take
+the engine matching the longest leading run of block hashes (``PrefixIndex``); if
+that covers at least CACHE_THRESHOLD of the blocks pick it (ties: least loaded),
+else pick the least loaded (its choice is recorded by the router, so the next
+prompt with this prefix follows it).
+Cost: O(N * B) hash look-ups for N candidates and a prompt of B full blocks.
+The index is the Coordinator's estimate (see ``prefix_index``), not engine events.
+"""
+
+from __future__ import annotations
+
+from ..instances import Instance
+from ..prefix_index import PrefixIndex
+from .base import Policy, RouteContext, least_queue
+
+CACHE_THRESHOLD = 0.5
+BALANCE_ABS = 32
+BALANCE_REL = 1.5
+
+
+class PrefixCacheAware(Policy):
+    name = "prefix_cache_aware"
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self._tick = 0
+
+    def choose(self, candidates: list[Instance], ctx: RouteContext) -> Instance:
+        self._tick += 1
+        ordered = sorted(candidates, key=lambda i: i.instance_id)
+        depths = [i.queue_depth for i in ordered]
+        lo, hi = min(depths), max(depths)
+        imbalanced = hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo
+        hashes = ctx.hashes
+        if imbalanced or not hashes:
+            return least_queue(ordered, self._tick)
+        matches = [self.index.match(i.instance_id, hashes) for i in ordered]
+        best = max(matches)
+        if best / len(hashes) < CACHE_THRESHOLD:
+            return least_queue(ordered, self._tick)
+        tied = [i for i, m in zip(ordered, matches, strict=True) if m == best]
+        return least_queue(tied, self._tick)

@@ -1,0 +1,134 @@
+"""Prompts in, text out: the model's tokenizer, the chat template and the detokenizer.
+
+The Coordinator tokenizes every text prompt itself, so it can hash prefixes for
+routing and count usage, and sends token ids to engines. It also turns output
+token ids back into text (not the engines' text): a request that continues on a
+new engine pair after a failure then reads as one unbroken stream.
+
+Chat template: the checkpoint's ``tokenizer_config.json`` ``chat_template``
+(rendered with jinja2 in a sandbox, as Hugging Face does), else ``DEFAULT_CHAT_TEMPLATE``:
+one ``<|role|>`` line before each message's content, then ``<|assistant|>``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pdserve.api.tokenizer import ByteTokenizer, load_tokenizer
+
+from .errors import ServeError
+
+PRESET_VOCAB = {"tiny": 320, "small": 8192}
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class PromptBuilder:
+    """Owns the tokenizer and chat template of the served model; built once per app."""
+
+    def __init__(self, model: str) -> None:
+        self.tokenizer = None
+        self.vocab_size: int | None = None
+        template, self._specials = DEFAULT_CHAT_TEMPLATE, {"bos_token": "", "eos_token": ""}
+        if model in PRESET_VOCAB:
+            self.vocab_size = PRESET_VOCAB[model]
+            self.tokenizer = ByteTokenizer(self.vocab_size)
+        elif Path(model).is_dir():
+            self.tokenizer = load_tokenizer(Path(model))
+            template = self._read_config(Path(model)) or template
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self._template = env.from_string(template)
+
+    def _read_config(self, path: Path) -> str | None:
+        config_file = path / "tokenizer_config.json"
+        if not config_file.is_file():
+            return None
+        config = json.loads(config_file.read_text())
+        for key in ("bos_token", "eos_token"):
+            value = config.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            self._specials[key] = value if isinstance(value, str) else ""
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: use "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return template if isinstance(template, str) else None
+
+    def encode_text(self, text: str) -> list[int]:
+        """Called by the app for text prompts."""
+        if self.tokenizer is None:
+            raise ServeError(400, "this model has no tokenizer: send prompt token ids", param="prompt")
+        return self.tokenizer.encode(text)
+
+    def check_ids(self, token_ids: list[int]) -> list[int]:
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in token_ids):
+            raise ServeError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        if any(t < 0 for t in token_ids):
+            raise ServeError(400, "prompt token ids must be non-negative", param="prompt")
+        return token_ids
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """Called by the app for /v1/chat/completions: messages -> prompt text."""
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True,
+                                         **self._specials)
+        except TemplateError as exc:
+            raise ServeError(400, f"chat template: {exc}", param="messages") from None
+
+    def detokenizer(self, stop: list[str]) -> Detokenizer:
+        return Detokenizer(self.tokenizer, stop)
+
+
+class Detokenizer:
+    """Incremental text of one request's output tokens, with stop strings.
+
+    Text is released once it cannot change: a trailing replacement character (an
+    incomplete UTF-8 sequence) and a tail that could grow into a stop string wait.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.token_ids: list[int] = []
+        self._text = ""
+        self._emitted = 0
+
+    def append(self, new_token_ids: list[int]) -> tuple[str, bool]:
+        """Returns (newly released text, hit a stop string). Called per engine message."""
+        self.token_ids.extend(new_token_ids)
+        if self.tokenizer is None:
+            return "", False
+        text = self.tokenizer.decode(self.token_ids)
+        for stop in self.stop:
+            idx = text.find(stop, max(0, self._emitted - len(stop)))
+            if idx != -1:
+                self._text = text[:idx]
+                return self.flush(), True
+        self._text = text
+        hold = 1 if text.endswith("\ufffd") else 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        end = max(self._emitted, len(text) - hold)
+        new = text[self._emitted:end]
+        self._emitted = end
+        return new, False
+
+    def flush(self) -> str:
+        """Everything held back; called when the request finishes."""
+        new = self._text[self._emitted:]
+        self._emitted = len(self._text)
+        return new

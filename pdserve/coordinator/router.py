@@ -1,0 +1,117 @@
+"""The router: turns a request's prompt into a plan (which engines, which path).
+
+Plans: ``pd`` (a prefill engine and a decode engine with equal ``kv_compat_hash``,
+chosen by the per-pool policies; decode first for push and layerwise, whose D must
+reserve blocks before P writes, prefill first for pull) or ``single`` (one engine
+runs the whole request: conditional disaggregation on the chosen D, or the hybrid
+fallback).
+
+Fallback, when no PD pair exists (a pool is empty, or no compatible pair):
+``hybrid`` runs whole requests on hybrid engines (with a Controller, it switches
+engines to hybrid and says so with view mode FALLBACK); while none exists the
+request waits as with ``queue``; ``queue`` waits for the view to change until the
+deadline; ``fail`` answers 503 at once. Never silent: each fallback is counted
+(``pdserve_coordinator_fallbacks_total``) and the reason is in the error text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .errors import ServeError
+from .instances import Instance, InstanceRegistry, Pools
+from .metrics import CoordinatorMetrics
+from .policies import RouteContext, build_policy
+from .prefix_index import PrefixIndex
+from .settings import CoordinatorSettings
+
+
+@dataclass
+class Plan:
+    kind: str  # "pd" | "single"
+    prefill: Instance | None = None
+    decode: Instance | None = None
+    single: Instance | None = None
+    fallback: str | None = None  # reason label when this is a fallback
+
+
+class Router:
+    def __init__(self, settings: CoordinatorSettings, registry: InstanceRegistry,
+                 index: PrefixIndex, metrics: CoordinatorMetrics) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.index = index
+        self.metrics = metrics
+        self.prefill_policy = build_policy(settings.prefill_policy, index, "prefill")
+        self.decode_policy = build_policy(settings.decode_policy, index, "decode")
+
+    async def plan(self, ctx: RouteContext, exclude: set[str], deadline: float) -> Plan:
+        """Called by the request lifecycle for each attempt; waits (queue) up to ``deadline``."""
+        counted = False
+        while True:
+            pools = self.registry.pools(exclude)
+            plan, reason = self.plan_now(pools, ctx)
+            if plan is not None:
+                return plan
+            policy = self.settings.fallback_policy
+            detail = self.registry.fallback_reason or reason.replace("_", " ")
+            if policy == "hybrid" and pools.hybrid:
+                inst = self.decode_policy.choose(pools.hybrid, ctx)
+                self.index.record(inst.instance_id, ctx.hashes)
+                self.metrics.fallbacks.labels("hybrid", reason).inc()
+                return Plan("single", single=inst, fallback=reason)
+            if policy == "fail":
+                self.metrics.fallbacks.labels("fail", reason).inc()
+                raise ServeError(503, f"no engine pair to serve the request ({detail}); "
+                                 "fallback policy is fail", code="no_route")
+            if not counted:
+                self.metrics.fallbacks.labels(policy, reason).inc()
+                counted = True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServeError(503, f"no engine pair became available within the deadline "
+                                 f"({detail}); fallback policy is {policy}", code="no_route")
+            self.metrics.queued_for_route.inc()
+            try:
+                await self.registry.wait_changed(left)
+            finally:
+                self.metrics.queued_for_route.dec()
+
+    @staticmethod
+    def compatible(pools: Pools) -> tuple[list[Instance], list[Instance], str]:
+        """The P and D candidates that can pair (equal kv_compat_hash), or a reason label."""
+        if not pools.prefill and not pools.decode:
+            return [], [], "no_prefill_or_decode_engine"
+        if not pools.prefill:
+            return [], [], "no_prefill_engine"
+        if not pools.decode:
+            return [], [], "no_decode_engine"
+        common = {p.kv_compat_hash for p in pools.prefill} & {d.kv_compat_hash for d in pools.decode}
+        if not common:
+            return [], [], "no_compatible_pair"
+        prefill = [p for p in pools.prefill if p.kv_compat_hash in common]
+        decode = [d for d in pools.decode if d.kv_compat_hash in common]
+        return prefill, decode, ""
+
+    def plan_now(self, pools: Pools, ctx: RouteContext) -> tuple[Plan | None, str]:
+        """The PD plan for these pools, or (None, reason label). Called by ``plan``."""
+        prefill, decode, reason = self.compatible(pools)
+        if reason:
+            return None, reason
+        if self.settings.kv_mode == "pull":
+            p = self.prefill_policy.choose(prefill, ctx)
+            d = self.decode_policy.choose([i for i in decode if i.kv_compat_hash == p.kv_compat_hash], ctx)
+        else:  # decode first: D reserves its blocks before P writes into them
+            d = self.decode_policy.choose(decode, ctx)
+            p = self.prefill_policy.choose([i for i in prefill if i.kv_compat_hash == d.kv_compat_hash], ctx)
+        threshold = self.settings.local_prefill_max_tokens
+        if threshold:
+            cached = self.index.match(d.instance_id, ctx.hashes) * ctx.block_size
+            if ctx.num_tokens - cached <= threshold:
+                self.index.record(d.instance_id, ctx.hashes)
+                self.metrics.local_prefills.inc()
+                return Plan("single", single=d), ""
+        self.index.record(p.instance_id, ctx.hashes)
+        self.index.record(d.instance_id, ctx.hashes)
+        return Plan("pd", prefill=p, decode=d), ""

@@ -1,0 +1,255 @@
+"""The completion endpoints' work: prompt to tokens, run the request, shape OpenAI output.
+
+``Completions.handle`` is called by the app's two routes. It validates what pydantic
+cannot (model name, prompt length), takes an admission slot, and returns a JSON
+response or an SSE stream. A stream's first token is awaited before the response
+starts, so errors before it (no route, bad prompt) get their real HTTP status;
+errors after it end the stream with an OpenAI error event and ``data: [DONE]``.
+
+Invariants: the admission slot is released and the request counted exactly once,
+whatever ends the request; a client that goes away (stream or not) closes the
+run, which cancels and aborts both legs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from .admission import Admission
+from .errors import ServeError
+from .lifecycle import Deps, RequestRun, Sampling
+from .prompts import PromptBuilder
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+TIMINGS_HEADER = "x-pdserve-timings"
+
+
+def new_request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    if 0 < len(given) <= 128 and given.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        return given
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Completions:
+    def __init__(self, deps: Deps, prompts: PromptBuilder, admission: Admission) -> None:
+        self.deps = deps
+        self.prompts = prompts
+        self.admission = admission
+
+    def _prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            return self.prompts.encode_text(self.prompts.render_chat(messages))
+        if isinstance(body.prompt, str):
+            ids = self.prompts.encode_text(body.prompt)
+        else:
+            ids = self.prompts.check_ids(body.prompt)
+        if not ids:
+            raise ServeError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    async def handle(self, request: Request, body, endpoint: str) -> Response:
+        """Called by the app for /v1/completions and /v1/chat/completions."""
+        arrival = time.monotonic()
+        settings = self.deps.settings
+        if body.model != settings.model_name:
+            raise ServeError(404, f"model {body.model!r} does not exist; this server serves "
+                             f"{settings.model_name!r}", code="model_not_found", param="model")
+        prompt_ids = self._prompt_ids(body)
+        max_tokens = body.max_tokens or getattr(body, "max_completion_tokens", None) \
+            or settings.max_tokens_default
+        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.seed, body.stop_list())
+        deadline = arrival + settings.request_timeout_s
+        slot = await self.admission.acquire(deadline)
+        rid = new_request_id(request)
+        run = RequestRun(self.deps, rid, prompt_ids, sampling, deadline)
+        out = _Output(self, run, body, endpoint, arrival, request.headers.get(TIMINGS_HEADER) == "1")
+        headers = {"x-request-id": rid}
+        try:
+            if body.stream:
+                first = await self._first(request, run, out)
+                return StreamingResponse(out.sse(first, slot), media_type="text/event-stream",
+                                         headers=headers)
+            await self._race_disconnect(request, out.collect())
+            out.done(200)
+            slot.release()
+            return Response(orjson.dumps(out.full_body()), media_type="application/json",
+                            headers=headers)
+        except BaseException as exc:
+            out.done(exc.status if isinstance(exc, ServeError) else 499)
+            slot.release()
+            await out.close()
+            if isinstance(exc, ServeError):
+                exc.headers.setdefault("x-request-id", rid)
+            raise
+
+    async def _race_disconnect(self, request: Request, coro):
+        work = asyncio.ensure_future(coro)
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                self.deps.metrics.aborts.labels("client_gone").inc()
+                raise asyncio.CancelledError("client went away")
+        return work.result()
+
+    async def _first(self, request: Request, run: RequestRun, out: _Output):
+        return await self._race_disconnect(request, out.next_event())
+
+
+class _Output:
+    """Accumulates one request's output and renders it as OpenAI JSON or SSE chunks."""
+
+    def __init__(self, owner: Completions, run: RequestRun, body, endpoint: str,
+                 arrival: float, want_timings: bool) -> None:
+        self.owner, self.run, self.body, self.endpoint = owner, run, body, endpoint
+        self.arrival = arrival
+        self.want_timings = want_timings
+        self.is_chat = endpoint == "chat"
+        self.detok = owner.prompts.detokenizer(run.sampling.stop)
+        self.text: list[str] = []
+        self.created = int(time.time())
+        self.first_s: float | None = None
+        self.last_s: float | None = None
+        self.finish_reason: str | None = None
+        self._tokens = run.tokens()
+        self._counted = False
+
+    async def next_event(self) -> tuple[list[int], str] | None:
+        """Next (token ids, released text), or None at the end (finish_reason set)."""
+        if self.finish_reason is not None:
+            return None
+        try:
+            ids = await self._tokens.__anext__()
+        except StopAsyncIteration:
+            self.finish_reason = self.run.finish_reason or "length"
+            tail = self.detok.flush()
+            return ([], tail) if tail else None
+        now = time.monotonic()
+        if self.first_s is None:
+            self.first_s = now
+        elif "first_decode_s" not in self.run.timings:
+            self.run.timings["first_decode_s"] = now - self.first_s
+            self.owner.deps.metrics.observe_stage("first_decode", now - self.first_s)
+        self.last_s = now
+        new_text, hit_stop = self.detok.append(ids)
+        if hit_stop:
+            self.finish_reason = "stop"
+            await self.close()
+            self.owner.deps.metrics.aborts.labels("stop_string").inc()
+        return ids, new_text
+
+    async def collect(self) -> None:
+        while (event := await self.next_event()) is not None:
+            self.text.append(event[1])
+
+    async def close(self) -> None:
+        await self._tokens.aclose()
+
+    def usage(self) -> dict:
+        n_prompt, n_out = len(self.run.prompt_ids), len(self.detok.token_ids)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                "total_tokens": n_prompt + n_out}
+
+    def done(self, code: int) -> None:
+        """Counts the request once and observes its latency histograms."""
+        if self._counted:
+            return
+        self._counted = True
+        m = self.owner.deps.metrics
+        m.requests.labels(self.endpoint, str(code)).inc()
+        end = time.monotonic()
+        self.owner.admission.observe_duration(end - self.arrival)
+        t = self.run.timings
+        t["e2e_s"] = end - self.arrival
+        if code != 200:
+            return
+        n_out = len(self.detok.token_ids)
+        m.prompt_tokens.inc(len(self.run.prompt_ids))
+        m.generation_tokens.inc(n_out)
+        m.e2e.observe(end - self.arrival)
+        if self.first_s is not None:
+            t["ttft_s"] = self.first_s - self.arrival
+            m.ttft.observe(t["ttft_s"])
+            if n_out > 1:
+                t["tpot_s"] = (self.last_s - self.first_s) / (n_out - 1)
+                m.tpot.observe(t["tpot_s"])
+
+    def _choice(self, text: str, finish: str | None, delta: bool, first: bool = False) -> dict:
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if not self.is_chat:
+            choice["text"] = text
+        elif delta:
+            choice["delta"] = {"role": "assistant", "content": text} if first else (
+                {"content": text} if text or finish is None else {})
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        return choice
+
+    def full_body(self) -> dict:
+        choice = self._choice("".join(self.text), self.finish_reason, delta=False)
+        if self.body.return_token_ids:
+            choice["token_ids"] = list(self.detok.token_ids)
+        body = {"id": self.run.request_id,
+                "object": "chat.completion" if self.is_chat else "text_completion",
+                "created": self.created, "model": self.body.model, "choices": [choice],
+                "usage": self.usage()}
+        if self.want_timings:
+            body["pdserve_timings"] = self.run.timings
+        return body
+
+    def _chunk(self, choices: list[dict], **extra) -> bytes:
+        body = {"id": self.run.request_id,
+                "object": "chat.completion.chunk" if self.is_chat else "text_completion",
+                "created": self.created, "model": self.body.model, "choices": choices, **extra}
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    async def sse(self, first, slot):
+        """The SSE body; ``first`` is the event awaited before the response started."""
+        code = 200
+        try:
+            event, is_first = first, True
+            while event is not None:
+                ids, text = event
+                if text or is_first or (self.body.return_token_ids and ids):
+                    choice = self._choice(text, None, delta=True, first=is_first)
+                    if self.body.return_token_ids:
+                        choice["token_ids"] = ids
+                    yield self._chunk([choice])
+                    is_first = False
+                event = await self.next_event()
+            self.done(200)
+            extra = {"pdserve_timings": self.run.timings} if self.want_timings else {}
+            yield self._chunk([self._choice("", self.finish_reason, delta=True)], **extra)
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                yield self._chunk([], usage=self.usage())
+        except ServeError as exc:
+            code = exc.status
+            yield b"data: " + exc.json_bytes() + b"\n\n"
+        except BaseException:
+            code = 499
+            raise
+        finally:
+            self.done(code)
+            slot.release()
+            await self.close()
+        yield b"data: [DONE]\n\n"

@@ -1,0 +1,79 @@
+"""Coordinator settings: one frozen pydantic model, built from CLI flags or a PDCluster spec.
+
+Owns every knob of the request path (routing, fallback, admission, deadlines,
+retries). Invariants: durations are seconds (``*_s``), sizes bytes; the defaults
+match ``pdserve.api.cluster`` so a Coordinator started by hand routes like one the
+operator configures.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pdserve.api.cluster import FallbackPolicy, PDClusterSpec, RoutingPolicy, TransferMode
+
+
+class CoordinatorSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = "tiny"
+    """Preset name (tiny, small) or a checkpoint dir: where the tokenizer comes from."""
+    served_model_name: str | None = None
+    """Name clients send as ``model`` and see in /v1/models; defaults to ``model``."""
+    engines: tuple[str, ...] = ()
+    """Static engine gRPC addresses, used when no Controller is given."""
+    controller: str | None = None
+    """Controller gRPC address; its WatchView stream is the instance view."""
+    coordinator_id: str = "coordinator"
+
+    prefill_policy: RoutingPolicy = "prefix_cache_aware"
+    decode_policy: RoutingPolicy = "least_loaded"
+    kv_mode: TransferMode = "layerwise"
+    local_prefill_max_tokens: int = Field(default=0, ge=0)
+    """Conditional disaggregation: at most this many uncached tokens run on one engine."""
+    fallback_policy: FallbackPolicy = "hybrid"
+    block_size: int = Field(default=16, ge=1)
+    """Engines' KV block size, for prefix hashing (static view reads it from Stats)."""
+    ttft_slo_s: float | None = Field(default=None, gt=0)
+    prefix_index_max_blocks: int = Field(default=65536, ge=1)
+    """LRU bound of the prefix index, per instance."""
+
+    request_timeout_s: float = Field(default=60.0, gt=0)
+    """The one deadline of a request, covering both legs and every retry."""
+    max_concurrency: int = Field(default=256, ge=1)
+    max_queue: int = Field(default=1024, ge=0)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    max_retries: int = Field(default=3, ge=0)
+    retry_backoff_s: float = Field(default=0.02, ge=0)
+    retry_backoff_max_s: float = Field(default=0.5, ge=0)
+    suspect_s: float = Field(default=5.0, ge=0)
+    """How long an engine that just failed a leg is avoided (when another exists)."""
+    poll_interval_s: float = Field(default=0.5, gt=0)
+    """Static view: how often each engine's Health and Stats are read."""
+    max_tokens_default: int = Field(default=16, ge=1)
+    api_key_file: str | None = None
+    """File holding the API key (e.g. a mounted Secret); None: no auth."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CoordinatorSettings:
+        if self.controller and self.engines:
+            raise ValueError("give either a Controller address or static engines, not both")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @classmethod
+    def from_cluster(cls, name: str, spec: PDClusterSpec, **overrides) -> CoordinatorSettings:
+        """What the operator's Coordinator Deployment runs with: the cluster's policies."""
+        slo = spec.slo.ttft_ms / 1000.0 if spec.slo.ttft_ms else None
+        fields = dict(
+            model=spec.model.preset or spec.model.path or name,
+            served_model_name=spec.model.served_name or name,
+            prefill_policy=spec.routing.prefill_policy, decode_policy=spec.routing.decode_policy,
+            local_prefill_max_tokens=spec.routing.local_prefill_max_tokens,
+            kv_mode=spec.kv_transfer.mode, fallback_policy=spec.fallback.policy,
+            block_size=spec.engine.block_size, ttft_slo_s=slo,
+        )
+        return cls(**{**fields, **overrides})
