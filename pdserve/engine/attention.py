@@ -47,9 +47,17 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    on_kv_written=None,
 ) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend.
+
+    ``on_kv_written()`` fires between the two: the layer's KV is final from then on,
+    so a layer-wise sender can start moving it while attention and the MLP compute.
+    """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if on_kv_written is not None:
+        on_kv_written()
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:

@@ -32,6 +32,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-done-timeout", type=float, default=30.0)
     k.add_argument("--kv-lease", type=float, default=30.0)
     k.add_argument("--kv-abort-ack-timeout", type=float, default=5.0)
+    k.add_argument("--fault-kv-send-delay", type=float, default=0.0,
+                   help="fault injection: delay each KV write job (seconds; tests and drills)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -46,4 +48,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_transfer_timeout_s=args.kv_transfer_timeout,
         kv_descriptor_timeout_s=args.kv_descriptor_timeout, kv_done_timeout_s=args.kv_done_timeout,
         kv_lease_s=args.kv_lease, kv_abort_ack_timeout_s=args.kv_abort_ack_timeout,
+        fault_kv_send_delay_s=args.fault_kv_send_delay,
     )

@@ -136,6 +136,9 @@ class EngineConfig:
     kv_done_timeout_s: float = 30.0  # D waiting for P's DONE/READY (longer than P's)
     kv_lease_s: float = 30.0  # P (pull) holding prefilled blocks for D
     kv_abort_ack_timeout_s: float = 5.0
+    # Fault injection for tests and drills: delay every KV write job by this long, to
+    # widen the window in which a peer can be killed mid-transfer. 0 in production.
+    fault_kv_send_delay_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:

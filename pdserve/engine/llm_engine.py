@@ -186,8 +186,9 @@ class LLMEngine:
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
         if kv_transfer is not None and kv_transfer.role == "decode":
             request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        else:
+        elif kv_transfer is None or not self.connector.holds_prefill(kv_transfer):
             self.scheduler.add(request)
+        # else: the connector releases it to the scheduler once D's blocks are reserved
         if kv_transfer is not None:
             self.connector.admit(request, kv_transfer)
         return request
@@ -300,6 +301,9 @@ class LLMEngine:
     def _apply_connector_events(self) -> list[RequestOutput]:
         events = self.connector.update()
         outputs = []
+        for request in events.ready:
+            if self.requests.get(request.request_id) is request:
+                self.scheduler.add(request)
         for request, token, seed in events.exposed:
             if self.requests.get(request.request_id) is not request:
                 self.block_manager.free(request)  # aborted meanwhile

@@ -25,7 +25,7 @@ PRESETS: dict[str, dict] = {
     # ~2M parameters: tests and the default local cluster.
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
-                 max_position_embeddings=4096, rope_theta=10000.0, seed=1234),
+                 max_position_embeddings=16384, rope_theta=10000.0, seed=1234),
     # ~30M parameters: benchmarks.
     "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=2, vocab_size=8192,

@@ -9,6 +9,8 @@ so building a large model costs nothing before its weights are copied in.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,6 +83,7 @@ class Attention(nn.Module):
         rotary: Rotary,
         kv_cache: torch.Tensor,  # [2, num_slots, KVH, D] for this layer
         meta: AttentionMetadata,
+        on_kv_written=None,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
@@ -89,7 +92,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, on_kv_written)
         return F.linear(o.reshape(t, self.q_size), self.o_weight)
 
 
@@ -134,15 +137,14 @@ class Transformer(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_cache: torch.Tensor,  # [L, 2, num_slots, KVH, D]
         meta: AttentionMetadata,
-        layer_done=None,  # optional callback(layer_index) after each layer's KV is written
+        kv_ready=None,  # optional callback(layer_index) once a layer's KV is in the cache
     ) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn(layer.input_layernorm(h), positions, self.rotary, kv_cache[i], meta)
+            hook = None if kv_ready is None else functools.partial(kv_ready, i)
+            a = layer.self_attn(layer.input_layernorm(h), positions, self.rotary, kv_cache[i], meta, hook)
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if layer_done is not None:
-                layer_done(i)
         return self.norm(h)
 
     @torch.inference_mode()

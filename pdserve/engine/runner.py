@@ -96,14 +96,14 @@ class ModelRunner:
         return ids, pos_t, meta, sample_rows, sampled
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, layer_done=None) -> dict[str, int]:
+    def execute(self, batch: ScheduledBatch, kv_ready=None) -> dict[str, int]:
         """Run one step; returns the sampled token for each request that completed its tokens.
 
-        Called by the engine once per step. ``layer_done(i)`` fires after layer ``i``'s
-        KV is in the cache (the layer-wise KV sender hooks in here).
+        Called by the engine once per step. ``kv_ready(i)`` fires as soon as layer ``i``'s
+        KV is in the cache, before its attention and MLP (the layer-wise sender hooks in).
         """
         ids, positions, meta, rows, sampled = self.prepare(batch)
-        hidden = self.model(ids, positions, self.kv_slots, meta, layer_done)
+        hidden = self.model(ids, positions, self.kv_slots, meta, kv_ready)
         if not sampled:
             return {}
         logits = self.model.compute_logits(hidden[rows])

@@ -73,6 +73,7 @@ class Transfer:
     should_reserve: bool = False  # D: reserve destination blocks as soon as possible
     pending_ready: dict | None = None  # D (pull): READY waiting for handshake or free blocks
     seed: int | None = None
+    holding: bool = False  # P (layer-wise): prefill waits until the destination is known
     lock: threading.Lock = field(default_factory=threading.Lock)
     started_s: float = field(default_factory=time.monotonic)
     num_bytes: int = 0
@@ -103,6 +104,7 @@ class Transfer:
 
 @dataclass
 class ConnectorEvents:
+    ready: list[Request] = field(default_factory=list)  # P: destination known, may prefill now
     exposed: list[tuple[Request, int, int | None]] = field(default_factory=list)  # D: (req, token, seed)
     handed_off: list[Request] = field(default_factory=list)  # P: done, blocks freed
     failed: list[tuple[Request, str]] = field(default_factory=list)
@@ -164,6 +166,12 @@ class KVConnector:
             # No deadline while prefill runs; it starts when the first token exists.
             xfer = Transfer(params, request, XferState.BOOTSTRAPPING, deadline=float("inf"))
             request.pinned = True  # never preempted: its blocks may be in flight
+            if self.holds_prefill(params):
+                # Layer-wise writes need the destination before the first layer is
+                # computed: the prefill waits (bounded) for D's RESERVE, as SGLang's
+                # bootstrap queue does.
+                xfer.holding = True
+                xfer.deadline = now + self.timeouts.descriptor_s
         else:
             xfer = Transfer(params, request, XferState.BOOTSTRAPPING, now + self.timeouts.done_s)
             xfer.should_reserve = params.mode != "pull" and self.decode_allocation == "dispatch"
@@ -171,6 +179,17 @@ class KVConnector:
         self.worker.handshake(params.peer)
         for _, msg in self._early.pop(params.transfer_id, []):
             self._on_message(xfer, msg)
+
+    def holds_prefill(self, params: KVTransferParams) -> bool:
+        """Whether a prefill leg must wait for its destination before being scheduled."""
+        return (params.role == "prefill" and params.mode == "layerwise"
+                and self.decode_allocation == "dispatch")
+
+    def _release_prefill(self, xfer: Transfer) -> None:
+        if xfer.holding and xfer.remote_blocks is not None and xfer.state is XferState.WAITING_FOR_INPUT:
+            xfer.holding = False
+            xfer.deadline = float("inf")
+            self._events.ready.append(xfer.request)
 
     def on_prefill_done(self, request: Request, first_token: int) -> None:
         """P: the prefill step sampled the first token; the request left the running set."""
@@ -245,6 +264,7 @@ class KVConnector:
                 xfer.state = XferState.WAITING_FOR_INPUT
                 if p.role == "prefill" and xfer.prefill_done_s is not None:
                     self._after_prefill(xfer)
+                self._release_prefill(xfer)
         if xfer.state is XferState.WAITING_FOR_INPUT and p.role == "decode":
             if xfer.should_reserve and not xfer.reserve_sent:
                 self._try_reserve(xfer)
@@ -321,6 +341,7 @@ class KVConnector:
             self._fail(xfer, f"RESERVE names {len(blocks)} blocks, {need} needed", notify_peer=True)
             return
         xfer.remote_blocks = blocks
+        self._release_prefill(xfer)
         if xfer.state is XferState.WAITING_FOR_INPUT and xfer.prefill_done_s is not None:
             self._start_push(xfer)
         # else: layer-wise writes start with the next step; the rest after prefill

@@ -60,5 +60,5 @@ def build_connector(config: EngineConfig, model_config: ModelConfig, runner, blo
         descriptor_s=config.kv_descriptor_timeout_s, done_s=config.kv_done_timeout_s,
         lease_s=config.kv_lease_s, abort_ack_s=config.kv_abort_ack_timeout_s,
     )
-    return KVConnector(ConnectorWorker(transport, layout), block_manager, timeouts,
-                       config.decode_allocation, on_transfer_done)
+    worker = ConnectorWorker(transport, layout, fault_send_delay_s=config.fault_kv_send_delay_s)
+    return KVConnector(worker, block_manager, timeouts, config.decode_allocation, on_transfer_done)

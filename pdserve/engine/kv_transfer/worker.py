@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from pdserve.engine.kv_transfer import messages
 from pdserve.engine.kv_transfer.layout import KVLayout, token_range_items
@@ -24,8 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class ConnectorWorker:
-    def __init__(self, transport: Transport, layout: KVLayout) -> None:
+    def __init__(self, transport: Transport, layout: KVLayout, fault_send_delay_s: float = 0.0) -> None:
         self.transport = transport
+        self._fault_send_delay_s = fault_send_delay_s
         self.layout = layout
         transport.register_memory(layout.base_addr, layout.region_bytes)
         self.peers: dict[str, KVLayout] = {}  # handshake cache
@@ -139,6 +141,8 @@ class ConnectorWorker:
         while (job := self._jobs.get()) is not None:
             xfer, layers, start, end = job
             try:
+                if self._fault_send_delay_s:
+                    time.sleep(self._fault_send_delay_s)
                 if not xfer.cancelled:
                     remote = self.peers[xfer.peer]
                     items = token_range_items(self.layout, remote, xfer.request.block_table,

@@ -1,0 +1,206 @@
+"""Disaggregation under faults, with real engine processes over the TCP transport.
+
+Each test pairs a prefill (P) and a decode (D) engine, injects a fault in the middle
+of a KV transfer (P's writes are delayed so the window is wide), and checks: a clear
+error, both engines' blocks back in the free pool, and both engines still serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+
+from pdserve.api.engine_client import EngineClient, build_generate_request
+from tests.procs import start_engine
+
+TIMEOUTS = ["--num-kv-blocks", "64", "--block-size", "8", "--kv-transport", "tcp",
+            "--kv-transfer-timeout", "2", "--kv-descriptor-timeout", "2",
+            "--kv-done-timeout", "4", "--kv-abort-ack-timeout", "1"]
+PROMPT = list(range(1, 41))
+
+
+def engine(role: str, *extra: str):
+    proc, address = start_engine("--role", role, *TIMEOUTS, *extra)
+    kv = asyncio.run(_health(address)).kv_endpoint
+    return proc, address, kv
+
+
+async def _health(address):
+    async with EngineClient(address) as c:
+        return await c.health()
+
+
+async def _wait_all_free(address, timeout_s=15.0):
+    async with EngineClient(address) as c:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = await c.stats()
+            if (s.num_kv_blocks_free == s.num_kv_blocks_total and s.num_running == 0
+                    and s.num_kv_transfers_active == 0 and s.num_kv_blocks_quarantined == 0):
+                return s
+            if time.monotonic() > deadline:
+                return s
+            await asyncio.sleep(0.1)
+
+
+def assert_all_free(address):
+    s = asyncio.run(_wait_all_free(address))
+    assert s.num_kv_blocks_free == s.num_kv_blocks_total, s
+    assert s.num_kv_transfers_active == 0 and s.num_kv_blocks_quarantined == 0, s
+
+
+async def _collect(call):
+    msgs = []
+    try:
+        async for m in call:
+            msgs.append(m)
+    except grpc.aio.AioRpcError as exc:
+        return msgs, exc
+    return msgs, None
+
+
+async def run_pair(p_addr, p_kv, d_addr, d_kv, rid, mode="layerwise", fault=None):
+    """Dispatch one request to D then P; ``fault()`` runs once P reported its first token."""
+    async with EngineClient(p_addr) as pc, EngineClient(d_addr) as dc:
+        kv = dict(mode=mode, transfer_id=f"x-{rid}")
+        d_call = dc.generate(build_generate_request(
+            rid, "", PROMPT, max_tokens=8, ignore_eos=True,
+            kv_transfer={**kv, "role": "decode", "peer": p_kv}), timeout_s=60)
+        d_task = asyncio.ensure_future(_collect(d_call))
+        p_call = pc.generate(build_generate_request(
+            rid, "", PROMPT, max_tokens=8, ignore_eos=True,
+            kv_transfer={**kv, "role": "prefill", "peer": d_kv}), timeout_s=60)
+        p_msgs = []
+        p_error = None
+        try:
+            async for m in p_call:
+                p_msgs.append(m)
+                if len(p_msgs) == 1 and fault is not None:
+                    fault()
+        except grpc.aio.AioRpcError as exc:
+            p_error = exc
+        d_msgs, d_error = await d_task
+        return p_msgs, p_error, d_msgs, d_error
+
+
+def tokens(msgs):
+    return [t for m in msgs for t in m.token_ids]
+
+
+@pytest.fixture
+def procs():
+    started = []
+    yield started
+    for p in started:
+        p.signal(signal.SIGCONT)
+        p.stop()
+
+
+def test_healthy_pair_then_kill_p_mid_transfer(procs):
+    p, p_addr, p_kv = engine("prefill", "--fault-kv-send-delay", "1.5")
+    d, d_addr, d_kv = engine("decode")
+    procs += [p, d]
+    _, _, ok_msgs, _ = asyncio.run(run_pair(p_addr, p_kv, d_addr, d_kv, "warm", mode="push"))
+    assert ok_msgs[-1].finish_reason == "length" and len(tokens(ok_msgs)) == 8
+
+    p_msgs, _, d_msgs, d_error = asyncio.run(
+        run_pair(p_addr, p_kv, d_addr, d_kv, "killp", fault=lambda: p.signal(signal.SIGKILL)))
+    assert len(p_msgs) == 1  # P produced its first token, then died mid-transfer
+    assert d_error is None and d_msgs[-1].finish_reason == "error"
+    assert "timed out" in d_msgs[-1].error
+    assert_all_free(d_addr)
+    # D goes on serving with a new P.
+    p2, p2_addr, p2_kv = engine("prefill")
+    procs.append(p2)
+    _, _, d_msgs, _ = asyncio.run(run_pair(p2_addr, p2_kv, d_addr, d_kv, "after"))
+    assert tokens(d_msgs) == tokens(ok_msgs)
+    assert_all_free(p2_addr)
+    assert_all_free(d_addr)
+
+
+def test_kill_d_mid_transfer(procs):
+    p, p_addr, p_kv = engine("prefill", "--fault-kv-send-delay", "0.5")
+    d, d_addr, d_kv = engine("decode")
+    procs += [p, d]
+    p_msgs, p_error, _, d_error = asyncio.run(
+        run_pair(p_addr, p_kv, d_addr, d_kv, "killd", fault=lambda: d.signal(signal.SIGKILL)))
+    assert p_error is None and p_msgs[-1].finish_reason == "error", p_msgs[-1]
+    assert "writing KV" in p_msgs[-1].error
+    assert d_error is not None  # the D stream broke with its process
+    assert_all_free(p_addr)
+    d2, d2_addr, d2_kv = engine("decode")
+    procs.append(d2)
+    _, _, d_msgs, _ = asyncio.run(run_pair(p_addr, p_kv, d2_addr, d2_kv, "after"))
+    assert d_msgs[-1].finish_reason == "length" and len(tokens(d_msgs)) == 8
+    assert_all_free(p_addr)
+
+
+def test_sigstop_d_then_continue(procs):
+    p, p_addr, p_kv = engine("prefill", "--fault-kv-send-delay", "0.3")
+    d, d_addr, d_kv = engine("decode")
+    procs += [p, d]
+
+    async def scenario():
+        p_task = asyncio.ensure_future(run_pair(
+            p_addr, p_kv, d_addr, d_kv, "stopd", fault=lambda: d.signal(signal.SIGSTOP)))
+        p_msgs, _, _, _ = await asyncio.wait_for(_first(p_task), 30)
+        return p_msgs, p_task
+
+    async def _first(task):
+        return await task
+
+    async def run():
+        task = asyncio.ensure_future(run_pair(
+            p_addr, p_kv, d_addr, d_kv, "stopd", fault=lambda: d.signal(signal.SIGSTOP)))
+        # P's writes to the stopped D time out; P reports the failure and frees.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            s = await _p_stats(p_addr)
+            if s.kv_transfers_failed >= 1:
+                break
+            await asyncio.sleep(0.2)
+        d.signal(signal.SIGCONT)
+        return await task
+
+    p_msgs, _, d_msgs, _ = asyncio.run(run())
+    assert p_msgs[-1].finish_reason == "error"
+    assert d_msgs and d_msgs[-1].finish_reason == "error"
+    assert_all_free(p_addr)
+    assert_all_free(d_addr)
+
+
+async def _p_stats(address):
+    async with EngineClient(address) as c:
+        return await c.stats()
+
+
+def test_sigstop_p_then_continue(procs):
+    p, p_addr, p_kv = engine("prefill", "--fault-kv-send-delay", "0.5")
+    d, d_addr, d_kv = engine("decode")
+    procs += [p, d]
+
+    async def run():
+        task = asyncio.ensure_future(run_pair(
+            p_addr, p_kv, d_addr, d_kv, "stopp", fault=lambda: p.signal(signal.SIGSTOP)))
+        # D gives up waiting for DONE, aborts, and never frees a block P could still write.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            s = await _p_stats(d_addr)
+            if s.kv_transfers_failed >= 1:
+                break
+            await asyncio.sleep(0.2)
+        p.signal(signal.SIGCONT)
+        return await task
+
+    p_msgs, _, d_msgs, _ = asyncio.run(run())
+    assert d_msgs[-1].finish_reason == "error"
+    assert p_msgs[-1].finish_reason == "error"
+    assert_all_free(d_addr)
+    assert_all_free(p_addr)
+    # Both still serve.
+    _, _, d_msgs, _ = asyncio.run(run_pair(p_addr, p_kv, d_addr, d_kv, "after"))
+    assert d_msgs[-1].finish_reason == "length" and len(tokens(d_msgs)) == 8
