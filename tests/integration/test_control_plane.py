@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.controller.etcd_store import EtcdStore
 from tests.etcd import EtcdServer
-from tests.integration.control_plane_harness import LoadDriver, ViewReader, roles
+from tests.integration.test_control_plane_support import LoadDriver, ViewReader, roles
 from tests.procs import PDSERVE, Proc
 
 INTERVAL_S = 0.2

@@ -1,4 +1,4 @@
-"""Helpers for the control-plane tests: a view poller and a steady PD load driver.
+"""Support for the control-plane tests (no tests here): a view poller and a steady PD load driver.
 
 The load driver plays the Coordinator's part (which is built separately): it reads
 the routable view, pairs a prefill and a decode instance (or uses a hybrid one in
