@@ -1,0 +1,71 @@
+"""Helpers shared by the Coordinator's tests: an event loop thread, a real HTTP server
+for a ``create_app`` app, and instance factories."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import uvicorn
+
+from pdserve.coordinator.instances import Instance
+
+
+def inst(iid: str, role: str, h: str = "h", **load) -> Instance:
+    return Instance(instance_id=iid, address=f"{iid}:1", role=role, kv_endpoint=f"{iid}:2",
+                    kv_compat_hash=h, **load)
+
+
+class LoopThread:
+    """One asyncio loop in a thread: stub engines and the Coordinator live there, while
+    the test drives them with blocking clients."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout_s: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class AppServer:
+    """uvicorn serving ``app`` on a free port of 127.0.0.1, inside a ``LoopThread``."""
+
+    def __init__(self, loop: LoopThread, app) -> None:
+        self.loop, self.app = loop, app
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.sock = sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    loop="asyncio", http="httptools"))
+        self._task = None
+
+    def __enter__(self) -> AppServer:
+        async def start():
+            self._task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
+            while not self.server.started:
+                if self._task.done():
+                    self._task.result()
+                await asyncio.sleep(0.01)
+
+        self.loop.run(start())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        async def stop():
+            self.server.should_exit = True
+            await self._task
+
+        self.loop.run(stop())
+        self.sock.close()
+
+    @property
+    def deps(self):
+        return self.app.state.deps

@@ -1,0 +1,122 @@
+"""The app over real HTTP with stub engines: errors, auth, limits, admission, retries."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from pdserve.coordinator.app import create_app
+from pdserve.coordinator.settings import CoordinatorSettings
+from pdserve.coordinator.stub_engine import StubEngine, start_stub
+from tests.unit.coordinator.harness import AppServer, LoopThread
+
+BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture
+def stubs(loop):
+    servers = []
+
+    def make(**kwargs) -> str:
+        server, address = loop.run(start_stub(StubEngine(**kwargs)))
+        servers.append(server)
+        return address
+
+    yield make
+    for server in servers:
+        loop.run(server.stop(grace=None))
+
+
+def serve(loop, engines, **overrides) -> AppServer:
+    settings = CoordinatorSettings(engines=tuple(engines), poll_interval_s=0.2, **overrides)
+    return AppServer(loop, create_app(settings))
+
+
+def metric(app: AppServer, name: str, **labels) -> float:
+    return app.deps.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_pd_with_stubs_and_openai_errors(loop, stubs):
+    engines = [stubs(role="prefill"), stubs(role="decode", num_tokens=3)]
+    with serve(loop, engines) as app:
+        r = httpx.post(app.url + "/v1/completions", json=BODY, headers={"x-request-id": "abc-1"})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "abc-1"
+        assert r.json()["choices"][0]["text"] == "ABC"
+        assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+        r = httpx.post(app.url + "/v1/completions", json={**BODY, "model": "other"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = httpx.post(app.url + "/v1/completions", json={**BODY, "temperature": 7})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+        r = httpx.post(app.url + "/v1/completions", content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = httpx.post(app.url + "/v1/completions", json={**BODY, "prompt": "x" * 2_000_000})
+        assert r.status_code == 413
+        assert httpx.get(app.url + "/ready").status_code == 200
+
+
+def test_api_key_guards_v1_only(loop, stubs, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    with serve(loop, [stubs()], api_key_file=str(key_file)) as app:
+        assert httpx.post(app.url + "/v1/completions", json=BODY).status_code == 401
+        wrong = httpx.get(app.url + "/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        ok = httpx.get(app.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.json()["data"][0]["id"] == "tiny"
+        for path in ("/health", "/ready", "/metrics"):
+            assert httpx.get(app.url + path).status_code == 200
+
+
+def test_beyond_concurrency_and_queue_is_429(loop, stubs):
+    slow = stubs(num_tokens=20, token_delay_s=0.05)
+    with serve(loop, [slow], max_concurrency=1, max_queue=0) as app:
+        results = {}
+        t = threading.Thread(target=lambda: results.setdefault(
+            "first", httpx.post(app.url + "/v1/completions", json={**BODY, "max_tokens": 20}, timeout=10)))
+        t.start()
+        for _ in range(100):
+            if app.app.state.admission.num_running:
+                break
+            threading.Event().wait(0.01)
+        r = httpx.post(app.url + "/v1/completions", json=BODY)
+        t.join()
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert results["first"].status_code == 200
+        assert metric(app, "pdserve_coordinator_rejected_total", reason="queue_full") == 1
+
+
+def test_prefill_and_decode_failures_are_retried(loop, stubs):
+    engines = [stubs(role="prefill", behavior="fail"), stubs(role="prefill"),
+               stubs(role="decode", behavior="fail"), stubs(role="decode", num_tokens=2)]
+    with serve(loop, engines, prefill_policy="round_robin", decode_policy="round_robin") as app:
+        for _ in range(4):
+            r = httpx.post(app.url + "/v1/completions", json=BODY, timeout=10)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "AB"
+        assert metric(app, "pdserve_coordinator_retries_total", leg="prefill", stage="before_handoff") >= 1
+        assert metric(app, "pdserve_coordinator_retries_total", leg="decode", stage="before_first_token") >= 1
+
+
+def test_retry_budget_ends_with_a_clear_error(loop, stubs):
+    engines = [stubs(role="prefill"), stubs(role="decode", behavior="fail")]
+    with serve(loop, engines, max_retries=2) as app:
+        r = httpx.post(app.url + "/v1/completions", json=BODY, timeout=10)
+        assert r.status_code == 502 and "gave up after 3 failed attempts" in r.json()["error"]["message"]
+
+
+def test_fail_fallback_is_503_with_reason(loop, stubs):
+    with serve(loop, [stubs(role="prefill")], fallback_policy="fail") as app:
+        r = httpx.post(app.url + "/v1/completions", json=BODY)
+        assert r.status_code == 503 and "no decode engine" in r.json()["error"]["message"]
+        assert httpx.get(app.url + "/ready").status_code == 503
+        assert metric(app, "pdserve_coordinator_fallbacks_total", policy="fail",
+                      reason="no_decode_engine") == 1

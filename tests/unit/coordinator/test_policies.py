@@ -1,0 +1,85 @@
+"""Each routing policy on plain data: candidates in, one instance out."""
+
+from __future__ import annotations
+
+from pdserve.coordinator.policies import RouteContext
+from pdserve.coordinator.policies.least_loaded import LeastLoaded
+from pdserve.coordinator.policies.prefix_cache_aware import BALANCE_ABS, PrefixCacheAware
+from pdserve.coordinator.policies.round_robin import RoundRobin
+from pdserve.coordinator.policies.slo_aware import SLOAware, estimate_ttft_s
+from pdserve.coordinator.prefix_index import PrefixIndex
+from tests.unit.coordinator.harness import inst
+
+PROMPT = list(range(64))  # 8 blocks of 8
+
+
+def ctx(tokens=PROMPT) -> RouteContext:
+    return RouteContext(list(tokens), block_size=8)
+
+
+def test_round_robin_cycles_in_id_order():
+    rr = RoundRobin()
+    pool = [inst("b", "prefill"), inst("a", "prefill"), inst("c", "prefill")]
+    assert [rr.choose(pool, ctx()).instance_id for _ in range(6)] == list("abcabc")
+
+
+def test_least_loaded_prefers_short_queue_then_low_kv_usage():
+    policy = LeastLoaded()
+    busy = inst("a", "decode", num_running=5)
+    idle = inst("b", "decode")
+    assert policy.choose([busy, idle], ctx()) is idle
+    # Our own in-flight count wins over a stale poll that says "idle".
+    idle.num_inflight = 9
+    assert policy.choose([busy, idle], ctx()) is busy
+    full = inst("c", "decode", num_kv_blocks_used=90, num_kv_blocks_free=10)
+    empty = inst("d", "decode", num_kv_blocks_used=10, num_kv_blocks_free=90)
+    assert policy.choose([full, empty], ctx()) is empty
+
+
+def test_least_loaded_spreads_ties():
+    policy = LeastLoaded()
+    pool = [inst("a", "decode"), inst("b", "decode")]
+    picks = {policy.choose(pool, ctx()).instance_id for _ in range(4)}
+    assert picks == {"a", "b"}
+
+
+def test_prefix_index_matches_leading_blocks_and_is_lru_bounded():
+    index = PrefixIndex(max_blocks=10)
+    c = ctx()
+    index.record("a", c.hashes)
+    assert index.match("a", c.hashes) == 8
+    assert index.match("a", ctx(PROMPT[:32] + [999] * 32).hashes) == 4  # diverges at block 4
+    assert index.match("b", c.hashes) == 0
+    index.record("a", ctx(range(1000, 1064)).hashes)
+    assert index.num_blocks("a") == 10  # bounded: the oldest blocks went first
+    assert index.match("a", c.hashes) == 0
+    index.forget("a")
+    assert index.num_blocks("a") == 0
+
+
+def test_prefix_cache_aware_follows_the_cache_unless_imbalanced():
+    index = PrefixIndex(1000)
+    policy = PrefixCacheAware(index)
+    a, b = inst("a", "prefill", num_running=3), inst("b", "prefill")
+    index.record("a", ctx().hashes)
+    assert policy.choose([a, b], ctx()) is a  # holds the prefix, busier but balanced
+    assert policy.choose([a, b], ctx(range(500, 564))) is b  # no match: least loaded
+    # Below the cache threshold (2 of 8 blocks): least loaded.
+    assert policy.choose([a, b], ctx(PROMPT[:16] + list(range(700, 748)))) is b
+    a.num_running = BALANCE_ABS * 3
+    assert policy.choose([a, b], ctx()) is b  # imbalanced: balance wins over cache
+
+
+def test_slo_aware_estimates_queue_prompt_and_cache():
+    index = PrefixIndex(1000)
+    policy = SLOAware(index, "prefill")
+    fast = inst("a", "prefill", prefill_tokens_per_s=10_000.0)
+    slow = inst("b", "prefill", prefill_tokens_per_s=1_000.0)
+    assert policy.choose([fast, slow], ctx()) is fast
+    fast.num_pending_prefill_tokens = 50_000  # 5 s of queued prefill
+    assert policy.choose([fast, slow], ctx()) is slow
+    before = estimate_ttft_s(slow, ctx(), index)
+    index.record("b", ctx().hashes)
+    assert estimate_ttft_s(slow, ctx(), index) < before  # cached prefix is cheaper
+    decode = SLOAware(index, "decode")
+    assert decode.choose([inst("x", "decode", num_running=4), inst("y", "decode")], ctx()).instance_id == "y"
