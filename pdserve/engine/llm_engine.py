@@ -110,7 +110,9 @@ class LLMEngine:
             )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, kv_allocator(config))
+        allocator = kv_allocator(config)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, allocator)
+        self._kv_segment = getattr(allocator, "segment", None)
         self.transfer_stats = TransferStats()
         self.connector = build_connector(
             config, cfg, self.runner, self.block_manager, self.transfer_stats.record
@@ -402,6 +404,8 @@ class LLMEngine:
         """Stop the KV transport's threads; called once at shutdown."""
         if self.connector is not None:
             self.connector.worker.close()
+        if self._kv_segment is not None:
+            self._kv_segment.close()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -6,6 +6,7 @@ must live in shared memory, so this module also supplies the runner's allocator.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 
 from pdserve.engine.config import EngineConfig, ModelConfig
@@ -22,11 +23,14 @@ def kv_allocator(config: EngineConfig):
     from pdserve.engine.kv_transfer.transport.shm import allocate_shm_tensor
 
     def allocate(shape, dtype):
+        # Peers map the segment by name: it is unlinked when the engine closes (and at
+        # exit, so a crash-free shutdown leaves nothing in /dev/shm).
         shm = allocate_shm_tensor(tuple(shape), dtype)
-        shm.close()  # unlink the name now: the mapping lives as long as the tensor
-        allocate.keepalive = shm
+        allocate.segment = shm
+        atexit.register(shm.close)
         return shm.tensor
 
+    allocate.segment = None
     return allocate
 
 
