@@ -18,7 +18,6 @@ Invariants every transport keeps:
 from __future__ import annotations
 
 import abc
-import ctypes
 import enum
 import itertools
 import threading
@@ -113,21 +112,19 @@ class BatchHandle:
 
 
 class Regions:
-    """Registered address ranges of one process, with a byte view over each.
+    """Registered address ranges of one process.
 
-    Checks and lookups are vectorized over item arrays: a 2048-piece batch must cost
-    microseconds of Python, not milliseconds.
+    Checks are vectorized over item arrays: a 2048-piece batch must cost microseconds
+    of Python, not milliseconds.
     """
 
     def __init__(self) -> None:
         self._ranges: list[tuple[int, int]] = []
-        self._views: list[memoryview] = []
 
     def add(self, ptr: int, length: int) -> None:
         if ptr <= 0 or length <= 0:
             raise ValueError(f"bad region ptr={ptr:#x} length={length}")
         self._ranges.append((ptr, length))
-        self._views.append(raw_view(ptr, length))
 
     def as_list(self) -> list[tuple[int, int]]:
         return list(self._ranges)
@@ -148,19 +145,6 @@ class Regions:
             f"{side} range [{int(addrs[bad]):#x}, +{int(lengths[bad])}) is outside the "
             f"{owner} registered memory"
         )
-
-    def views(self, addrs: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
-        """Byte views of checked ranges, sliced from the registered regions (no ctypes)."""
-        if len(self._ranges) == 1:
-            base, view = self._ranges[0][0], self._views[0]
-            pairs = zip(addrs.tolist(), lengths.tolist(), strict=True)
-            return [view[a - base : a - base + n] for a, n in pairs]
-        out = []
-        for a, n in zip(addrs.tolist(), lengths.tolist(), strict=True):
-            i = next(i for i, (b, size) in enumerate(self._ranges) if b <= a < b + size)
-            b = self._ranges[i][0]
-            out.append(self._views[i][a - b : a - b + n])
-        return out
 
 
 Items = list[TransferItem] | np.ndarray  # an array is int64, shape (n, 3), same columns
@@ -186,11 +170,6 @@ def coalesce(items: Items) -> np.ndarray:
     merged = arr[starts].copy()
     merged[:, 2] = np.add.reduceat(arr[:, 2], starts)
     return merged
-
-
-def raw_view(ptr: int, length: int) -> memoryview:
-    """A writable byte view of ``length`` bytes at ``ptr`` (the caller owns validity)."""
-    return memoryview((ctypes.c_char * length).from_address(ptr)).cast("B")
 
 
 class Transport(abc.ABC):

@@ -10,7 +10,10 @@ Invariants:
 - A link runs jobs in submission order on its one sender thread, so a notify is
   delivered after every batch submitted before it to the same peer.
 - When a link breaks (I/O error, EOF, or a batch past its deadline) every batch
-  waiting on it is FAILED and the socket closed; the next job reconnects.
+  waiting on it is FAILED and the socket shut down; the next job reconnects.
+- Payload I/O uses raw fds (wire.py), so a socket is only ever *closed* by the thread
+  that last uses it: a server connection by its own thread, a link socket by the
+  sender thread once its reader thread has exited. Other threads only shut it down.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ class Channel:
         for link in links:
             link.close()
         for conn in conns:
-            _shutdown(conn)
+            _shutdown(conn)  # its serving thread closes it
 
     def _accept_loop(self) -> None:
         while True:
@@ -109,8 +112,7 @@ class Channel:
     def _serve(self, sock: socket.socket, addr) -> None:
         """Server half of one connection: handshake, then frames until EOF."""
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self.timeout_s)
+            wire.configure(sock, self.timeout_s)
             op, _, body = wire.recv_frame(sock)
             hello = json.loads(body) if op == wire.OP_HELLO else {}
             peer = str(hello.get("endpoint") or f"{addr[0]}:{addr[1]}")
@@ -161,6 +163,8 @@ class PeerLink:
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[BatchHandle, ReplyHandler]] = {}
+        self._retired: list[tuple[socket.socket, threading.Event]] = []
+        self._reader_done: threading.Event | None = None
         self._closed = False
         threading.Thread(target=self._send_loop, name=f"kv-send-{peer}", daemon=True).start()
 
@@ -180,7 +184,7 @@ class PeerLink:
         timeout_s = self.channel.timeout_s
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.configure(sock, timeout_s)
             hello = {"token": self.channel.auth_token, "endpoint": self.channel.endpoint}
             wire.send_frame(sock, wire.OP_HELLO, body=json.dumps(hello).encode())
             op, _, body = wire.recv_frame(sock)
@@ -192,9 +196,10 @@ class PeerLink:
         except BaseException:
             sock.close()
             raise
-        self.sock = sock
+        self.sock, self._reader_done = sock, threading.Event()
         threading.Thread(
-            target=self._read_loop, args=(sock,), name=f"kv-recv-{self.peer}", daemon=True
+            target=self._read_loop, args=(sock, self._reader_done),
+            name=f"kv-recv-{self.peer}", daemon=True,
         ).start()
         return sock
 
@@ -210,6 +215,7 @@ class PeerLink:
                 return
             self.sock = None
             pending, self._pending = self._pending, {}
+            self._retired.append((sock, self._reader_done))
         _shutdown(sock)
         for handle, _ in pending.values():
             handle.fail(f"connection to {self.peer} lost: {reason}")
@@ -242,15 +248,23 @@ class PeerLink:
             entry = self._jobs.get_nowait()
             if entry is not None and entry[0] is not None:
                 entry[0].fail("transport is closed")
+        for sock, reader_done in self._retired:
+            if reader_done.wait(1.0):
+                sock.close()
 
     def _sweep(self) -> None:
-        """A batch past its deadline means the peer is stuck: drop the connection."""
+        """Sender thread, between jobs: drop a stuck peer, close sockets nobody reads."""
         with self._lock:
             expired = any(not h.status().is_pending for h, _ in self._pending.values())
         if expired:
             self.reset(self.sock, "peer did not answer before the deadline")
+        with self._lock:
+            idle = [(s, done) for s, done in self._retired if done.is_set()]
+            self._retired = [r for r in self._retired if not r[1].is_set()]
+        for sock, _ in idle:
+            sock.close()
 
-    def _read_loop(self, sock: socket.socket) -> None:
+    def _read_loop(self, sock: socket.socket, done: threading.Event) -> None:
         try:
             while True:
                 try:
@@ -268,9 +282,11 @@ class PeerLink:
                     raise
         except (OSError, ValueError) as exc:
             self.reset(sock, str(exc) or type(exc).__name__)
+        finally:
+            done.set()
 
 
 def _shutdown(sock: socket.socket) -> None:
+    """Wake every thread blocked on ``sock``; the owning thread closes it later."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    sock.close()

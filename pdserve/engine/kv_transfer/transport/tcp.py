@@ -1,9 +1,9 @@
 """Our own TCP transport: KV bytes over the channel's sockets, for nodes without Mooncake.
 
 Owns the WRITE/READ ops of the channel. A batch is one frame: a table of
-(remote_addr, length) pairs, then every item's bytes back to back, sent with
-``sendmsg`` from views over registered memory and received with ``recvmsg_into``
-straight into the peer's registered memory.
+(remote_addr, length) pairs, then every item's bytes back to back, gathered by
+``sendmsg`` from our registered memory and scattered by ``recvmsg`` straight into
+the peer's registered memory (wire.py: iovec arrays, no Python object per piece).
 
 Invariants:
 - Local items are checked against our registered regions before anything is sent;
@@ -16,6 +16,8 @@ Invariants:
 from __future__ import annotations
 
 import socket
+
+import numpy as np
 
 from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.base import (
@@ -94,9 +96,9 @@ class TcpTransport(Transport):
             if problem is not None:
                 handle.fail(problem)
                 return
-            views = self._regions.views(local, lengths)
-            link.expect(handle, lambda s, rop, body: _on_reply(handle, s, rop, body, views))
-            payload = views if op == wire.OP_WRITE else ()
+            iov = np.stack([local, lengths], axis=1)
+            link.expect(handle, lambda s, rop, body: _on_reply(handle, s, rop, body, iov))
+            payload = iov if op == wire.OP_WRITE else None
             wire.send_frame(sock, op, handle.batch_id, wire.encode_table(remote, lengths), payload)
 
         self._channel.link(peer).submit(handle, job)
@@ -112,23 +114,22 @@ class TcpTransport(Transport):
                 wire.drain(sock, int(lengths.sum()))
             wire.send_frame(sock, wire.OP_NACK, batch_id, f"refused: {problem}".encode())
         elif op == wire.OP_WRITE:
-            wire.recv_into_views(sock, self._regions.views(addrs, lengths))
+            wire.recv_payload(sock, np.stack([addrs, lengths], axis=1))
             wire.send_frame(sock, wire.OP_ACK, batch_id)
         elif op == wire.OP_READ:
-            views = self._regions.views(addrs, lengths)
-            wire.send_frame(sock, wire.OP_DATA, batch_id, b"", views)
+            wire.send_frame(sock, wire.OP_DATA, batch_id, b"", np.stack([addrs, lengths], axis=1))
         else:
             raise ValueError(f"unexpected op {op}")
 
 
 def _on_reply(
-    handle: BatchHandle, sock: socket.socket, op: int, body: bytes, local_views: list
+    handle: BatchHandle, sock: socket.socket, op: int, body: bytes, local_iov: np.ndarray
 ) -> None:
     """Reader thread: finish a batch from its ACK/NACK, or land a READ's DATA payload."""
     if op == wire.OP_ACK:
         handle.finish()
     elif op == wire.OP_DATA:
-        wire.recv_into_views(sock, local_views)
+        wire.recv_payload(sock, local_iov)
         handle.finish()
     elif op == wire.OP_NACK:
         handle.fail(body.decode(errors="replace"))
