@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Debian packages the test suite uses (installed only when missing).
-SYSTEM_PACKAGES := libibverbs1
+SYSTEM_PACKAGES := libibverbs1 etcd-server
 
 .PHONY: install system-deps lint test run proto clean
 
@@ -35,7 +35,7 @@ test: install system-deps lint
 	$(BIN)/python -m pytest -q tests
 
 run: install
-	$(BIN)/pdserve engine --model tiny --port 50051
+	$(BIN)/pdserve up
 
 clean:
 	rm -rf $(VENV) build *.egg-info
