@@ -88,6 +88,7 @@ class Channel:
                 return
             self._closed = True
             links, conns = list(self._links.values()), list(self._conns)
+        _shutdown(self._listener)  # wakes the accept thread; close() alone does not
         self._listener.close()
         for link in links:
             link.close()
@@ -242,6 +243,8 @@ class PeerLink:
             except (OSError, ValueError, RuntimeError) as exc:
                 if handle is not None:
                     handle.fail(f"{type(exc).__name__}: {exc}")
+                else:
+                    log.warning("KV notify to %s failed: %s", self.peer, exc)
                 self.reset(self.sock, str(exc) or type(exc).__name__)
             self._sweep()
         while not self._jobs.empty():

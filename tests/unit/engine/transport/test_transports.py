@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -111,6 +112,14 @@ def pair(request, tmp_path_factory):
     side.close()
     assert peer.reap() == 0
     assert not glob.glob(f"/dev/shm/pdserve-kv-{os.getpid()}-*"), "shm segment leaked"
+    deadline = time.monotonic() + 5
+    while kv_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not kv_threads(), "transport threads outlived close()"
+
+
+def kv_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kv-")]
 
 
 def test_block_pieces_pushed_and_pulled_byte_exact(pair):
