@@ -1,0 +1,119 @@
+"""The leader's state machine, step by step with a fake clock: health, failover,
+replacement requests, hybrid fallback with hysteresis, role switching."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.api.proto import controller_pb2 as pb
+from pdserve.controller import fallback
+from pdserve.controller.cluster import Cluster, ClusterSettings
+from pdserve.controller.health import HealthThresholds
+from pdserve.controller.rebalance import RebalanceSettings
+
+T = HealthThresholds(interval_s=1.0, suspect_after_missed=2, failed_after_missed=4)
+
+
+def make_cluster(**overrides) -> Cluster:
+    settings = ClusterSettings(
+        thresholds=T, fallback=fallback.FallbackSettings(hysteresis_s=5, startup_grace_s=100),
+        rebalance=RebalanceSettings(window_s=10, min_interval_s=50, reverse_cooldown_s=200),
+        **overrides)
+    return Cluster(settings, now_s=0.0)
+
+
+def report(iid: str, role: str, state: str = "running", pool: str | None = None, **load) -> pb.InstanceReport:
+    return pb.InstanceReport(instance_id=iid, role=role, pool=pool or role, process_state=state,
+                             probe_ok=state == "running", engine_address=f"{iid}:1",
+                             kv_endpoint=f"{iid}:2", kv_transport="tcp", load=pb.InstanceLoad(**load))
+
+
+def beat(c: Cluster, now: float, *reports) -> list[pb.Command]:
+    commands = c.apply_heartbeat("agent", reports, now)
+    c.tick(now)
+    return commands + c.apply_heartbeat("agent", [], now)
+
+
+def routable(c: Cluster) -> dict[str, str]:
+    return {i.instance_id: i.role for i in c.view("me").instances}
+
+
+def test_ready_suspect_failed_and_back_through_starting():
+    c = make_cluster()
+    beat(c, 0.0, report("d0", "decode", "starting"))
+    assert c.records["d0"].health == "STARTING" and routable(c) == {}
+    beat(c, 1.0, report("d0", "decode"))
+    assert routable(c) == {"d0": "decode"}
+    c.tick(3.5)  # 2.5 intervals silent
+    assert c.records["d0"].health == "SUSPECT" and routable(c) == {}
+    c.tick(5.0)
+    assert c.records["d0"].health == "FAILED" and c.num_failovers == 1
+    beat(c, 6.0, report("d0", "decode", "starting"))
+    assert c.records["d0"].health == "STARTING"
+    beat(c, 7.0, report("d0", "decode"))
+    assert c.records["d0"].health == "READY"
+
+
+def test_process_exit_fails_at_once_and_repeated_failures_request_a_replacement():
+    c = make_cluster(replace_after_failures=2)
+    for n in range(2):
+        beat(c, 10.0 * n, report("d0", "decode"))
+        version = c.view("me").version
+        c.apply_heartbeat("agent", [report("d0", "decode", "exited")], 10.0 * n + 1)
+        assert routable(c) == {} and c.view("me").version > version  # left the view in the same call
+    assert c.records["d0"].replacement_requested
+    assert [iid for iid, _ in c.replacements] == ["d0"]
+
+
+def test_hung_engine_gets_a_restart_command():
+    c = make_cluster()
+    beat(c, 0.0, report("d0", "decode"))
+    hung = report("d0", "decode")
+    hung.probe_ok = False
+    commands = c.apply_heartbeat("agent", [hung], 1.0)
+    commands += c.apply_heartbeat("agent", [], 1.0)
+    assert c.records["d0"].health == "FAILED"
+    assert [cmd.kind for cmd in commands] == ["restart"]
+
+
+def test_fallback_switches_survivors_to_hybrid_and_pd_returns_after_hysteresis():
+    c = make_cluster()
+    beat(c, 0.0, report("p0", "prefill"), report("d0", "decode"))
+    assert c.mode.mode == "PD" and c.mode.has_been_complete
+    c.apply_heartbeat("agent", [report("p0", "prefill", "exited")], 1.0)
+    commands = beat(c, 1.0, report("d0", "decode"))
+    assert c.mode.mode == "FALLBACK" and c.mode.missing_roles == ["prefill"]
+    assert [(x.kind, x.instance_id, x.role) for x in commands] == [("switch_role", "d0", "hybrid")]
+    beat(c, 2.0, report("d0", "hybrid"), report("p0", "prefill", "starting"))
+    assert routable(c) == {"d0": "hybrid"}
+    beat(c, 3.0, report("d0", "hybrid"), report("p0", "prefill"))
+    assert c.mode.mode == "FALLBACK"  # hysteresis: not yet
+    commands = beat(c, 8.5, report("d0", "hybrid"), report("p0", "prefill"))
+    assert c.mode.mode == "PD"
+    assert [(x.kind, x.instance_id, x.role) for x in commands] == [("switch_role", "d0", "decode")]
+
+
+def test_no_fallback_while_the_cluster_is_still_starting():
+    c = make_cluster()
+    beat(c, 0.0, report("d0", "decode"), report("p0", "prefill", "starting"))
+    assert c.mode.mode == "PD"
+    c.tick(101.0)
+    assert c.mode.mode == "FALLBACK"
+
+
+@pytest.mark.parametrize("load_seconds", [5, 20])
+def test_role_switch_only_after_a_sustained_imbalance(load_seconds):
+    c = make_cluster()
+    hot = {"num_waiting": 10, "num_kv_blocks_used": 50, "num_kv_blocks_free": 50}
+    idle = {"num_kv_blocks_used": 0, "num_kv_blocks_free": 100}
+    commands = []
+    for now in range(0, load_seconds + 1):
+        commands += beat(c, float(now), report("p0", "prefill", **hot), report("d0", "decode", **idle),
+                         report("d1", "decode", **idle))
+    switches = [(x.instance_id, x.role) for x in commands if x.kind == "switch_role"]
+    assert switches == ([] if load_seconds < 10 else [("d0", "prefill")])
+    if switches:  # steady load afterwards: no second move, no move back
+        for now in range(load_seconds + 1, load_seconds + 40):
+            more = beat(c, float(now), report("p0", "prefill", **hot), report("d0", "prefill", **idle),
+                        report("d1", "decode", **idle))
+            assert not [x for x in more if x.kind == "switch_role"]
