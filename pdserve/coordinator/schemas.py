@@ -9,11 +9,11 @@ builds plain dicts with the same shape.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**53 - 1  # exact in a JSON number
 
 
 class StreamOptions(BaseModel):
@@ -28,7 +28,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = Field(default=None, max_length=4)
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -44,7 +44,8 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: (Annotated[str, Field(min_length=1)]
+             | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1 << 20)])
     """Text (tokenized by the Coordinator) or one prompt as token ids."""
     echo: Literal[False] = False
 
