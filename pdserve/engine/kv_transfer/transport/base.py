@@ -2,7 +2,8 @@
 
 A transport moves bytes between a local registered region and a peer's registered
 region. It knows nothing about layers, blocks or requests: the KV connector turns
-block tables into ``TransferItem`` lists (one contiguous run of bytes each).
+block tables into items (one contiguous run of bytes each), as a list of
+``TransferItem`` or, for thousands of pieces, an int64 array of shape (n, 3).
 
 Invariants every transport keeps:
 - Bytes are only ever written into, or read from, memory its owner registered with
@@ -84,6 +85,7 @@ class BatchHandle:
         self._lock = threading.Lock()
 
     def finish(self) -> bool:
+        """Transport threads: the batch landed. False if it had already ended."""
         return self._settle(DONE)
 
     def fail(self, message: str) -> bool:

@@ -210,7 +210,7 @@ class PeerLink:
             self._pending[handle.batch_id] = (handle, on_reply)
 
     def reset(self, sock: socket.socket | None, reason: str) -> None:
-        """Close ``sock`` (if still current) and fail every batch waiting on it."""
+        """Shut ``sock`` down (if still current) and fail every batch waiting on it."""
         with self._lock:
             if sock is None or sock is not self.sock:
                 return
