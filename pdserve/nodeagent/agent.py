@@ -188,18 +188,23 @@ class Agent:
                 await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
 
     async def heartbeat_once(self) -> None:
+        """One heartbeat; on a standby or an unreachable replica, the next address at once."""
         request = pb.HeartbeatRequest(
             agent_id=self.settings.agent_id, node=socket.gethostname(),
             instances=[i.report() for i in self.instances.values()])
-        try:
-            reply = await self._connect().Heartbeat(
-                request, timeout=max(1.0, 2 * self.settings.interval_s), metadata=self.security.metadata())
-        except grpc.aio.AioRpcError as exc:
-            self.num_heartbeats_failed += 1
-            log.log(logging.INFO if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else logging.WARNING,
-                    "heartbeat to %s failed: %s %s", self.settings.controllers[self._controller_index],
-                    exc.code().name, exc.details())
-            await self._next_controller()
+        for _ in self.settings.controllers:
+            try:
+                reply = await self._connect().Heartbeat(
+                    request, timeout=max(1.0, 2 * self.settings.interval_s),
+                    metadata=self.security.metadata())
+                break
+            except grpc.aio.AioRpcError as exc:
+                self.num_heartbeats_failed += 1
+                is_standby = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                log.log(logging.INFO if is_standby else logging.WARNING, "heartbeat to %s failed: %s %s",
+                        self.settings.controllers[self._controller_index], exc.code().name, exc.details())
+                await self._next_controller()
+        else:
             return
         self.last_heartbeat_ok_s = time.monotonic()
         for cmd in reply.commands:
