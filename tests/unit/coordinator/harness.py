@@ -39,7 +39,7 @@ class AppServer:
 
     def __init__(self, loop: LoopThread, app) -> None:
         self.loop, self.app = loop, app
-        sock = socket.socket()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
         sock.bind(("127.0.0.1", 0))
         self.sock = sock
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
