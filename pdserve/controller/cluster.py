@@ -96,8 +96,10 @@ class Cluster:
     def tick(self, now_s: float) -> None:
         """Called by the Controller's loop every half interval (leader only)."""
         t = self.settings.thresholds
+        # a new leader gives agents one failure window to find it before judging silence
+        is_grace = now_s - self.started_s < t.interval_s * t.failed_after_missed
         for rec in list(self.records.values()):
-            missed = (now_s - rec.last_heartbeat_s) / t.interval_s
+            missed = 0.0 if is_grace else (now_s - rec.last_heartbeat_s) / t.interval_s
             new = health.health_from_silence(rec.health, missed, t)
             self._set_health(rec, new, f"missed {int(missed)} heartbeats", now_s)
             if rec.health == FAILED and now_s - rec.last_heartbeat_s >= self.settings.forget_after_s:

@@ -19,7 +19,9 @@ def make_cluster(**overrides) -> Cluster:
         thresholds=T, fallback=fallback.FallbackSettings(hysteresis_s=5, startup_grace_s=100),
         rebalance=RebalanceSettings(window_s=10, min_interval_s=50, reverse_cooldown_s=200),
         **overrides)
-    return Cluster(settings, now_s=0.0)
+    cluster = Cluster(settings, now_s=0.0)
+    cluster.started_s = -10.0  # past the new-leader grace window
+    return cluster
 
 
 def report(iid: str, role: str, state: str = "running", pool: str | None = None, **load) -> pb.InstanceReport:
@@ -95,6 +97,7 @@ def test_fallback_switches_survivors_to_hybrid_and_pd_returns_after_hysteresis()
 
 def test_no_fallback_while_the_cluster_is_still_starting():
     c = make_cluster()
+    c.started_s = 0.0
     beat(c, 0.0, report("d0", "decode"), report("p0", "prefill", "starting"))
     assert c.mode.mode == "PD"
     c.tick(101.0)
