@@ -65,11 +65,13 @@ def build_generate_request(
     stop_token_ids: list[int] | None = None,
     ignore_eos: bool = False,
     kv_transfer: dict | None = None,
+    sample_offset: int = 0,
 ) -> pb.GenerateRequest:
     """``kv_transfer``: {"role", "mode", "transfer_id", "peer"} for one disaggregated leg."""
     sampling = pb.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos,
+        sample_offset=sample_offset,
     )
     if seed is not None:
         sampling.seed = seed

@@ -123,6 +123,7 @@ class RequestRun:
         return build_generate_request(
             leg_id, prompt_token_ids=prompt, max_tokens=max_tokens, temperature=sp.temperature,
             top_p=sp.top_p, seed=sp.seed, stop=sp.stop, kv_transfer=kv,
+            sample_offset=len(self.generated),
         )
 
     def _call(self, inst: Instance, request):

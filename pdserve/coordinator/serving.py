@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 
@@ -71,7 +72,12 @@ class Completions:
         prompt_ids = self._prompt_ids(body)
         max_tokens = body.max_tokens or getattr(body, "max_completion_tokens", None) \
             or settings.max_tokens_default
-        sampling = Sampling(max_tokens, body.temperature, body.top_p, body.seed, body.stop_list())
+        # A sampled request without a seed gets one here, so that a stream continued
+        # on another engine after a failure keeps drawing the same random numbers.
+        seed = body.seed
+        if seed is None and body.temperature:
+            seed = random.getrandbits(62)
+        sampling = Sampling(max_tokens, body.temperature, body.top_p, seed, body.stop_list())
         deadline = arrival + settings.request_timeout_s
         slot = await self.admission.acquire(deadline)
         rid = new_request_id(request)

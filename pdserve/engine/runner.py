@@ -110,6 +110,6 @@ class ModelRunner:
         tokens = sample(
             logits,
             [r.sampling_params for r in sampled],
-            [len(r.output_token_ids) for r in sampled],
+            [r.sampling_params.sample_offset + len(r.output_token_ids) for r in sampled],
         )
         return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}

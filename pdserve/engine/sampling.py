@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    sample_offset: int = 0  # stream position of the first token (continued streams)
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -39,6 +40,8 @@ class SamplingParams:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise SamplingError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.sample_offset < 0:
+            raise SamplingError(f"sample_offset must be >= 0, got {self.sample_offset}")
         if any(not s for s in self.stop):
             raise SamplingError("stop strings must be non-empty")
         if vocab_size is not None:

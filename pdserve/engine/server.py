@@ -38,6 +38,7 @@ def sampling_from_proto(msg: pb.SamplingParams, has_sampling: bool) -> SamplingP
         stop_token_ids=list(msg.stop_token_ids),
         stop=list(msg.stop),
         ignore_eos=msg.ignore_eos,
+        sample_offset=msg.sample_offset,
     )
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.api.tokenizer import ByteTokenizer
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
-from pdserve.api.tokenizer import ByteTokenizer
 
 PROMPT = list(b"Sampling on the tiny preset")
 OTHERS = [list(b"a"), list(b"another prompt of some length"), list(range(60, 110))]
@@ -186,3 +186,17 @@ def test_detokenizer_without_tokenizer_releases_nothing():
     detok = Detokenizer(None, stop=["x"])
     assert detok.append([1, 2, 3]) == ("", False)
     assert detok.flush() == ""
+
+
+def test_seeded_stream_continues_on_another_engine_with_sample_offset():
+    """A stream cut after k tokens and re-prefilled elsewhere (prompt + the k tokens,
+    sample_offset=k) draws exactly the tokens the uncut stream would have drawn."""
+    prompt = [5, 9, 200, 31, 7, 77, 140]
+    params = dict(temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    whole = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=64)).generate(
+        [prompt], SamplingParams(max_tokens=12, **params))[0]
+    k = 5
+    rest = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=64)).generate(
+        [prompt + whole[:k]], SamplingParams(max_tokens=12 - k, sample_offset=k, **params))[0]
+    assert whole[:k] + rest == whole
+    assert len(set(whole)) > 3
