@@ -9,6 +9,8 @@ wires them.
 
 from __future__ import annotations
 
+import json
+
 import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -19,11 +21,22 @@ from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.api.security import SecuritySettings, add_port, server_interceptors
 from pdserve.controller.core import Controller, NotLeader
 from pdserve.controller.health import DRAINING, FAILED, READY, STARTING, SUSPECT
+from pdserve.controller.persist import StatePersister
+
+
+class ForgottenPersister(StatePersister):
+    """Installed by ``ForgetCluster``: the deleted cluster's state is never written again."""
+
+    async def flush(self, cluster, now_s: float) -> None:
+        return None
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
+        # instance id -> heartbeat time when its drain command was seen delivered
+        # (None: queued, not yet delivered). Per process: a new leader re-sends.
+        self._drains: dict[str, float | None] = {}
 
     async def Heartbeat(self, request, context):
         try:
@@ -43,6 +56,78 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 yield view
         except NotLeader as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    async def Drain(self, request, context):
+        """Called by the operator before it deletes a scaled-down instance."""
+        try:
+            cluster = self.controller._require_leader()
+        except NotLeader as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        rec = cluster.records.get(request.instance_id)
+        if rec is None:
+            return pb.DrainResponse(is_known=False, is_drained=True)
+        if request.instance_id not in self._drains:
+            cluster._command(rec, "drain", deadline_s=request.deadline_s)
+            self._drains[request.instance_id] = None
+            cluster._event(f"{rec.instance_id}: drain requested by the operator")
+        pending = cluster._pending.get(rec.agent_id, [])
+        is_delivered = not any(c.instance_id == rec.instance_id and c.kind == "drain" for c in pending)
+        if is_delivered and self._drains[request.instance_id] is None:
+            self._drains[request.instance_id] = rec.last_heartbeat_s
+        delivered_at = self._drains[request.instance_id]
+        num_running, num_waiting = rec.load.get("num_running", 0), rec.load.get("num_waiting", 0)
+        is_idle = (delivered_at is not None and rec.last_heartbeat_s > delivered_at
+                   and num_running == 0 and num_waiting == 0)
+        return pb.DrainResponse(is_known=True, is_drained=is_idle or rec.health == FAILED,
+                                num_running=num_running, num_waiting=num_waiting, health=rec.health)
+
+    async def ListReplacements(self, request, context):
+        """Called by the operator on every reconcile."""
+        try:
+            self.controller._require_leader()
+        except NotLeader as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        persister = self.controller.persister
+        out = pb.ListReplacementsResponse()
+        for key, text in (await self.controller.store.get_prefix(persister.key("replace", ""))).items():
+            data = json.loads(text)
+            out.replacements.add(instance_id=data.get("instance", key.rsplit("/", 1)[-1]),
+                                 reason=data.get("reason", ""),
+                                 requested_unix_s=data.get("requested_unix_s", 0.0))
+        return out
+
+    async def AckReplacement(self, request, context):
+        """Called by the operator once it deleted the instance's Pod for recreation."""
+        try:
+            cluster = self.controller._require_leader()
+        except NotLeader as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        await self.controller.store.delete(self.controller.persister.key("replace", request.instance_id))
+        rec = cluster.records.get(request.instance_id)
+        if rec is not None:  # the new Pod starts with a clean failure history
+            rec.replacement_requested, rec.failures = False, []
+            cluster.dirty.add(rec.instance_id)
+        return pb.AckReplacementResponse()
+
+    async def ForgetCluster(self, request, context):
+        """Called by the operator's delete handler after every engine Pod is gone."""
+        try:
+            cluster = self.controller._require_leader()
+        except NotLeader as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        c = self.controller
+        old = c.persister
+        c.persister = ForgottenPersister(c.store, old.prefix, old.lease_ttl_s)
+        cluster.records.clear()
+        cluster.dirty.clear()
+        cluster.removed.clear()
+        cluster.replacements.clear()
+        cluster.meta_dirty = False
+        leader_key = old.key("leader")
+        keys = [k for k in await c.store.get_prefix(old.prefix + "/") if k != leader_key]
+        for key in keys:
+            await c.store.delete(key)
+        return pb.ForgetClusterResponse(num_keys_deleted=len(keys))
 
 
 async def create_grpc_server(controller: Controller, address: str,

@@ -137,3 +137,65 @@ class WatchViewRequest(_message.Message):
     coordinator_id: str
     cluster_token: str
     def __init__(self, coordinator_id: _Optional[str] = ..., cluster_token: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("instance_id", "deadline_s")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    deadline_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("is_known", "is_drained", "num_running", "num_waiting", "health")
+    IS_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAINED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    is_known: bool
+    is_drained: bool
+    num_running: int
+    num_waiting: int
+    health: str
+    def __init__(self, is_known: _Optional[bool] = ..., is_drained: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., health: _Optional[str] = ...) -> None: ...
+
+class Replacement(_message.Message):
+    __slots__ = ("instance_id", "reason", "requested_unix_s")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    reason: str
+    requested_unix_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., reason: _Optional[str] = ..., requested_unix_s: _Optional[float] = ...) -> None: ...
+
+class ListReplacementsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListReplacementsResponse(_message.Message):
+    __slots__ = ("replacements",)
+    REPLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    replacements: _containers.RepeatedCompositeFieldContainer[Replacement]
+    def __init__(self, replacements: _Optional[_Iterable[_Union[Replacement, _Mapping]]] = ...) -> None: ...
+
+class AckReplacementRequest(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+
+class AckReplacementResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ForgetClusterRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ForgetClusterResponse(_message.Message):
+    __slots__ = ("num_keys_deleted",)
+    NUM_KEYS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    num_keys_deleted: int
+    def __init__(self, num_keys_deleted: _Optional[int] = ...) -> None: ...

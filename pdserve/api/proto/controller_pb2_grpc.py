@@ -49,6 +49,26 @@ class ControllerStub:
                 request_serializer=pdserve_dot_api_dot_proto_dot_controller__pb2.WatchViewRequest.SerializeToString,
                 response_deserializer=pdserve_dot_api_dot_proto_dot_controller__pb2.ClusterView.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.controller.v1.Controller/Drain',
+                request_serializer=pdserve_dot_api_dot_proto_dot_controller__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_proto_dot_controller__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.ListReplacements = channel.unary_unary(
+                '/pdserve.controller.v1.Controller/ListReplacements',
+                request_serializer=pdserve_dot_api_dot_proto_dot_controller__pb2.ListReplacementsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_proto_dot_controller__pb2.ListReplacementsResponse.FromString,
+                _registered_method=True)
+        self.AckReplacement = channel.unary_unary(
+                '/pdserve.controller.v1.Controller/AckReplacement',
+                request_serializer=pdserve_dot_api_dot_proto_dot_controller__pb2.AckReplacementRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_proto_dot_controller__pb2.AckReplacementResponse.FromString,
+                _registered_method=True)
+        self.ForgetCluster = channel.unary_unary(
+                '/pdserve.controller.v1.Controller/ForgetCluster',
+                request_serializer=pdserve_dot_api_dot_proto_dot_controller__pb2.ForgetClusterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_proto_dot_controller__pb2.ForgetClusterResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -76,6 +96,38 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Operator -> Controller. Drain asks the instance's agent to drain its engine (once)
+        and reports whether it is idle; the operator calls it on every reconcile until
+        drained or its own deadline passed, then deletes the instance.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListReplacements(self, request, context):
+        """Replacement requests (``replace/<id>`` in the store) after repeated failures; the
+        operator recreates the instance's Pod, then acknowledges (the request is deleted
+        and the instance's failure count starts again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckReplacement(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForgetCluster(self, request, context):
+        """The PDCluster is being deleted and its engines are gone: delete every key of the
+        cluster from the store and stop persisting, so nothing of it is left behind.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +145,26 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.GetView,
                     request_deserializer=pdserve_dot_api_dot_proto_dot_controller__pb2.WatchViewRequest.FromString,
                     response_serializer=pdserve_dot_api_dot_proto_dot_controller__pb2.ClusterView.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=pdserve_dot_api_dot_proto_dot_controller__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_proto_dot_controller__pb2.DrainResponse.SerializeToString,
+            ),
+            'ListReplacements': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplacements,
+                    request_deserializer=pdserve_dot_api_dot_proto_dot_controller__pb2.ListReplacementsRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_proto_dot_controller__pb2.ListReplacementsResponse.SerializeToString,
+            ),
+            'AckReplacement': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckReplacement,
+                    request_deserializer=pdserve_dot_api_dot_proto_dot_controller__pb2.AckReplacementRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_proto_dot_controller__pb2.AckReplacementResponse.SerializeToString,
+            ),
+            'ForgetCluster': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetCluster,
+                    request_deserializer=pdserve_dot_api_dot_proto_dot_controller__pb2.ForgetClusterRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_proto_dot_controller__pb2.ForgetClusterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +248,114 @@ class Controller:
             '/pdserve.controller.v1.Controller/GetView',
             pdserve_dot_api_dot_proto_dot_controller__pb2.WatchViewRequest.SerializeToString,
             pdserve_dot_api_dot_proto_dot_controller__pb2.ClusterView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.controller.v1.Controller/Drain',
+            pdserve_dot_api_dot_proto_dot_controller__pb2.DrainRequest.SerializeToString,
+            pdserve_dot_api_dot_proto_dot_controller__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplacements(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.controller.v1.Controller/ListReplacements',
+            pdserve_dot_api_dot_proto_dot_controller__pb2.ListReplacementsRequest.SerializeToString,
+            pdserve_dot_api_dot_proto_dot_controller__pb2.ListReplacementsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckReplacement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.controller.v1.Controller/AckReplacement',
+            pdserve_dot_api_dot_proto_dot_controller__pb2.AckReplacementRequest.SerializeToString,
+            pdserve_dot_api_dot_proto_dot_controller__pb2.AckReplacementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetCluster(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.controller.v1.Controller/ForgetCluster',
+            pdserve_dot_api_dot_proto_dot_controller__pb2.ForgetClusterRequest.SerializeToString,
+            pdserve_dot_api_dot_proto_dot_controller__pb2.ForgetClusterResponse.FromString,
             options,
             channel_credentials,
             insecure,
