@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from pdserve.api.logs import RequestLogMiddleware
 from pdserve.api.security import SecuritySettings
 
 from .admission import Admission
@@ -46,6 +47,7 @@ from .schemas import (
 )
 from .serving import Completions
 from .settings import CoordinatorSettings
+from .ui import register_ui
 from .watcher import ControllerWatcher
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,7 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
                   docs_url=None, redoc_url=None)
     app.state.deps = deps
     app.state.admission = admission
+    app.add_middleware(RequestLogMiddleware)  # one line per request, with its request id
     app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes,
                        api_key=read_api_key(settings.api_key_file))
 
@@ -166,4 +169,5 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
             metrics.instances.labels(role).set(len(getattr(pools, role)))
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    register_ui(app)  # /ui status page, /ui/state, / -> /ui
     return app

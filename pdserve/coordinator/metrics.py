@@ -12,6 +12,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0, 60.0)
 STAGES = ("prefill_queue", "prefill_compute", "kv_transfer", "decode_wait", "first_decode")
+# Every label value these counters take (router, lifecycle, admission, serving). Their
+# series are created at zero, so dashboards and alerts see 0 (not "no data") until the
+# first event, and rate() counts that first event.
+REJECT_REASONS = ("queue_full", "queue_timeout")
+FALLBACK_POLICIES = ("hybrid", "queue", "fail")
+FALLBACK_REASONS = ("no_prefill_or_decode_engine", "no_prefill_engine", "no_decode_engine",
+                    "no_compatible_pair")
+RETRY_LEGS = {"prefill": ("before_handoff",), "decode": ("before_first_token", "mid_stream"),
+              "single": ("before_first_token", "mid_stream")}
+ABORT_REASONS = ("client_gone", "stop_string")
 
 
 class CoordinatorMetrics:
@@ -49,6 +59,21 @@ class CoordinatorMetrics:
         self.e2e = Histogram(p + "request_duration_seconds", "Arrival to last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
         self._stage_children = {s: self.stage.labels(s) for s in STAGES}
+        self._create_series()
+
+    def _create_series(self) -> None:
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        for policy in FALLBACK_POLICIES:
+            for reason in FALLBACK_REASONS:
+                self.fallbacks.labels(policy, reason)
+        for leg, stages in RETRY_LEGS.items():
+            for stage in stages:
+                self.retries.labels(leg, stage)
+        for reason in ABORT_REASONS:
+            self.aborts.labels(reason)
+        for role in ("prefill", "decode", "hybrid"):
+            self.instances.labels(role)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         self._stage_children[stage].observe(seconds)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
+from pdserve.api.logs import configure_logging
 from pdserve.engine.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.engine.config import ConfigError
 
@@ -15,14 +15,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics over HTTP on this port (0: a free one)")
     parser.add_argument("--log-level", default="INFO")
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level)
     from pdserve.api.security import SecuritySettings
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.server import serve
@@ -45,8 +44,12 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    def metrics_ready(port: int) -> None:
+        print(f"pdserve engine metrics on http://{args.host}:{port}/metrics", flush=True)
+
     try:
-        asyncio.run(serve(engine, args.host, args.port, ready, security))
+        asyncio.run(serve(engine, args.host, args.port, ready, security,
+                          args.metrics_port, metrics_ready))
     except KeyboardInterrupt:
         pass
     except OSError as exc:

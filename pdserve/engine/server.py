@@ -21,6 +21,7 @@ from pdserve.api.security import SecuritySettings, add_port, server_interceptors
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
+from pdserve.engine.metrics import attach_metrics, start_metrics_server
 from pdserve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -138,12 +139,25 @@ class EngineService(pb_grpc.EngineServicer):
 
 
 async def serve(
-    engine: LLMEngine, host: str, port: int, ready=None, security: SecuritySettings | None = None
+    engine: LLMEngine, host: str, port: int, ready=None, security: SecuritySettings | None = None,
+    metrics_port: int | None = None, metrics_ready=None,
 ) -> None:
-    """Run the server until cancelled. ``ready(bound_port)`` is called once listening."""
+    """Run the server until cancelled. ``ready(bound_port)`` is called once listening; with
+    ``metrics_port`` (0: a free one) Prometheus metrics are served over HTTP on ``host`` and
+    ``metrics_ready(bound_port)`` is called first."""
     security = security or SecuritySettings()
+    metrics = attach_metrics(engine)
     loop = EngineLoop(engine)
     loop.start()
+    metrics_runner = None
+    if metrics_port is not None:
+        try:
+            metrics_runner, bound = await start_metrics_server(loop, metrics, host, metrics_port)
+        except OSError:
+            loop.stop()
+            raise
+        if metrics_ready is not None:
+            metrics_ready(bound)
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0)], interceptors=server_interceptors(security)
     )
@@ -159,4 +173,6 @@ async def serve(
         await server.wait_for_termination()
     finally:
         await server.stop(grace=1.0)
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         loop.stop()

@@ -1,0 +1,67 @@
+"""``pdserve.api.logs``: JSON or text lines chosen by PDSERVE_LOG_FORMAT, and the access
+log middleware that puts the request id on the Coordinator's line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from pdserve.api.logs import JsonFormatter, RequestLogMiddleware, configure_logging
+
+
+def test_json_lines_carry_request_id(monkeypatch, capsys):
+    monkeypatch.setenv("PDSERVE_LOG_FORMAT", "json")
+    configure_logging("INFO")
+    try:
+        logging.getLogger("pdserve.test").info("request %s admitted", "cmpl-1",
+                                               extra={"request_id": "cmpl-1"})
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+    finally:
+        logging.getLogger().handlers.clear()
+    record = json.loads(line)
+    assert record["msg"] == "request cmpl-1 admitted"
+    assert record["request_id"] == "cmpl-1" and record["level"] == "INFO"
+    assert record["logger"] == "pdserve.test"
+
+
+def test_text_is_the_default(monkeypatch):
+    monkeypatch.delenv("PDSERVE_LOG_FORMAT", raising=False)
+    configure_logging("INFO")
+    try:
+        [handler] = logging.getLogger().handlers
+        assert not isinstance(handler.formatter, JsonFormatter)
+    finally:
+        logging.getLogger().handlers.clear()
+
+
+def test_exceptions_are_one_json_line():
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    text = JsonFormatter().format(record)
+    assert "\n" not in text and "ValueError: boom" in json.loads(text)["exc"]
+
+
+def test_access_line_has_the_request_id(caplog):
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"x-request-id", b"cmpl-42")]})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        await send({"type": "http.response.body", "body": b"b"})
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions"}
+    with caplog.at_level(logging.INFO, "pdserve.access"):
+        asyncio.run(RequestLogMiddleware(app)(scope, None, send))
+    assert len(sent) == 3
+    [rec] = caplog.records
+    assert rec.request_id == "cmpl-42"
+    assert "cmpl-42 POST /v1/completions 200" in rec.getMessage()
