@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Debian packages the test suite uses (installed only when missing).
-SYSTEM_PACKAGES := libibverbs1 etcd-server
+SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium
 
 .PHONY: install system-deps lint test run proto clean
 
