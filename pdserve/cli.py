@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("pdserve.controller.cli", "run the Controller (registry, health, failover, view)"),
     "nodeagent": ("pdserve.nodeagent.cli", "supervise engines and heartbeat to the Controller"),
     "up": ("pdserve.local.up", "run a whole cluster locally as processes"),
+    "operator": ("pdserve.operator.cli", "run the kopf operator"),
 }
 
 

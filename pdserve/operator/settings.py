@@ -1,0 +1,65 @@
+"""The operator's settings: one frozen value built from the environment and flags.
+
+Owns every knob of the operator (what the chart's Deployment sets, as
+``PDSERVE_*`` variables, plus timings the tests shorten). Nothing else reads the
+environment, so tests build ``OperatorSettings(...)`` directly.
+
+Invariants: ``store_url`` is ``etcd://HOST:PORT`` when etcd endpoints are given,
+else ``memory://`` (then the Controller runs one replica: two replicas on two
+memory stores would both lead).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+DEFAULT_IMAGE = "ghcr.io/pdserve/pdserve:latest"
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    namespace: str = ""
+    """Namespace to watch; empty watches every namespace."""
+    operator_namespace: str = "default"
+    image: str = DEFAULT_IMAGE
+    """Image for clusters that set no ``spec.image``."""
+    etcd_endpoints: tuple[str, ...] = ()
+    controlplane_clusterrole: str = ""
+    """ClusterRole bound (per namespace) to each cluster's control-plane ServiceAccount."""
+    metrics_port: int = 8080
+    log_level: str = "info"
+    resync_s: float = 10.0
+    """Every cluster is reconciled at least this often (level-triggered)."""
+    drain_deadline_s: float = 120.0
+    """A scaled-down instance is deleted when drained or after this long."""
+    forget_deadline_s: float = 60.0
+    """On deletion, how long to retry asking the Controller to forget the cluster."""
+    controller_address: str = "{cluster}-controller.{namespace}.svc:{port}"
+    """How the operator reaches a cluster's Controller (tests point it at a fake)."""
+
+    @property
+    def store_url(self) -> str:
+        if not self.etcd_endpoints:
+            return "memory://"
+        parts = urlsplit(self.etcd_endpoints[0] if "//" in self.etcd_endpoints[0]
+                         else "//" + self.etcd_endpoints[0])
+        return f"etcd://{parts.hostname}:{parts.port or 2379}"
+
+    @classmethod
+    def from_env(cls, env: dict | None = None, **overrides) -> OperatorSettings:
+        """Called by ``pdserve operator``: the chart's variables, then flag overrides."""
+        env = os.environ if env is None else env
+        endpoints = tuple(e.strip() for e in env.get("PDSERVE_ETCD_ENDPOINTS", "").split(",") if e.strip())
+        values = dict(
+            namespace=env.get("PDSERVE_WATCH_NAMESPACE", ""),
+            operator_namespace=env.get("POD_NAMESPACE", "default"),
+            image=env.get("PDSERVE_CLUSTER_IMAGE") or DEFAULT_IMAGE,
+            etcd_endpoints=endpoints,
+            controlplane_clusterrole=env.get("PDSERVE_CONTROLPLANE_CLUSTERROLE", ""),
+            metrics_port=int(env.get("PDSERVE_METRICS_PORT") or 8080),
+            log_level=env.get("PDSERVE_LOG_LEVEL", "info"),
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
