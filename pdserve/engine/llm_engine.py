@@ -431,6 +431,6 @@ def request_timings(request: Request, now: float) -> dict[str, float]:
         if request.first_token_s is not None:
             t["prefill_s"] = request.first_token_s - request.first_scheduled_s
     if request.is_finished and request.first_token_s is not None:
-        key = "kv_transfer_s" if request.status is RequestStatus.FINISHED_HANDOFF else "decode_s"
+        key = "kv_transfer_s" if request.pinned else "decode_s"  # pinned: the prefill leg
         t[key] = now - request.first_token_s
     return t

@@ -129,13 +129,14 @@ def test_kill_d_mid_transfer(procs):
     p_msgs, p_error, _, d_error = asyncio.run(
         run_pair(p_addr, p_kv, d_addr, d_kv, "killd", fault=lambda: d.signal(signal.SIGKILL)))
     assert p_error is None and p_msgs[-1].finish_reason == "error", p_msgs[-1]
-    assert "writing KV" in p_msgs[-1].error
+    # Either a write to the dead D failed, or P's deadline ended the transfer first.
+    assert "writing KV" in p_msgs[-1].error or "timed out" in p_msgs[-1].error
     assert d_error is not None  # the D stream broke with its process
     assert_all_free(p_addr)
     d2, d2_addr, d2_kv = engine("decode")
     procs.append(d2)
     _, _, d_msgs, _ = asyncio.run(run_pair(p_addr, p_kv, d2_addr, d2_kv, "after"))
-    assert d_msgs[-1].finish_reason == "length" and len(tokens(d_msgs)) == 8
+    assert d_msgs[-1].finish_reason == "length" and len(tokens(d_msgs)) == 8, d_msgs[-1]
     assert_all_free(p_addr)
 
 

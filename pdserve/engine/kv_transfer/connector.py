@@ -394,6 +394,7 @@ class KVConnector:
         if not self.block_manager.allocate_slots(req, req.num_prompt_tokens):
             return  # retried next step until the deadline
         xfer.reserve_sent = True
+        self.worker.grant_blocks(xfer)
         self._send(xfer, "RESERVE", blocks=req.block_table)
 
     def _start_push(self, xfer: Transfer) -> None:
@@ -410,6 +411,8 @@ class KVConnector:
         self._events.handed_off.append(xfer.request)
 
     def _succeed_decode(self, xfer: Transfer, seed=None) -> None:
+        if xfer.reserve_sent:
+            self.worker.revoke(xfer)  # P settled every write before DONE: returns at once
         xfer.state = XferState.SUCCESS
         self._finish(xfer, ok=True)
         seed = seed if seed is not None else xfer.seed
@@ -424,6 +427,8 @@ class KVConnector:
         p = xfer.params
         if notify_peer:
             self._send(xfer, "ABORT" if p.role == "decode" else "FAILED", reason=reason)
+        if p.role == "decode" and xfer.reserve_sent and self.worker.revoke(xfer):
+            write_may_land = False  # the transport fenced this transfer's writes
         if p.role == "decode" and xfer.reserve_sent and write_may_land:
             # P may still write into our blocks: keep them until it confirms.
             xfer.state = XferState.ABORTING
@@ -440,7 +445,7 @@ class KVConnector:
 
     def _release_after_abort(self, xfer: Transfer, acked: bool) -> None:
         self.transfers.pop(xfer.transfer_id, None)
-        if acked or self._fence(xfer.peer):
+        if acked or self.worker.revoke(xfer):
             xfer.state = XferState.FAILED
             self._quarantine.pop(xfer.transfer_id, None)
             self.block_manager.free(xfer.request)
@@ -448,10 +453,6 @@ class KVConnector:
             log.warning("transfer %s: no abort ack from %s; %d blocks quarantined until it answers",
                         xfer.transfer_id, xfer.peer, len(xfer.request.block_table))
             self._quarantine[xfer.transfer_id] = xfer
-
-    def _fence(self, peer: str) -> bool:
-        fence = getattr(self.worker.transport, "fence", None)
-        return bool(fence and fence(peer))
 
     def _finish(self, xfer: Transfer, ok: bool) -> None:
         self.transfers.pop(xfer.transfer_id, None)

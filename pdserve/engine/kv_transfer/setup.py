@@ -44,10 +44,11 @@ def build_connector(config: EngineConfig, model_config: ModelConfig, runner, blo
                     on_transfer_done=None) -> KVConnector | None:
     if config.kv_transport == "none":
         return None
-    transport = create_transport(
-        config.kv_transport, host=config.kv_host, port=config.kv_port,
-        auth_token=config.kv_auth_token, timeout_s=config.kv_transfer_timeout_s,
-    )
+    options = dict(host=config.kv_host, port=config.kv_port, auth_token=config.kv_auth_token,
+                   timeout_s=config.kv_transfer_timeout_s)
+    if config.kv_transport == "tcp":
+        options["require_grants"] = True  # writes only into blocks reserved for the writer
+    transport = create_transport(config.kv_transport, **options)
     kv = runner.kv_cache
     layout = KVLayout(
         model_id=model_identity(config, model_config),

@@ -17,6 +17,8 @@ import queue
 import threading
 import time
 
+import numpy as np
+
 from pdserve.engine.kv_transfer import messages
 from pdserve.engine.kv_transfer.layout import KVLayout, token_range_items
 from pdserve.engine.kv_transfer.transport.base import BatchHandle, Transport
@@ -108,6 +110,27 @@ class ConnectorWorker:
         self.rejected.pop(peer, None)
         if reply:
             self.send(peer, "HELLO_ACK", layout=self.layout.to_dict())
+
+    # -- write grants (D) --------------------------------------------------------------
+
+    def grant_blocks(self, xfer) -> None:
+        """D: let the peer write exactly into this transfer's reserved blocks."""
+        lay = self.layout
+        blocks = np.asarray(xfer.request.block_table, dtype=np.int64)
+        starts = np.concatenate([
+            lay.base_addr + ((layer * 2 + kv) * lay.num_blocks + blocks) * lay.block_bytes
+            for layer in range(lay.num_layers) for kv in (0, 1)
+        ])
+        ranges = np.stack([starts, np.full_like(starts, lay.block_bytes)], axis=1)
+        self.transport.grant(xfer.peer, xfer.transfer_id, ranges)
+
+    def revoke(self, xfer) -> bool:
+        """D: end the transfer's grant; True once no write of it can land any more."""
+        try:
+            return self.transport.revoke(xfer.transfer_id)
+        except Exception as exc:  # noqa: BLE001 - treated as "cannot promise"
+            log.warning("revoking transfer %s failed: %s", xfer.transfer_id, exc)
+            return False
 
     # -- bytes -------------------------------------------------------------------
 

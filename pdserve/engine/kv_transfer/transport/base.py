@@ -212,6 +212,20 @@ class Transport(abc.ABC):
     def recv_notifications(self) -> list[tuple[str, bytes]]:
         """Drain (peer endpoint, message) pairs received so far; never blocks."""
 
+    def grant(self, peer: str, tag: str, ranges: np.ndarray) -> None:
+        """Allow ``peer`` to write into ``ranges`` ([n, 2]: addr, length) until ``revoke(tag)``.
+
+        Called by D's connector when it reserves blocks for a transfer. Transports that
+        cannot enforce grants accept and ignore it.
+        """
+        return None
+
+    def revoke(self, tag: str) -> bool:
+        """End a grant. True when no write under it can land any more, so its memory
+        may be reused; False when this transport cannot promise that (the caller then
+        waits for the writer to confirm)."""
+        return False
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop threads and close sockets; pending batches become FAILED. Idempotent."""

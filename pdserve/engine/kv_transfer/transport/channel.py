@@ -32,8 +32,8 @@ from pdserve.engine.kv_transfer.transport.base import BatchHandle
 
 log = logging.getLogger(__name__)
 
-# (sock, op, batch_id, body) -> None; reads the payload and writes the reply itself.
-FrameHandler = Callable[[socket.socket, int, int, bytes], None]
+# (sock, op, batch_id, body, peer) -> None; reads the payload and writes the reply itself.
+FrameHandler = Callable[[socket.socket, int, int, bytes, str], None]
 # Runs on a link's reader thread when the reply for a batch arrives.
 ReplyHandler = Callable[[socket.socket, int, bytes], None]
 _SWEEP_S = 0.2
@@ -133,7 +133,7 @@ class Channel:
                 elif op == wire.OP_FENCE:
                     wire.send_frame(sock, wire.OP_ACK, batch_id)
                 elif self._on_frame is not None:
-                    self._on_frame(sock, op, batch_id, body)
+                    self._on_frame(sock, op, batch_id, body, peer)
                 else:
                     raise ValueError(f"unexpected op {op}")
         except (OSError, ValueError) as exc:

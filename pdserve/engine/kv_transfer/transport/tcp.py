@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import numpy as np
@@ -28,6 +29,7 @@ from pdserve.engine.kv_transfer.transport.base import (
     coalesce,
 )
 from pdserve.engine.kv_transfer.transport.channel import Channel, PeerLink
+from pdserve.engine.kv_transfer.transport.grants import WriteGrants
 
 
 class TcpTransport(Transport):
@@ -41,8 +43,13 @@ class TcpTransport(Transport):
         advertise_host: str | None = None,
         auth_token: str | None = None,
         timeout_s: float = 10.0,
+        require_grants: bool = False,
     ) -> None:
+        """``require_grants``: accept writes only inside ranges granted to the writer
+        (engines turn this on; see grants.py), which makes ``revoke`` a real fence."""
         self.timeout_s = timeout_s
+        self.require_grants = require_grants
+        self._grants = WriteGrants()
         self._regions = Regions()
         self._channel = Channel(
             info=lambda: {"regions": self._regions.as_list()},
@@ -75,6 +82,12 @@ class TcpTransport(Transport):
     def recv_notifications(self) -> list[tuple[str, bytes]]:
         return self._channel.notifications()
 
+    def grant(self, peer: str, tag: str, ranges: np.ndarray) -> None:
+        self._grants.grant(peer, tag, ranges)
+
+    def revoke(self, tag: str) -> bool:
+        return self._grants.revoke(tag, cut=_cut, timeout_s=self.timeout_s)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -106,15 +119,26 @@ class TcpTransport(Transport):
 
     # -- server side (runs on the connection's thread) ---------------------------------
 
-    def _serve_frame(self, sock: socket.socket, op: int, batch_id: int, body: bytes) -> None:
+    def _serve_frame(
+        self, sock: socket.socket, op: int, batch_id: int, body: bytes, peer: str
+    ) -> None:
         addrs, lengths = wire.decode_table(body)
         problem = self._regions.check(addrs, lengths, side="remote")
+        token = None
+        if problem is None and op == wire.OP_WRITE and self.require_grants:
+            token = self._grants.begin_write(peer, addrs, lengths, sock)
+            if isinstance(token, str):
+                problem, token = token, None
         if problem is not None:
             if op == wire.OP_WRITE:
                 wire.drain(sock, int(lengths.sum()))
             wire.send_frame(sock, wire.OP_NACK, batch_id, f"refused: {problem}".encode())
         elif op == wire.OP_WRITE:
-            wire.recv_payload(sock, np.stack([addrs, lengths], axis=1))
+            try:
+                wire.recv_payload(sock, np.stack([addrs, lengths], axis=1))
+            finally:
+                if token is not None:
+                    self._grants.end_write(token)
             wire.send_frame(sock, wire.OP_ACK, batch_id)
         elif op == wire.OP_READ:
             wire.send_frame(sock, wire.OP_DATA, batch_id, b"", np.stack([addrs, lengths], axis=1))
@@ -135,3 +159,9 @@ def _on_reply(
         handle.fail(body.decode(errors="replace"))
     else:
         raise ValueError(f"unexpected reply op {op}")
+
+
+def _cut(sock: socket.socket) -> None:
+    """Stop a write that is landing in revoked memory: its recvmsg fails at once."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
