@@ -1,0 +1,122 @@
+"""Builders are pure: the desired objects follow from the spec alone."""
+
+from __future__ import annotations
+
+from pdserve.api import PDCluster
+from pdserve.api.manifest import load_manifest, parse_manifest
+from pdserve.operator import builders as b
+from pdserve.operator.deployments import build_controller_deployment, build_coordinator_deployment
+from pdserve.operator.pods import build_engine_pod
+from pdserve.operator.settings import OperatorSettings
+
+
+def cluster(**spec) -> PDCluster:
+    base = {"model": {"preset": "tiny"}, "prefill": {"replicas": 2}, "decode": {"replicas": 1}}
+    return parse_manifest({"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                           "metadata": {"name": "c", "namespace": "ns", "uid": "u-1", "generation": 3},
+                           "spec": {**base, **spec}})
+
+
+def test_building_twice_gives_equal_objects_all_owned_and_labelled():
+    c, settings = cluster(), OperatorSettings()
+    def build():
+        return [b.build_config_map(c), *b.build_services(c), *b.build_controlplane_rbac(c, "role"),
+                build_controller_deployment(c, settings), build_coordinator_deployment(c, settings),
+                b.build_instance(c, "decode", 0)]
+    first, second = build(), build()
+    assert first == second
+    for obj in first:
+        assert obj["metadata"]["labels"][b.CLUSTER_LABEL] == "c"
+        assert obj["metadata"]["ownerReferences"] == [b.cluster_owner(c)]
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+
+
+def test_one_instance_per_pool_replica():
+    assert b.desired_instances(cluster()) == {
+        "c-prefill-0": ("prefill", 0), "c-prefill-1": ("prefill", 1), "c-decode-0": ("decode", 0)}
+    inst = b.build_instance(cluster(), "prefill", 1)
+    assert inst["spec"] == {"role": "prefill", "cluster": "c", "pool": "prefill", "ordinal": 1}
+
+
+def test_engine_hash_ignores_scaling_and_control_plane_but_not_engine_settings():
+    base = b.engine_spec_hash(cluster())
+    assert b.engine_spec_hash(cluster(decode={"replicas": 5})) == base
+    assert b.engine_spec_hash(cluster(coordinator={"replicas": 3})) == base
+    assert b.engine_spec_hash(cluster(engine={"blockSize": 32})) != base
+    assert b.engine_spec_hash(cluster(kvTransfer={"mode": "pull"})) != base
+    assert b.config_hash(cluster(coordinator={"replicas": 3})) != b.config_hash(cluster())
+
+
+def test_engine_pod_runs_the_agent_with_probes_gpus_and_placement():
+    c = cluster(decode={"replicas": 1, "gpus": 2, "nodeSelector": {"gpu": "h100"},
+                        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                        "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}})
+    pod = build_engine_pod(c, "c-decode-0", "decode", "inst-uid", "img:1")
+    container = pod["spec"]["containers"][0]
+    assert container["args"][:5] == ["nodeagent", "--controller", "c-controller:50050",
+                                     "--instance", "c-decode-0=decode"]
+    assert container["args"][5:7] == ["-f", b.CONFIG_FILE]
+    assert "--engine-arg=--device=cuda" in container["args"]
+    assert container["resources"] == {"requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "2"},
+                                      "limits": {"nvidia.com/gpu": "2"}}
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["metadata"]["labels"][b.SPEC_HASH_LABEL] == b.engine_spec_hash(c)
+    assert pod["metadata"]["ownerReferences"][0] == {
+        "apiVersion": "pdserve.io/v1alpha1", "kind": "PDInstance", "name": "c-decode-0",
+        "uid": "inst-uid", "controller": True, "blockOwnerDeletion": True}
+    assert container["image"] == "img:1"
+    assert build_engine_pod(cluster(image="mine:2"), "c-decode-0", "decode", "u", "img:1")[
+        "spec"]["containers"][0]["image"] == "mine:2"
+
+
+def test_pvc_weights_are_mounted_read_only():
+    c = cluster(model={"pvc": {"claimName": "weights", "subPath": "llama"}})
+    pod = build_engine_pod(c, "c-prefill-0", "prefill", "u", "img")
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod[
+        "spec"]["volumes"]
+    assert "--model" in (args := build_coordinator_deployment(c, OperatorSettings())["spec"][
+        "template"]["spec"]["containers"][0]["args"])
+    assert args[args.index("--model") + 1] == "/models/llama"
+
+
+def test_config_map_holds_the_spec_the_components_load(tmp_path):
+    c = cluster(engine={"blockSize": 32})
+    path = tmp_path / "cluster.yaml"
+    path.write_text(b.build_config_map(c)["data"]["cluster.yaml"])
+    loaded = load_manifest(path)
+    assert loaded.spec == c.spec and loaded.metadata.name == "c"
+
+
+def test_controller_uses_etcd_when_given_and_one_replica_without():
+    c = cluster(controller={"replicas": 2})
+    with_etcd = build_controller_deployment(c, OperatorSettings(etcd_endpoints=("http://etcd.sys.svc:2379",)))
+    args = with_etcd["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--store") + 1] == "etcd://etcd.sys.svc:2379"
+    assert with_etcd["spec"]["replicas"] == 2 and with_etcd["spec"]["strategy"]["type"] == "Recreate"
+    assert build_controller_deployment(c, OperatorSettings())["spec"]["replicas"] == 1
+    probe = with_etcd["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert probe["httpGet"]["path"] == "/leaderz"
+
+
+def test_coordinator_flags_follow_the_spec():
+    c = cluster(routing={"prefillPolicy": "round_robin"}, slo={"ttftMs": 500},
+                kvTransfer={"mode": "pull", "decodeAllocation": "prefill_complete"})
+    args = build_coordinator_deployment(c, OperatorSettings())["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    flags = dict(zip(args[1::2], args[2::2], strict=False))
+    assert flags["--prefill-policy"] == "round_robin" and flags["--kv-mode"] == "pull"
+    assert flags["--ttft-slo-s"] == "0.5" and flags["--served-model-name"] == "c"
+    assert flags["--controller"] == "c-controller:50050" and flags["--port"] == "8000"
+
+
+def test_settings_from_the_charts_environment():
+    s = OperatorSettings.from_env({"PDSERVE_WATCH_NAMESPACE": "team", "PDSERVE_METRICS_PORT": "9090",
+                                   "PDSERVE_ETCD_ENDPOINTS": "http://e:2379,http://f:2379",
+                                   "PDSERVE_CLUSTER_IMAGE": "img:2", "POD_NAMESPACE": "ops"},
+                                  resync_s=3.0, drain_deadline_s=None)
+    assert (s.namespace, s.metrics_port, s.image, s.operator_namespace) == ("team", 9090, "img:2", "ops")
+    assert s.store_url == "etcd://e:2379" and s.resync_s == 3.0 and s.drain_deadline_s == 120.0
+    assert OperatorSettings().store_url == "memory://"

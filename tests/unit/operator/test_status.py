@@ -1,0 +1,102 @@
+"""Status is a pure function of what reconcile observed."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from pdserve.operator import builders as b
+from pdserve.operator.status import Observation, build_invalid_status, build_status, instance_phase
+from tests.unit.operator.test_builders import cluster
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def pod(c, name: str, phase: str | None = "Running", ready: bool = True, spec_hash: str | None = None) -> dict:
+    labels = {b.SPEC_HASH_LABEL: spec_hash or b.engine_spec_hash(c)}
+    status = {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    return {"metadata": {"name": name, "labels": labels}, "status": status if phase else {}}
+
+
+def observed(c, **overrides) -> Observation:
+    names = b.desired_instances(c)
+    obs = Observation(
+        instances={n: b.build_instance(c, pool, i) for n, (pool, i) in names.items()},
+        pods={n: pod(c, n) for n in names},
+        deployments={k: {"status": {"availableReplicas": 1}} for k in ("controller", "coordinator")})
+    for key, value in overrides.items():
+        setattr(obs, key, value)
+    return obs
+
+
+def conditions(status: dict) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_all_ready_is_ready_and_not_progressing():
+    c = cluster()
+    status = build_status(c, 3, None, observed(c), NOW)
+    assert conditions(status) == {"Ready": ("True", "AllInstancesReady"),
+                                  "Progressing": ("False", "Reconciled"),
+                                  "Degraded": ("False", "AsExpected"),
+                                  "HybridFallback": ("False", "PoolsServing")}
+    assert (status["readyPrefill"], status["readyDecode"], status["mode"]) == (2, 1, "PD")
+    assert status["observedGeneration"] == 3
+    assert all(cond["observedGeneration"] == 3 for cond in status["conditions"])
+
+
+def test_same_observation_later_keeps_transition_times():
+    c = cluster()
+    first = build_status(c, 3, None, observed(c), NOW)
+    again = build_status(c, 3, first, observed(c), NOW + timedelta(minutes=5))
+    assert again == first
+
+
+def test_pending_pods_and_missing_control_plane_are_progressing():
+    c = cluster()
+    obs = observed(c)
+    obs.pods["c-decode-0"] = pod(c, "c-decode-0", phase="Pending", ready=False)
+    status = build_status(c, 1, None, obs, NOW)
+    assert conditions(status)["Ready"] == ("False", "NotReady")
+    assert conditions(status)["Progressing"] == ("True", "WaitingForInstances")
+    assert "decode 0/1 ready" in next(x["message"] for x in status["conditions"] if x["type"] == "Ready")
+    obs = observed(c, deployments={"controller": None, "coordinator": None})
+    assert conditions(build_status(c, 1, None, obs, NOW))["Progressing"] == ("True", "WaitingForControlPlane")
+
+
+def test_old_settings_pods_mean_rolling_and_not_ready():
+    c = cluster()
+    obs = observed(c, num_stale_pods=1)
+    obs.pods["c-prefill-0"] = pod(c, "c-prefill-0", spec_hash="old")
+    status = build_status(c, 2, None, obs, NOW)
+    assert conditions(status)["Progressing"] == ("True", "RollingEngines")
+    assert status["readyPrefill"] == 1
+
+
+def test_failed_pod_is_degraded_and_an_empty_pool_is_hybrid_fallback():
+    c = cluster()
+    obs = observed(c)
+    obs.pods["c-decode-0"] = pod(c, "c-decode-0", phase="Failed", ready=False)
+    status = build_status(c, 1, None, obs, NOW)
+    assert conditions(status)["Degraded"] == ("True", "PodFailed")
+    assert conditions(status)["HybridFallback"] == ("True", "PoolEmpty")
+    assert status["mode"] == "Fallback"
+    assert conditions(build_status(c, 1, None, observed(c, controller_mode="FALLBACK"), NOW))[
+        "HybridFallback"] == ("True", "ControllerFallback")
+
+
+def test_draining_instances_do_not_count_and_are_terminating():
+    c = cluster()
+    obs = observed(c, draining=["c-prefill-1"])
+    status = build_status(c, 1, None, obs, NOW)
+    assert conditions(status)["Progressing"] == ("True", "ScalingDown")
+    assert instance_phase(obs.pods["c-prefill-1"], is_draining=True) == "Terminating"
+    assert instance_phase(None, is_draining=False) == "Pending"
+    assert instance_phase(pod(c, "x", phase="Failed"), is_draining=False) == "Failed"
+
+
+def test_invalid_spec_status_says_why():
+    status = build_invalid_status(4, None, "spec.model: set exactly one of preset, path, pvc, image", NOW)
+    conds = {x["type"]: x for x in status["conditions"]}
+    assert conds["Ready"]["status"] == "False" and conds["Degraded"]["status"] == "True"
+    assert conds["Degraded"]["reason"] == "InvalidSpec"
+    assert "spec.model" in conds["Ready"]["message"] and status["observedGeneration"] == 4
