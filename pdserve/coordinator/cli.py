@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import socket
 import sys
 
 from pydantic import ValidationError
 
 from pdserve.api.cluster import FallbackPolicy, RoutingPolicy, TransferMode
+from pdserve.api.logs import configure_logging
 
 from .settings import CoordinatorSettings
 
@@ -72,8 +72,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     import uvicorn
 
     from .app import create_app

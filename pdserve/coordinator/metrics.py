@@ -58,6 +58,10 @@ class CoordinatorMetrics:
                               "tokens after the first.", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(p + "request_duration_seconds", "Arrival to last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Gap between consecutive "
+                             "output tokens of a stream.", buckets=LATENCY_BUCKETS, registry=r)
+        self.routes = Counter(p + "routing_decisions_total", "Engines chosen, by pool and "
+                              "the policy that chose them.", ["pool", "policy"], registry=r)
         self._stage_children = {s: self.stage.labels(s) for s in STAGES}
         self._create_series()
 

@@ -58,6 +58,7 @@ class Router:
             detail = self.registry.fallback_reason or reason.replace("_", " ")
             if policy == "hybrid" and pools.hybrid:
                 inst = self.decode_policy.choose(pools.hybrid, ctx)
+                self.metrics.routes.labels("hybrid", self.settings.decode_policy).inc()
                 self.index.record(inst.instance_id, ctx.hashes)
                 self.metrics.fallbacks.labels("hybrid", reason).inc()
                 return Plan("single", single=inst, fallback=reason)
@@ -111,7 +112,10 @@ class Router:
             if ctx.num_tokens - cached <= threshold:
                 self.index.record(d.instance_id, ctx.hashes)
                 self.metrics.local_prefills.inc()
+                self.metrics.routes.labels("decode", self.settings.decode_policy).inc()
                 return Plan("single", single=d), ""
         self.index.record(p.instance_id, ctx.hashes)
         self.index.record(d.instance_id, ctx.hashes)
+        self.metrics.routes.labels("prefill", self.settings.prefill_policy).inc()
+        self.metrics.routes.labels("decode", self.settings.decode_policy).inc()
         return Plan("pd", prefill=p, decode=d), ""

@@ -152,9 +152,11 @@ class _Output:
         now = time.monotonic()
         if self.first_s is None:
             self.first_s = now
-        elif "first_decode_s" not in self.run.timings:
-            self.run.timings["first_decode_s"] = now - self.first_s
-            self.owner.deps.metrics.observe_stage("first_decode", now - self.first_s)
+        else:
+            if "first_decode_s" not in self.run.timings:
+                self.run.timings["first_decode_s"] = now - self.first_s
+                self.owner.deps.metrics.observe_stage("first_decode", now - self.first_s)
+            self.owner.deps.metrics.itl.observe(now - self.last_s)
         self.last_s = now
         new_text, hit_stop = self.detok.append(ids)
         if hit_stop:

@@ -130,18 +130,11 @@ class EngineMetrics:
 
 def attach_metrics(engine) -> EngineMetrics:
     """Called once by the server before the engine thread starts: builds the metrics and
-    chains ``observe_transfer`` after the engine's own transfer totals."""
+    subscribes ``observe_transfer`` to every finished KV transfer."""
     connector = engine.connector
     metrics = EngineMetrics(connector.worker.transport.name if connector else "none")
     if connector is not None:
-        previous = connector._on_transfer_done  # the engine's TransferStats.record
-
-        def on_transfer_done(xfer, ok: bool) -> None:
-            if previous is not None:
-                previous(xfer, ok)
-            metrics.observe_transfer(xfer, ok)
-
-        connector._on_transfer_done = on_transfer_done
+        connector.add_observer(metrics.observe_transfer)
     return metrics
 
 

@@ -126,8 +126,14 @@ class KVConnector:
         self.transfers: dict[str, Transfer] = {}
         self._early: dict[str, list[tuple[float, dict]]] = {}  # messages before admission
         self._quarantine: dict[str, Transfer] = {}
-        self._on_transfer_done = on_transfer_done  # metrics hook(xfer, ok)
+        # Observers of every finished transfer: callables (xfer, ok) -> None.
+        self._observers = [on_transfer_done] if on_transfer_done is not None else []
         self._events = ConnectorEvents()
+
+    def add_observer(self, observe) -> None:
+        """Call ``observe(xfer, ok)`` for every finished transfer (metrics). Called once
+        at start-up, before the engine thread runs."""
+        self._observers.append(observe)
 
     # -- queries ---------------------------------------------------------------------
 
@@ -456,8 +462,8 @@ class KVConnector:
 
     def _finish(self, xfer: Transfer, ok: bool) -> None:
         self.transfers.pop(xfer.transfer_id, None)
-        if self._on_transfer_done is not None:
-            self._on_transfer_done(xfer, ok)
+        for observe in self._observers:
+            observe(xfer, ok)
 
     def sweep_quarantine(self) -> None:
         """Free P-side blocks whose writes have settled since the transfer failed."""
