@@ -13,7 +13,9 @@ kopf and the operator rely on from a real apiserver:
 - finalizers: delete marks ``deletionTimestamp``; the object goes when the last
   finalizer is removed;
 - label selectors on list and watch; watch snapshot and subscription made atomic
-  (no write is lost between them).
+  (no write is lost between them);
+- Kubernetes requests answered directly, not through kmock's reaction matching,
+  which scans the whole request history on every request (quadratic over a test).
 
 No garbage collector, no kubelet, no controllers: the tests play them.
 """
@@ -23,8 +25,10 @@ from __future__ import annotations
 import copy
 import datetime
 import itertools
+import json
 import uuid
 
+import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
@@ -105,21 +109,32 @@ class StrictEmulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request):
         action = request.action
-        if request.resource is None or action not in (enums.action.CREATE, enums.action.UPDATE,
-                                                      enums.action.DELETE):
-            return await super()._handle(request)
+        if action is None or getattr(request.resource, "plural", None) is None:  # discovery
+            return await super(kmock.KubernetesEmulator, self)._handle(request)
+        if action == enums.action.WATCH:
+            return await self._stream(request)
+        if action == enums.action.LIST:
+            return aiohttp.web.json_response(await self._serve_list(request))
+        if action == enums.action.FETCH:
+            return aiohttp.web.json_response(await self._serve_fetch(request))
         async with self._lock:
             if action == enums.action.CREATE:
-                await self._create(request)
+                body = await self._create(request)
             elif action == enums.action.UPDATE:
-                await self._update(request)
-            elif request.name is not None:
-                await self._delete(request)
-        # the stored state is final here: let kmock's fallbacks render it, skipping
-        # KubernetesEmulator._handle (which would store the request body verbatim)
-        return await super(kmock.KubernetesEmulator, self)._handle(request)
+                body = await self._update(request)
+            else:
+                body = await self._delete(request)
+        return aiohttp.web.json_response(body)
 
-    async def _create(self, request) -> None:
+    async def _stream(self, request) -> aiohttp.web.StreamResponse:
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request._raw_request)
+        async for event in self._serve_watch(request):
+            if event != b"":
+                await response.write(json.dumps(event).encode() + b"\n")
+        return response
+
+    async def _create(self, request) -> dict:
         body = request.data
         meta = body.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
@@ -136,6 +151,7 @@ class StrictEmulator(kmock.KubernetesEmulator):
         else:
             self.objects[key] = body
         await self._buses[request.resource].put({"type": "ADDED", "object": copy.deepcopy(body)})
+        return body
 
     def _existing(self, request) -> tuple:
         key = (request.resource, request.namespace, request.name)
@@ -143,7 +159,7 @@ class StrictEmulator(kmock.KubernetesEmulator):
             raise _status(404, "NotFound", f"{request.name} not found")
         return key, copy.deepcopy(self.objects[key].raw)
 
-    async def _update(self, request) -> None:
+    async def _update(self, request) -> dict:
         key, old = self._existing(request)
         if isinstance(request.data, list):  # application/json-patch+json
             try:
@@ -165,24 +181,26 @@ class StrictEmulator(kmock.KubernetesEmulator):
         new["metadata"] = {**new["metadata"], "resourceVersion": old["metadata"]["resourceVersion"],
                            "uid": old["metadata"]["uid"]}
         if new == old:
-            return
+            return old
         if new.get("spec") != old.get("spec"):
             new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
         self._bump(new)
         await self._store(key, request.resource, new)
+        return new
 
-    async def _delete(self, request) -> None:
+    async def _delete(self, request) -> dict:
         key, old = self._existing(request)
         if old["metadata"].get("finalizers"):
             if not old["metadata"].get("deletionTimestamp"):
                 old["metadata"]["deletionTimestamp"] = _now()
                 self._bump(old)
                 await self._store(key, request.resource, old)
-            return
+            return old
         self._bump(old)
         self.objects[key].create(old)
         self.objects[key].delete()
         await self._buses[request.resource].put({"type": "DELETED", "object": old})
+        return old
 
     async def _store(self, key, resource, new: dict) -> None:
         meta = new["metadata"]
