@@ -52,10 +52,15 @@ def path(kind: str, namespace: str, name: str | None = None, subresource: str | 
 
 
 def is_subset(desired: object, observed: object) -> bool:
-    """True when every field of ``desired`` has the same value in ``observed``."""
+    """True when every field of ``desired`` has the same value in ``observed``; list
+    items are compared pairwise, so fields the apiserver defaults inside them (a
+    container's ``terminationMessagePath``, a port's ``protocol``) do not count."""
     if isinstance(desired, dict):
         return isinstance(observed, dict) and all(
             is_subset(v, observed.get(k)) for k, v in desired.items())
+    if isinstance(desired, list):
+        return (isinstance(observed, list) and len(desired) == len(observed)
+                and all(is_subset(d, o) for d, o in zip(desired, observed, strict=True)))
     return desired == observed
 
 

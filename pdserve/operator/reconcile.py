@@ -38,7 +38,13 @@ from pdserve.operator.deployments import build_controller_deployment, build_coor
 from pdserve.operator.kube import KubeClient, KubeError, is_subset
 from pdserve.operator.pods import build_engine_pod
 from pdserve.operator.settings import OperatorSettings
-from pdserve.operator.status import Observation, build_invalid_status, build_status, instance_phase
+from pdserve.operator.status import (
+    Observation,
+    build_invalid_status,
+    build_status,
+    instance_phase,
+    is_available,
+)
 
 
 class InvalidSpec(Exception):
@@ -117,13 +123,15 @@ class Reconciler:
         obs.deployments = await self._apply_static(cluster, events)
         obs.instances = {_name(i): i for i in await self.kube.list("PDInstance", ns, {b.CLUSTER_LABEL: name})}
         obs.pods = {_name(p): p for p in await self.kube.list("Pod", ns, b.selector(cluster, "engine"))}
-        ctrl = self.controllers.for_cluster(name, ns)
+        # no call to a Controller that has no available replica (it would only time out)
+        ctrl = (self.controllers.for_cluster(name, ns)
+                if is_available(obs.deployments.get("controller")) else None)
         await self._create_instances(cluster, obs, events)
         await self._scale_down(cluster, obs, ctrl, events)
         await self._replace(cluster, obs, ctrl, events)
         await self._roll_pods(cluster, obs, events)
         try:
-            obs.controller_mode = await ctrl.mode()
+            obs.controller_mode = await ctrl.mode() if ctrl else None
         except ControllerUnavailable:
             obs.controller_mode = None
         await self._write_instance_phases(obs)
@@ -161,7 +169,7 @@ class Reconciler:
                     obs.pods.pop(name)
                 events.append(Event("Normal", "DrainCancelled", f"{name} is wanted again; Pod restarted"))
 
-    async def _scale_down(self, cluster: PDCluster, obs: Observation, ctrl: ControllerClient,
+    async def _scale_down(self, cluster: PDCluster, obs: Observation, ctrl: ControllerClient | None,
                           events: list[Event]) -> None:
         desired = b.desired_instances(cluster)
         now = self.clock().timestamp()
@@ -182,7 +190,7 @@ class Reconciler:
                 events.append(Event("Normal", "Draining", f"draining {name} before deleting it "
                                                           f"(deadline {deadline_s:g}s)"))
             try:
-                is_drained = (await ctrl.drain(name, deadline_s)).is_drained
+                is_drained = bool(ctrl) and (await ctrl.drain(name, deadline_s)).is_drained
             except ControllerUnavailable:
                 is_drained = False
             if is_drained or now - float(started) >= deadline_s:
@@ -199,8 +207,10 @@ class Reconciler:
         obs.pods.pop(name, None)
         obs.instances.pop(name, None)
 
-    async def _replace(self, cluster: PDCluster, obs: Observation, ctrl: ControllerClient,
+    async def _replace(self, cluster: PDCluster, obs: Observation, ctrl: ControllerClient | None,
                        events: list[Event]) -> None:
+        if ctrl is None:
+            return
         try:
             requests = await ctrl.list_replacements()
         except ControllerUnavailable:

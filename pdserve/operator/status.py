@@ -60,7 +60,7 @@ def instance_phase(pod: dict | None, is_draining: bool) -> str:
     return "Running" if phase == "Running" else "Pending"
 
 
-def _is_available(deployment: dict | None) -> bool:
+def is_available(deployment: dict | None) -> bool:
     return bool(deployment and (deployment.get("status") or {}).get("availableReplicas", 0) >= 1)
 
 
@@ -91,7 +91,7 @@ def _progress(cluster: PDCluster, obs: Observation, counts: dict[str, int]) -> t
         return "CreatingInstances", "waiting for " + ", ".join(sorted(missing))
     if sum(counts.values()) < len(desired):
         return "WaitingForInstances", f"{sum(counts.values())}/{len(desired)} instances ready"
-    if not all(_is_available(obs.deployments.get(c)) for c in ("controller", "coordinator")):
+    if not all(is_available(obs.deployments.get(c)) for c in ("controller", "coordinator")):
         return "WaitingForControlPlane", "Controller or Coordinator has no available replica"
     return None
 
