@@ -6,7 +6,8 @@ commands for agents, the routable view, events, and which keys to persist
 (``dirty`` / ``removed``).
 
 Invariants: the view holds READY instances only, so a FAILED instance leaves it
-in the same call that fails it; a command is re-sent only after
+in the same call that fails it; no command goes to an instance this leader has
+not heard from (a record loaded from the store); a command is re-sent only after
 ``command_timeout_s`` without the reported role reaching the target; the view
 ``version`` grows on every change of what it shows.
 """
@@ -79,7 +80,7 @@ class Cluster:
         rec.kv_transport, rec.kv_compat_hash = rep.kv_transport, rep.kv_compat_hash
         rec.num_restarts, rec.process_state, rec.probe_ok = rep.num_restarts, rep.process_state, rep.probe_ok
         rec.load = {f.name: getattr(rep.load, f.name) for f in pb.InstanceLoad.DESCRIPTOR.fields}
-        rec.last_heartbeat_s, rec.last_heartbeat_unix_s = now_s, time.time()
+        rec.last_heartbeat_s, rec.last_heartbeat_unix_s, rec.is_heard = now_s, time.time(), True
         is_kv_ready = bool(rep.kv_endpoint) or rep.kv_transport == "none"
         new = health.health_from_report(rec.health, rep.process_state, rep.probe_ok, is_kv_ready)
         reason = f"process {rep.process_state}, probe {'ok' if rep.probe_ok else 'failing'}"
@@ -127,7 +128,7 @@ class Cluster:
         members = [PoolMember(r.instance_id, r.assigned_role, r.load.get("num_running", 0),
                               r.load.get("num_waiting", 0), r.load.get("num_kv_blocks_used", 0),
                               r.load.get("num_kv_blocks_free", 0))
-                   for r in self.records.values() if r.health == READY]
+                   for r in self.records.values() if r.health == READY and r.is_heard]
         move = self._rebalance.decide(members, now_s)
         if move:
             self.records[move.instance_id].assigned_role = move.to_role
@@ -138,7 +139,8 @@ class Cluster:
     def _send_role_commands(self, now_s: float) -> None:
         for rec in self.records.values():
             target = self.target_role(rec)
-            if rec.health != READY or not rec.role or rec.role == target:
+            # a record loaded by a new leader may predate the last switch: act on reports only
+            if not rec.is_heard or rec.health != READY or not rec.role or rec.role == target:
                 continue
             if rec.command_sent_s is not None and now_s - rec.command_sent_s < self.settings.command_timeout_s:
                 continue

@@ -2,11 +2,14 @@
 
 Owns the ``Cluster`` (only while leading), the ``Election`` and the
 ``StatePersister``. Called by the gRPC service (heartbeats, view watchers) and
-runs two loops: the election, and the leader's tick (health timeouts, mode,
-role switches, persistence, view publication) every half heartbeat interval.
+runs two loops: the election, and the leader's commit loop: every half heartbeat
+interval a tick (health timeouts, mode, role switches), and after every tick or
+heartbeat that changed a record, a write to the store then the view's publication.
 
 Invariants: a standby never answers heartbeats (``NotLeader``) and never writes
 state; a new leader loads the last leader's state before it answers anything;
+what the view shows was written to the store first (write, then publish), so a
+leader killed at any moment hands over exactly the view its clients last saw;
 every view change wakes every watcher (one ``asyncio.Condition``).
 """
 
@@ -49,6 +52,8 @@ class Controller:
         self.election = Election(store, f"{prefix}/leader", settings.identity,
                                  settings.leader_ttl_s, self._on_leadership)
         self.cluster: Cluster | None = None
+        self._view: pb.ClusterView | None = None  # the published view: written to the store first
+        self._commit_soon = asyncio.Event()       # set by a heartbeat that changed a record
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self.num_leader_changes = 0
@@ -63,7 +68,7 @@ class Controller:
         """Called once by the server factory: first election attempt, then the loops."""
         with contextlib.suppress(Exception):
             await self.election.step()
-        self._tasks = [asyncio.create_task(self.election.run()), asyncio.create_task(self._tick_loop())]
+        self._tasks = [asyncio.create_task(self.election.run()), asyncio.create_task(self._commit_loop())]
 
     async def stop(self) -> None:
         """Called on shutdown: stop the loops, write what is dirty, hand leadership over."""
@@ -78,27 +83,55 @@ class Controller:
     async def _on_leadership(self, is_leader: bool) -> None:
         self.num_leader_changes += 1
         if is_leader:
-            self.cluster = await self.persister.load(self.settings.cluster, self.clock())
-            self.cluster._event(f"{self.settings.identity} leads "
-                                f"({len(self.cluster.records)} instances loaded)")
+            cluster = await self.persister.load(self.settings.cluster, self.clock())
+            cluster._event(f"{self.settings.identity} leads ({len(cluster.records)} instances loaded)")
+            self._view = cluster.view(self.election.leader)  # loaded from the store: already written
+            self.cluster = cluster
         else:
             if self.cluster is not None:
                 self.num_failovers += self.cluster.num_failovers
                 self.num_role_switches += self.cluster.num_role_switches
-            self.cluster = None
+            self.cluster, self._view = None, None
         await self._notify()
 
-    async def _tick_loop(self) -> None:
+    async def _commit_loop(self) -> None:
         period = self.settings.cluster.thresholds.interval_s / 2
+        last_tick_s = float("-inf")
         while True:
+            self._commit_soon.clear()
             cluster = self.cluster
             if cluster is not None and self.election.is_leader:
                 now = self.clock()
-                cluster.tick(now)
-                await self.persister.flush(cluster, now)
-                cluster.view(self.election.leader)  # bumps the version if the view changed
-                await self._notify()
-            await asyncio.sleep(period)
+                if now - last_tick_s >= period:
+                    cluster.tick(now)
+                    last_tick_s = now
+                await self._commit(cluster, now)
+            wait_s = max(0.0, period - (self.clock() - last_tick_s)) if self.cluster else period
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._commit_soon.wait(), wait_s)
+
+    async def _commit(self, cluster: Cluster, now_s: float) -> None:
+        """Take the view, write what changed, then publish that view.
+
+        The view is taken before the write: a heartbeat applied while the write is in
+        flight changes memory, not the published view, and is written (then shown)
+        by the next commit. While the store is unreachable the view is published
+        before the write is tried: no successor can load state without the store
+        either, and the Coordinators must not wait out the store's timeout.
+        """
+        view = cluster.view(self.election.leader)
+        if not self.persister.is_store_ok:
+            await self._publish(cluster, view)
+        await self.persister.flush(cluster, now_s)
+        await self._publish(cluster, view)
+
+    async def _publish(self, cluster: Cluster, view: pb.ClusterView) -> None:
+        if cluster is not self.cluster:  # leadership changed while writing
+            return
+        before = self._view.version if self._view is not None else None
+        self._view = view
+        if view.version != before:
+            await self._notify()
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -113,16 +146,17 @@ class Controller:
     async def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         """Called by the gRPC Heartbeat handler."""
         cluster = self._require_leader()
-        before = cluster.view_version
         commands = cluster.apply_heartbeat(request.agent_id, request.instances, self.clock())
-        if cluster.view(self.election.leader).version != before:
-            await self._notify()
+        if cluster.dirty:
+            self._commit_soon.set()  # the commit loop writes the change, then publishes it
         return pb.HeartbeatResponse(
             commands=commands, heartbeat_interval_s=self.settings.cluster.thresholds.interval_s)
 
     def view(self) -> pb.ClusterView:
-        """Called by GetView and WatchView; raises ``NotLeader`` on a standby."""
-        return self._require_leader().view(self.election.leader)
+        """Called by GetView and WatchView: the published view; raises ``NotLeader`` on a standby."""
+        self._require_leader()
+        assert self._view is not None  # published when leadership was taken
+        return self._view
 
     async def watch(self):
         """Yields the view now, on every change, and every ``view_refresh_s``."""
@@ -134,5 +168,5 @@ class Controller:
                     await asyncio.wait_for(self._wait_version(view.version), self.settings.view_refresh_s)
 
     async def _wait_version(self, version: int) -> None:
-        while self.cluster is not None and self.cluster.view_version == version:
+        while self._view is not None and self._view.version == version:
             await self._changed.wait()

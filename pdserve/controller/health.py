@@ -66,6 +66,7 @@ class InstanceRecord:
     health_since_s: float = 0.0
     command_sent_s: float | None = None
     lease_refreshed_s: float = 0.0
+    is_heard: bool = False        # reported to this leader (False: loaded from the store)
 
     def to_json(self) -> str:
         data = asdict(self)

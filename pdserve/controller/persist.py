@@ -12,7 +12,8 @@ Keys under ``/pdserve/<cluster>/``:
   once it has acted). No lease.
 - ``leader``: the elected Controller (see ``election.py``).
 
-Invariants: a write that fails leaves its key dirty for the next flush; after the
+Invariants: a write that fails leaves its key dirty for the next flush, and a
+change made while its key is being written is written by the next flush; after the
 store comes back from an outage every record and the meta are written again
 (etcd restarted from an older snapshot, or lost its data, converges).
 """
@@ -80,13 +81,19 @@ class StatePersister:
                     cluster.dirty.add(rec.instance_id)
                 rec.lease_refreshed_s = now_s
         while cluster.dirty:
-            rec = cluster.records.get(instance_id := next(iter(cluster.dirty)))
-            if rec is not None:
+            # taken off before the write: a heartbeat that changes the record while the
+            # write is in flight marks it dirty again, so its change is written next
+            rec = cluster.records.get(instance_id := cluster.dirty.pop())
+            if rec is None:
+                continue
+            try:
                 if not rec.lease_id:
                     rec.lease_id = await self.store.grant_lease(self.lease_ttl_s)
                     rec.lease_refreshed_s = now_s
                 await self.store.put(self.key("instances", instance_id), rec.to_json(), rec.lease_id)
-            cluster.dirty.discard(instance_id)
+            except BaseException:
+                cluster.dirty.add(instance_id)
+                raise
         for instance_id in list(cluster.removed):
             await self.store.delete(self.key("instances", instance_id))
             cluster.removed.discard(instance_id)
@@ -96,8 +103,11 @@ class StatePersister:
                 {"instance": instance_id, "reason": reason, "requested_unix_s": time.time()}))
             cluster.replacements.pop(0)
         if cluster.meta_dirty:
-            m = cluster.mode
-            await self.store.put(self.key("meta"), json.dumps({
-                "mode": m.mode, "reason": m.reason, "missing_roles": m.missing_roles,
-                "has_been_complete": m.has_been_complete}))
-            cluster.meta_dirty = False
+            m, cluster.meta_dirty = cluster.mode, False
+            try:
+                await self.store.put(self.key("meta"), json.dumps({
+                    "mode": m.mode, "reason": m.reason, "missing_roles": m.missing_roles,
+                    "has_been_complete": m.has_been_complete}))
+            except BaseException:
+                cluster.meta_dirty = True
+                raise

@@ -8,7 +8,7 @@ import pytest
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.controller import fallback
 from pdserve.controller.cluster import Cluster, ClusterSettings
-from pdserve.controller.health import HealthThresholds
+from pdserve.controller.health import HealthThresholds, InstanceRecord
 from pdserve.controller.rebalance import RebalanceSettings
 
 T = HealthThresholds(interval_s=1.0, suspect_after_missed=2, failed_after_missed=4)
@@ -120,3 +120,14 @@ def test_role_switch_only_after_a_sustained_imbalance(load_seconds):
             more = beat(c, float(now), report("p0", "prefill", **hot), report("d0", "prefill", **idle),
                         report("d1", "decode", **idle))
             assert not [x for x in more if x.kind == "switch_role"]
+
+
+def test_a_new_leader_commands_only_instances_it_has_heard_from():
+    c = make_cluster()
+    loaded = InstanceRecord("d0", agent_id="agent", pool="decode", assigned_role="decode",
+                            role="hybrid", health="READY")  # written mid-switch by the last leader
+    c.records["d0"] = loaded
+    c.tick(1.0)
+    assert c.apply_heartbeat("agent", [], 1.0) == []  # no switch on a stale record
+    assert beat(c, 1.1, report("d0", "decode", pool="decode")) == []  # the switch had completed
+    assert beat(c, 1.2, report("d0", "hybrid", pool="decode"))[0].role == "decode"  # it had not
