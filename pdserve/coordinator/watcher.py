@@ -1,9 +1,13 @@
 """Controller instance view: the Controller's ``WatchView`` stream feeds the registry.
 
 Each ``ClusterView`` replaces the registry's view whole (routable instances, their
-load, and the mode: "PD" or "FALLBACK"). The stream is re-opened with bounded
-exponential backoff when it breaks; while it is down the last view stays, so
-requests keep flowing to engines that still serve (legs that fail are retried).
+load, and the mode: "PD" or "FALLBACK"). ``address`` may name several Controller
+replicas (``A,B``), as the NodeAgent's ``--controller`` does: a replica that answers
+FAILED_PRECONDITION (a standby), cannot be reached, or whose stream breaks or
+stays silent for ``SILENT_AFTER_S`` (the leader died) makes the watcher try the next one at once; only after every
+replica failed in a row does it wait, with bounded exponential backoff. While no
+stream is open the last view stays, so requests keep flowing to engines that
+still serve (legs that fail are retried).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from .instances import Instance, InstanceRegistry
 
 log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 0.1
-BACKOFF_MAX_S = 5.0
+BACKOFF_MAX_S = 1.0  # a handover takes a few seconds: look again at least every second
+SILENT_AFTER_S = 5.0  # the leader sends the view at least every second; a silent stream is dead
 
 
 def instances_from_view(view: cpb.ClusterView) -> list[Instance]:
@@ -41,8 +46,13 @@ def instances_from_view(view: cpb.ClusterView) -> list[Instance]:
 class ControllerWatcher:
     def __init__(self, registry: InstanceRegistry, address: str, coordinator_id: str,
                  security: SecuritySettings | None = None) -> None:
+        """``address``: ``HOST:PORT`` of the Controller, or comma-separated replicas."""
         self.registry = registry
         self.address = address
+        self.addresses = tuple(a.strip() for a in address.split(",") if a.strip())
+        if not self.addresses:
+            raise ValueError(f"no Controller address in {address!r}")
+        self._index = 0
         self.coordinator_id = coordinator_id
         self.security = security or SecuritySettings.from_env()
         self.num_views = 0
@@ -62,23 +72,48 @@ class ControllerWatcher:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
+    @property
+    def current_address(self) -> str:
+        """The replica the watch is (or will next be) open on."""
+        return self.addresses[self._index]
+
     async def _run(self) -> None:
         backoff = BACKOFF_MIN_S
+        num_failed = 0  # replicas in a row that gave no view
         while True:
-            channel = create_channel(self.address, self.security)
-            try:
-                stub = cpb_grpc.ControllerStub(channel)
-                request = cpb.WatchViewRequest(coordinator_id=self.coordinator_id,
-                                               cluster_token=self.security.token or "")
-                async for view in stub.WatchView(request, metadata=self.security.metadata()):
-                    self.apply(view)
-                    backoff = BACKOFF_MIN_S
-            except grpc.aio.AioRpcError as exc:
-                log.warning("Controller watch broke (%s); retrying in %.1fs", exc.code().name, backoff)
-            finally:
-                await channel.close()
-            await asyncio.sleep(backoff)
-            backoff = min(BACKOFF_MAX_S, backoff * 2)
+            address = self.current_address
+            if await self._watch(address):
+                backoff, num_failed = BACKOFF_MIN_S, 0
+            else:
+                num_failed += 1
+            self._index = (self._index + 1) % len(self.addresses)
+            if num_failed >= len(self.addresses):
+                log.warning("no Controller replica serves the view (%s); retrying in %.1fs",
+                            ",".join(self.addresses), backoff)
+                await asyncio.sleep(backoff)
+                backoff, num_failed = min(BACKOFF_MAX_S, backoff * 2), 0
+
+    async def _watch(self, address: str) -> bool:
+        """One watch on ``address`` until it ends; True when it delivered a view."""
+        num_views = self.num_views
+        channel = create_channel(address, self.security)
+        try:
+            stub = cpb_grpc.ControllerStub(channel)
+            request = cpb.WatchViewRequest(coordinator_id=self.coordinator_id,
+                                           cluster_token=self.security.token or "")
+            call = stub.WatchView(request, metadata=self.security.metadata())
+            while (view := await asyncio.wait_for(call.read(), SILENT_AFTER_S)) is not grpc.aio.EOF:
+                self.apply(view)
+        except TimeoutError:
+            log.warning("Controller watch on %s silent for %.0fs; trying the next replica",
+                        address, SILENT_AFTER_S)
+        except grpc.aio.AioRpcError as exc:
+            is_standby = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            log.log(logging.INFO if is_standby else logging.WARNING, "Controller watch on %s: %s %s",
+                    address, exc.code().name, exc.details())
+        finally:
+            await channel.close()
+        return self.num_views > num_views
 
     def apply(self, view: cpb.ClusterView) -> None:
         self.registry.replace(instances_from_view(view), view.mode or "PD", view.fallback_reason)
