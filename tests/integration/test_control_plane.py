@@ -1,9 +1,11 @@
 """The control plane with real processes: etcd, two Controller replicas, a NodeAgent
-supervising one prefill and one decode engine (tiny model, TCP KV transport).
+supervising one prefill and one decode engine (tiny model, TCP KV transport), and a
+Coordinator that watches both Controller replicas (``--controller A,B``).
 
 One cluster for the whole module, scenarios in order: a decode engine killed under
-load, every prefill killed (FALLBACK and back), the leader Controller killed, etcd
-restarted. Heartbeats every 0.2 s keep it short.
+client load through the Coordinator (zero failed requests), every prefill killed
+(FALLBACK and back), the leader Controller killed under load, etcd restarted.
+Heartbeats every 0.2 s keep it short.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import signal
 import time
 import urllib.request
 
+import httpx
 import pytest
 
 from pdserve.controller.etcd_store import EtcdStore
 from tests.etcd import EtcdServer
-from tests.integration.test_control_plane_support import LoadDriver, ViewReader, roles
+from tests.integration.test_control_plane_support import CoordinatorLoad, ViewReader, roles
 from tests.procs import PDSERVE, Proc
 
 INTERVAL_S = 0.2
@@ -46,9 +49,15 @@ def cluster(tmp_path_factory):
                       "--engine-arg=--dtype=float32", "--engine-arg=--num-kv-blocks=512",
                       "--engine-arg=--threads=1"])
         procs.append(agent)
+        coordinator = Proc([*PDSERVE, "coordinator", "--controller", ",".join(c[1] for c in controllers),
+                            "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
+                            "--request-timeout-s", "30"])
+        procs.append(coordinator)
+        url = "http://" + coordinator.wait_for(r"coordinator serving on (\S+)", timeout_s=60).group(1)
         views = ViewReader([c[1] for c in controllers])
         views.wait(lambda v: roles(v) == {"p0": "prefill", "d0": "decode"}, timeout_s=120)
-        yield {"etcd": etcd, "controllers": controllers, "agent": agent, "views": views}
+        yield {"etcd": etcd, "controllers": controllers, "agent": agent, "views": views,
+               "coordinator": coordinator, "url": url}
     finally:
         for proc in procs:
             proc.stop()
@@ -75,22 +84,34 @@ def kill_engine(cluster, instance_id: str) -> float:
     return time.monotonic()
 
 
-def test_killed_decode_leaves_the_view_and_returns_under_load(cluster):
+def coordinator_state(cluster) -> dict:
+    return httpx.get(cluster["url"] + "/ui/state", timeout=5).json()
+
+
+def coordinator_retries(cluster) -> float:
+    text = httpx.get(cluster["url"] + "/metrics", timeout=5).text
+    return sum(float(v) for v in re.findall(r"^pdserve_coordinator_retries_total\{.*\} (\S+)$", text, re.M))
+
+
+def test_killed_decode_is_detected_routed_around_and_restarted_with_no_failed_request(cluster):
     views = cluster["views"]
-    with LoadDriver(views, concurrency=2) as load:
-        views.wait(lambda v: load.num_ok >= 3, timeout_s=30)
+    with CoordinatorLoad(cluster["url"], concurrency=4) as load:
+        load.wait_ok(8)
         killed_at = kill_engine(cluster, "d0")
-        views.wait(lambda v: "d0" not in roles(v), timeout_s=5, poll_s=0.01)
+        views.wait(lambda v: "d0" not in roles(v), timeout_s=5, poll_s=0.005)
         detected_s = time.monotonic() - killed_at
         views.wait(lambda v: v.mode == "PD" and roles(v) == {"p0": "prefill", "d0": "decode"},
                    timeout_s=60)
         recovered_s = time.monotonic() - killed_at
         num_ok_at_recovery = load.num_ok
-        views.wait(lambda v: load.num_ok >= num_ok_at_recovery + 3, timeout_s=30)
-    print(f"detected in {detected_s:.3f}s, recovered in {recovered_s:.1f}s, "
-          f"{load.num_ok} ok, {load.num_retries} retries, {load.num_errors} errors")
+        load.wait_ok(8)  # PD again, through the relaunched d0
+    print(f"detected in {detected_s:.3f}s, recovered in {recovered_s:.1f}s, {load.num_ok} ok "
+          f"({dict(load.num_ok_by_kind)}), {num_ok_at_recovery} before recovery, {load.num_errors} failed, "
+          f"{coordinator_retries(cluster):g} legs retried by the Coordinator")
     assert detected_s <= 2 * INTERVAL_S
-    assert load.num_errors == 0
+    assert load.errors == []
+    assert set(load.num_ok_by_kind) == {"completions", "completions stream", "chat/completions",
+                                       "chat/completions stream"}
 
 
 def test_no_prefill_enters_fallback_and_pd_is_restored(cluster):
@@ -111,16 +132,29 @@ def test_killed_leader_hands_over_with_the_view_intact(cluster):
     views = cluster["views"]
     before = views.get()
     leader = next(c for c in cluster["controllers"] if c[1] == before.leader)
-    leader[0].signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    after = views.wait(lambda v: v.leader and v.leader != before.leader, timeout_s=10, poll_s=0.05)
-    handover_s = time.monotonic() - killed_at
-    print(f"standby leads after {handover_s:.2f}s")
-    assert handover_s < 5
-    assert roles(after) == {"p0": "prefill", "d0": "decode"} and after.mode == "PD"
-    # the agent follows the new leader: heartbeats keep the instances READY
-    time.sleep(10 * INTERVAL_S)
-    assert roles(views.get()) == {"p0": "prefill", "d0": "decode"}
+    with CoordinatorLoad(cluster["url"], concurrency=2) as load:
+        load.wait_ok(2)
+        leader[0].signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        after = views.wait(lambda v: v.leader and v.leader != before.leader, timeout_s=10, poll_s=0.05)
+        handover_s = time.monotonic() - killed_at
+        print(f"standby leads after {handover_s:.2f}s")
+        assert handover_s < 5
+        events = "\n".join(after.recent_events)
+        assert roles(after) == {"p0": "prefill", "d0": "decode"} and after.mode == "PD", events
+        # the agent follows the new leader: heartbeats keep the instances READY, untouched
+        time.sleep(10 * INTERVAL_S)
+        view = views.get()
+        assert roles(view) == {"p0": "prefill", "d0": "decode"} and view.mode == "PD", view.recent_events
+        assert not any("switch role" in e or "->" in e for e in view.recent_events), view.recent_events
+        # the Coordinator follows too: views keep arriving, now from the new leader
+        version = coordinator_state(cluster)["view_version"]
+        deadline = time.monotonic() + 5
+        while coordinator_state(cluster)["view_version"] < version + 2:
+            assert time.monotonic() < deadline, "the Coordinator gets no views from the new leader"
+            time.sleep(0.1)
+        load.wait_ok(4)
+    assert load.errors == []
 
 
 def test_etcd_restart_recovers_without_manual_steps(cluster):

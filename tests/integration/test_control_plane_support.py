@@ -1,21 +1,19 @@
-"""Support for the control-plane tests (no tests here): a view poller and a steady PD load driver.
-
-The load driver plays the Coordinator's part (which is built separately): it reads
-the routable view, pairs a prefill and a decode instance (or uses a hybrid one in
-FALLBACK), and retries a failed request against a fresh view until its deadline.
-A request that never succeeds is a client-visible error.
+"""Support for the control-plane tests (no tests here): a view poller and a steady
+client load through the Coordinator (also used by ``benchmarks/failover.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
+import json
 import threading
 import time
 
 import grpc
+import httpx
 
-from pdserve.api.engine_client import EngineClient, build_generate_request
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 
@@ -50,70 +48,96 @@ def roles(view: pb.ClusterView) -> dict[str, str]:
     return {i.instance_id: i.role for i in view.instances}
 
 
-class LoadDriver:
-    """Closed-loop load (``concurrency`` streams) in a background thread."""
+class CoordinatorLoad:
+    """Closed-loop client load through the Coordinator's REST API, in a background thread.
 
-    def __init__(self, views: ViewReader, concurrency: int = 2, deadline_s: float = 30.0) -> None:
-        self.views, self.concurrency, self.deadline_s = views, concurrency, deadline_s
-        self.num_ok = self.num_errors = self.num_retries = 0
+    ``concurrency`` clients, each sending one request after the other, rotating
+    through streaming and non-streaming ``/v1/completions`` and ``/v1/chat/completions``.
+    A request counts as ok when it answered 200 and (streaming) ended with
+    ``data: [DONE]`` and no error event; anything else is a client-visible error,
+    kept in ``errors``. The client never retries: retrying is the Coordinator's job.
+    """
+
+    KINDS = (("completions", True), ("completions", False), ("chat/completions", True), ("chat/completions", False))
+
+    def __init__(self, base_url: str, concurrency: int = 4, max_tokens: int = 16,
+                 timeout_s: float = 60.0) -> None:
+        self.base_url, self.concurrency = base_url, concurrency
+        self.max_tokens, self.timeout_s = max_tokens, timeout_s
+        self.num_ok = 0
+        self.num_ok_by_kind: collections.Counter[str] = collections.Counter()
+        self.errors: list[str] = []
+        self.latencies_s: list[float] = []
         self._stop = threading.Event()
         self._ids = itertools.count()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
 
-    def __enter__(self) -> LoadDriver:
+    @property
+    def num_errors(self) -> int:
+        return len(self.errors)
+
+    def __enter__(self) -> CoordinatorLoad:
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(60)
+        self._thread.join(self.timeout_s + 10)
+        assert not self._thread.is_alive(), "a client request did not end"
+
+    def wait_ok(self, num: int, timeout_s: float = 60.0) -> None:
+        """Block until ``num`` more requests succeeded."""
+        target, deadline = self.num_ok + num, time.monotonic() + timeout_s
+        while self.num_ok < target:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.num_ok}/{target} ok; errors: {self.errors[-3:]}")
+            time.sleep(0.05)
 
     async def _main(self) -> None:
-        await asyncio.gather(*(self._stream() for _ in range(self.concurrency)))
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s) as client:
+            await asyncio.gather(*(self._client(client) for _ in range(self.concurrency)))
 
-    async def _stream(self) -> None:
+    async def _client(self, client: httpx.AsyncClient) -> None:
         while not self._stop.is_set():
-            deadline = time.monotonic() + self.deadline_s
-            while True:
-                view = await asyncio.to_thread(self.views.get)
-                try:
-                    if view is not None and await self._one(view):
-                        self.num_ok += 1
-                        break
-                except (grpc.aio.AioRpcError, RuntimeError):
-                    pass
-                if time.monotonic() > deadline:
-                    self.num_errors += 1
-                    break
-                self.num_retries += 1
-                await asyncio.sleep(0.05)
+            n = next(self._ids)
+            endpoint, stream = self.KINDS[n % len(self.KINDS)]
+            text = f"Request {n}: count the colours of the sea, one by one."
+            body: dict = {"model": "tiny", "max_tokens": self.max_tokens, "temperature": 0, "stream": stream}
+            if endpoint.startswith("chat"):
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
+            started = time.monotonic()
+            try:
+                error = await (self._streamed if stream else self._whole)(client, f"/v1/{endpoint}", body)
+            except httpx.HTTPError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            kind = f"{endpoint}{' stream' if stream else ''}"
+            if error:
+                self.errors.append(f"request {n} ({kind}): {error}")
+            else:
+                self.num_ok += 1
+                self.num_ok_by_kind[kind] += 1
+                self.latencies_s.append(time.monotonic() - started)
 
-    async def _one(self, view: pb.ClusterView) -> bool:
-        n = next(self._ids)
-        request = {"prompt_token_ids": [1 + (n + k) % 90 for k in range(24)], "max_tokens": 8,
-                   "ignore_eos": True}
-        by_role = {r: [i for i in view.instances if i.role == r] for r in ("prefill", "decode", "hybrid")}
-        if view.mode == "PD" and by_role["prefill"] and by_role["decode"]:
-            p, d = by_role["prefill"][n % len(by_role["prefill"])], by_role["decode"][n % len(by_role["decode"])]
-            xid = f"load-{n}"
-            async with EngineClient(p.engine_address) as pc, EngineClient(d.engine_address) as dc:
-                d_req = build_generate_request(f"d-{n}", **request, kv_transfer={
-                    "role": "decode", "mode": "layerwise", "transfer_id": xid, "peer": p.kv_endpoint})
-                p_req = build_generate_request(f"p-{n}", **request, kv_transfer={
-                    "role": "prefill", "mode": "layerwise", "transfer_id": xid, "peer": d.kv_endpoint})
-                results = await asyncio.gather(_drain(dc.generate(d_req, 20)), _drain(pc.generate(p_req, 20)))
-            return results[0] > 0
-        if by_role["hybrid"]:
-            h = by_role["hybrid"][n % len(by_role["hybrid"])]
-            async with EngineClient(h.engine_address) as hc:
-                return await _drain(hc.generate(build_generate_request(f"h-{n}", **request), 20)) > 0
-        return False
+    @staticmethod
+    async def _whole(client: httpx.AsyncClient, path: str, body: dict) -> str | None:
+        r = await client.post(path, json=body)
+        if r.status_code != 200:
+            return f"HTTP {r.status_code} {r.text[:300]}"
+        return None if r.json()["choices"][0]["finish_reason"] else "no finish_reason"
 
-
-async def _drain(stream) -> int:
-    num = 0
-    async for out in stream:
-        num += len(out.token_ids)
-        if out.finished and out.finish_reason in ("error", "abort"):
-            raise RuntimeError(out.error or out.finish_reason)
-    return num
+    @staticmethod
+    async def _streamed(client: httpx.AsyncClient, path: str, body: dict) -> str | None:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                return f"HTTP {r.status_code} {(await r.aread()).decode()[:300]}"
+            is_done = False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    is_done = True
+                elif '"error"' in line and "error" in json.loads(line[6:]):
+                    return f"error event {line[6:300]}"
+            return None if is_done else "stream ended without [DONE]"
