@@ -15,9 +15,9 @@ import operator
 import time
 from dataclasses import dataclass, field
 
+from pdserve.api.detokenizer import Detokenizer
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig
-from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.device import prepare_device
 from pdserve.engine.kv_transfer.params import KVTransferError, KVTransferParams
 from pdserve.engine.kv_transfer.setup import build_connector, kv_allocator
@@ -295,7 +295,7 @@ class LLMEngine:
         """P: report the first token and give the request's KV to the connector."""
         request.output_token_ids.append(token)
         self.num_generation_tokens_total += 1
-        new_text, _ = self._detok[request.request_id].append(request.output_token_ids)
+        new_text, _ = self._detok[request.request_id].append([token])
         self.scheduler.detach(request)
         self.connector.on_prefill_done(request, token)
         return self._output(request, [token], new_text)
@@ -350,7 +350,7 @@ class LLMEngine:
         request.output_token_ids.append(token)
         self.num_generation_tokens_total += 1
         detok = self._detok[request.request_id]
-        new_text, hit_stop = detok.append(request.output_token_ids)
+        new_text, hit_stop = detok.append([token])
         params = request.sampling_params
         status = None
         if hit_stop or token in params.stop_token_ids or token in request.eos_token_ids:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.api.detokenizer import Detokenizer
 from pdserve.api.tokenizer import ByteTokenizer
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 
@@ -146,11 +146,7 @@ def test_stop_string_truncates_text_and_stops():
 
 def feed(detok: Detokenizer, data: bytes) -> list[tuple[str, bool]]:
     """Append ``data`` one byte-token at a time; the released text after each."""
-    tokens, released = [], []
-    for byte in data:
-        tokens.append(byte)
-        released.append(detok.append(tokens))
-    return released
+    return [detok.append([byte]) for byte in data]
 
 
 def test_detokenizer_holds_back_a_partial_stop_string():
