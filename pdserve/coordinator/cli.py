@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
                      help="static engine address (repeat); roles are read from each engine")
-    src.add_argument("--controller", default=None, metavar="HOST:PORT")
+    src.add_argument("--controller", default=None, metavar="HOST:PORT[,HOST:PORT]",
+                     help="the Controller's gRPC address; several replicas comma-separated")
     parser.add_argument("--coordinator-id", default=socket.gethostname())
     parser.add_argument("--prefill-policy", default=d.prefill_policy, choices=_POLICIES)
     parser.add_argument("--decode-policy", default=d.decode_policy, choices=_POLICIES)

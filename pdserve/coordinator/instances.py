@@ -78,11 +78,13 @@ class InstanceRegistry:
         self._changed = asyncio.Event()
         self.mode = "PD"  # the Controller's view mode: "PD" | "FALLBACK"
         self.fallback_reason = ""
+        self.recent_events: list[str] = []  # the Controller's, newest last
         self.version = 0
 
     # -- written by the view source (static poller / Controller watcher) --
 
-    def replace(self, instances: list[Instance], mode: str = "PD", reason: str = "") -> None:
+    def replace(self, instances: list[Instance], mode: str = "PD", reason: str = "",
+                events: list[str] | None = None) -> None:
         """A whole new view. Instances that stay keep their object (requests hold it)
         and Coordinator-side counters; only the view's fields are updated."""
         new: dict[str, Instance] = {}
@@ -95,6 +97,8 @@ class InstanceRegistry:
             new[inst.instance_id] = inst
         self._instances = new
         self.mode, self.fallback_reason = mode, reason
+        if events is not None:
+            self.recent_events = events
         self.version += 1
         self._notify()
 

@@ -21,9 +21,7 @@ import grpc
 from fastapi import FastAPI
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse
 
-from pdserve.api.proto import controller_pb2 as cpb
-from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
-from pdserve.api.security import SecuritySettings, create_channel
+from pdserve.api.security import SecuritySettings
 
 from .lifecycle import Deps
 
@@ -92,19 +90,8 @@ class StatusBoard:
             self._engine_stats.update({iid: s for iid, s in results if s is not None})
             for gone in set(self._engine_stats) - {i.instance_id for i in instances}:
                 del self._engine_stats[gone]
-            if self.deps.settings.controller:
-                self._events = await self._controller_events()
-
-    async def _controller_events(self) -> list[str]:
-        address = self.deps.settings.controller.split(",")[0]
-        try:
-            async with create_channel(address, self.security) as channel:
-                view = await cpb_grpc.ControllerStub(channel).GetView(
-                    cpb.WatchViewRequest(coordinator_id=self.deps.settings.coordinator_id),
-                    timeout=READ_TIMEOUT_S, metadata=self.security.metadata())
-        except grpc.RpcError:
-            return self._events
-        return list(view.recent_events)[-NUM_EVENTS:]
+            # Events come with the Controller's view stream, from whichever replica leads.
+            self._events = list(registry.recent_events)[-NUM_EVENTS:]
 
     def _rates(self, now: float, counters: dict) -> dict:
         if not self._samples or now - self._samples[-1][0] >= MIN_SAMPLE_GAP_S:

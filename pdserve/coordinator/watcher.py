@@ -116,6 +116,7 @@ class ControllerWatcher:
         return self.num_views > num_views
 
     def apply(self, view: cpb.ClusterView) -> None:
-        self.registry.replace(instances_from_view(view), view.mode or "PD", view.fallback_reason)
+        self.registry.replace(instances_from_view(view), view.mode or "PD", view.fallback_reason,
+                              list(view.recent_events))
         self.num_views += 1
         self._first.set()
