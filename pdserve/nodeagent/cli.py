@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import socket
 
 from aiohttp import web
 
 from pdserve.api import PDCluster
+from pdserve.api.logs import configure_logging
 from pdserve.api.manifest import default_cluster
 from pdserve.api.security import SecuritySettings
 from pdserve.nodeagent.agent import Agent, AgentSettings, Instance
@@ -83,6 +83,5 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     return asyncio.run(serve(args))

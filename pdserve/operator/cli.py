@@ -15,6 +15,7 @@ import logging
 import kopf
 from aiohttp import web
 
+from pdserve.api.logs import configure_logging
 from pdserve.api.security import SecuritySettings
 from pdserve.operator import builders as b
 from pdserve.operator.controller_client import ControllerClients
@@ -68,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
     settings = OperatorSettings.from_env(
         namespace=args.namespace, resync_s=args.resync, drain_deadline_s=args.drain_deadline,
         metrics_port=args.metrics_port, log_level=args.log_level)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level)
     log.info("pdserve operator: watching %s, image %s, store %s",
              settings.namespace or "every namespace", settings.image, settings.store_url)
     asyncio.run(serve(settings))
