@@ -8,6 +8,8 @@ real prefill engine (P) and decode engine (D) over the TCP transport:
 
 The same run measures every mode, so push (all KV written after prefill) is the
 baseline that layer-wise must hide: hidden = 1 - exposed(layerwise) / exposed(push).
+"P-side exposed" is P's own measure of the same thing (first token -> every write
+settled and DONE sent), without the gRPC and client hops that the TTFT includes.
 
 The rate-limited link needs root (``ip netns``, ``tc``); the benchmark creates the
 namespaces and removes them afterwards, also on failure.
@@ -172,19 +174,23 @@ def run_link(link: str, args) -> list[dict]:
 
 
 def report(rows: list[dict], kv_bytes_per_token: int) -> None:
-    print("| link | prompt | mode | KV MiB | TTFT ms | prefill ms | exposed ms | hidden vs push |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print("| link | prompt | mode | KV MiB | TTFT ms | prefill ms | exposed ms | hidden vs push "
+          "| P-side exposed ms | P-side hidden |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     by_key = {(r["link"], r["length"], r["mode"]): r for r in rows}
     for r in rows:
         exposed = r["ttft_s"] - r["queue_s"] - r["prefill_s"]
         push = by_key.get((r["link"], r["length"], "push"))
-        hidden = ""
+        hidden = p_hidden = ""
         if push and r["mode"] == "layerwise":
             push_exposed = push["ttft_s"] - push["queue_s"] - push["prefill_s"]
             hidden = f"{100 * (1 - exposed / push_exposed):.0f}%" if push_exposed > 0 else ""
+            if push["p_transfer_s"] > 0:
+                p_hidden = f"{100 * (1 - r['p_transfer_s'] / push['p_transfer_s']):.0f}%"
         print(f"| {r['link']} | {r['length']} | {r['mode']} | "
               f"{r['length'] * kv_bytes_per_token / 2**20:.1f} | {1e3 * r['ttft_s']:.1f} | "
-              f"{1e3 * r['prefill_s']:.1f} | {1e3 * exposed:.1f} | {hidden} |")
+              f"{1e3 * r['prefill_s']:.1f} | {1e3 * exposed:.1f} | {hidden} | "
+              f"{1e3 * r['p_transfer_s']:.1f} | {p_hidden} |")
 
 
 def main() -> int:
