@@ -34,8 +34,9 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [B, max_ctx]
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool
+    block_size: int = 16
+    decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables, 0-padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -61,8 +62,12 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        # Gather whole blocks (one contiguous copy per block, not one per token).
+        b, kvh, hd, bs = nd, k_cache.shape[1], k_cache.shape[2], meta.block_size
+        length = meta.decode_blocks.shape[1] * bs
+        kd = k_cache.view(-1, bs * kvh * hd)[meta.decode_blocks].view(b, length, kvh, hd)
+        vd = v_cache.view(-1, bs * kvh * hd)[meta.decode_blocks].view(b, length, kvh, hd)
+        kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # [B, KVH, L, D]
         qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
         od = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True

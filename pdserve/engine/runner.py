@@ -61,7 +61,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[Request] = []
         decodes = [(r, n) for r, n in items if n == 1]
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes),
+                                 block_size=bs)
         for request, n in items:
             start = request.num_computed_tokens
             tokens = request.all_token_ids[start : start + n]
@@ -85,11 +86,14 @@ class ModelRunner:
                     meta.prefills.append(PrefillChunk(row0, n, ctx, slots, k_pos <= q_pos))
         if decodes:
             ctx_lens = [r.num_computed_tokens + 1 for r, _ in decodes]
-            max_ctx = max(ctx_lens)
-            meta.decode_slots = self._slots_for([r.block_table for r, _ in decodes], max_ctx)
+            num_blocks = -(-max(ctx_lens) // bs)
+            tables = [r.block_table[:num_blocks] for r, _ in decodes]
+            meta.decode_blocks = torch.tensor(
+                [t + [0] * (num_blocks - len(t)) for t in tables], dtype=torch.long, device=self.device
+            )
             lens = torch.tensor(ctx_lens, device=self.device).unsqueeze(1)
-            valid = torch.arange(max_ctx, device=self.device).unsqueeze(0) < lens
-            meta.decode_mask = valid.view(len(decodes), 1, 1, max_ctx)
+            valid = torch.arange(num_blocks * bs, device=self.device).unsqueeze(0) < lens
+            meta.decode_mask = valid.view(len(decodes), 1, 1, num_blocks * bs)
         meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
