@@ -204,12 +204,17 @@ class RequestRun:
             if not finished:
                 d_call.cancel()
                 self.deps.aborter.abort_soon(d, leg_id)
-            if not p_task.done():
+            if p_task.done():
+                if not p_task.cancelled():
+                    p_task.exception()  # retrieved: a P failure after D's end is moot
+            elif finished:
+                # D decoded to the end, so P's transfer completed; its "handoff" message
+                # is on its way. Let the leg end by itself: no Abort RPC on the hot path.
+                p_task.add_done_callback(_retrieve)
+            else:
                 p_task.cancel()
                 p_call.cancel()
                 self.deps.aborter.abort_soon(p, leg_id)
-            elif not p_task.cancelled():
-                p_task.exception()  # retrieved: a P failure after D's end is moot
 
     async def _next_decode(self, stream, p_task: asyncio.Future, got: bool):
         """D's next message; a P failure before D's first token wins (D only waits for KV)."""
@@ -253,3 +258,9 @@ class RequestRun:
         # Across a retry, stages add up: the client waited for all of them.
         self.timings[key] = float(self.timings.get(key) or 0.0) + seconds
         self.deps.metrics.observe_stage(stage, seconds)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Done callback for a leg left to finish alone: its outcome no longer matters."""
+    if not task.cancelled():
+        task.exception()
