@@ -22,10 +22,10 @@ class AgentCollector:
     def collect(self):
         restarts = CounterMetricFamily("pdserve_nodeagent_engine_restarts",
                                        "Engine relaunches after an exit or a restart command",
-                                       labels=["instance"])
+                                       labels=["instance_id"])
         up = GaugeMetricFamily("pdserve_nodeagent_engine_ready",
                                "1 while the engine answers probes with its KV transport registered",
-                               labels=["instance", "role"])
+                               labels=["instance_id", "role"])
         for inst in self.agent.instances.values():
             restarts.add_metric([inst.instance_id], inst.process.num_restarts)
             up.add_metric([inst.instance_id, inst.role], float(inst.is_ready))
