@@ -36,6 +36,7 @@ CONTROLLER_GRPC_PORT = 50050
 CONTROLLER_HTTP_PORT = 8080
 COORDINATOR_PORT = 8000
 AGENT_HTTP_PORT = 8081
+ENGINE_METRICS_PORT = 9400  # one engine per Pod: a fixed port Prometheus can find
 POOLS: tuple[Pool, ...] = ("prefill", "decode")
 
 # Spec fields that do not change what an engine computes or how it pairs: replica
@@ -138,7 +139,8 @@ def build_services(cluster: PDCluster) -> list[dict]:
                  [{"name": "grpc", "port": CONTROLLER_GRPC_PORT, "targetPort": "grpc"},
                   {"name": "http", "port": CONTROLLER_HTTP_PORT, "targetPort": "http"}]),
         _service(cluster, f"{name}-engines", "engine",
-                 [{"name": "http", "port": AGENT_HTTP_PORT, "targetPort": "http"}],
+                 [{"name": "http", "port": AGENT_HTTP_PORT, "targetPort": "http"},
+                  {"name": "metrics", "port": ENGINE_METRICS_PORT, "targetPort": "metrics"}],
                  clusterIP="None", publishNotReadyAddresses=True),
     ]
 

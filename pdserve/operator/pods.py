@@ -43,7 +43,8 @@ def agent_args(cluster: PDCluster, instance: str, pool: str) -> list[str]:
             "-f", b.CONFIG_FILE, "--agent-id", instance, "--host", "0.0.0.0",
             "--http-port", str(b.AGENT_HTTP_PORT),
             # peers reach the engine and its KV transport on the Pod's IP
-            "--engine-arg=--host=$(POD_IP)", "--engine-arg=--kv-host=$(POD_IP)"]
+            "--engine-arg=--host=$(POD_IP)", "--engine-arg=--kv-host=$(POD_IP)",
+            f"--engine-arg=--metrics-port={b.ENGINE_METRICS_PORT}"]
     if getattr(cluster.spec, pool).gpus:
         args.append("--engine-arg=--device=cuda")
     return args
@@ -64,7 +65,8 @@ def build_engine_pod(cluster: PDCluster, instance: str, pool: str, instance_uid:
         "image": cluster.spec.image or image,
         "args": agent_args(cluster, instance, pool),
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-        "ports": [{"name": "http", "containerPort": b.AGENT_HTTP_PORT}],
+        "ports": [{"name": "http", "containerPort": b.AGENT_HTTP_PORT},
+                  {"name": "metrics", "containerPort": b.ENGINE_METRICS_PORT}],
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
                           "periodSeconds": 10, "failureThreshold": 3},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"},
