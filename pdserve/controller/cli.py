@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import socket
 
-from aiohttp import web
-
 from pdserve.api import PDCluster
+from pdserve.api.http_runtime import start_http, wait_for_stop_signal
 from pdserve.api.logs import configure_logging
 from pdserve.api.manifest import default_cluster
 from pdserve.api.security import SecuritySettings
@@ -85,19 +83,11 @@ async def serve(args: argparse.Namespace) -> int:
     identity = args.advertise or (f"{host}:{port}" if host == "127.0.0.1" else f"{socket.getfqdn()}:{port}")
     controller.settings = build_settings(args, cluster, identity)
     controller.election.identity = identity
-    runner = web.AppRunner(create_http_app(controller))
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.http_port)
-    await site.start()
-    http_port = site._server.sockets[0].getsockname()[1]
+    runner, http_port = await start_http(create_http_app(controller), args.host, args.http_port)
     await controller.start()
     print(f"controller serving on {host}:{port} (http {host}:{http_port}, store {args.store}, "
           f"{'leader' if controller.is_leader else 'standby'})", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     await controller.stop()
     await server.stop(1.0)
     await runner.cleanup()

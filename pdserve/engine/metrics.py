@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.api.http_runtime import start_http
 from pdserve.engine.kv_transfer.params import KV_ROLES, MODES
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,4 @@ async def start_metrics_server(loop, metrics: EngineMetrics, host: str,
 
     app = web.Application()
     app.router.add_get("/metrics", scrape)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return await start_http(app, host, port)

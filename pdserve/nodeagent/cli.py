@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import socket
 
-from aiohttp import web
-
 from pdserve.api import PDCluster
+from pdserve.api.http_runtime import start_http, wait_for_stop_signal
 from pdserve.api.logs import configure_logging
 from pdserve.api.manifest import default_cluster
 from pdserve.api.security import SecuritySettings
@@ -64,19 +62,11 @@ async def serve(args: argparse.Namespace) -> int:
     instances = [Instance(iid, role, role, build_engine_argv(cluster, role, args.engine_arg))
                  for iid, role in map(parse_instance, args.instance)]
     agent = Agent(settings, instances, SecuritySettings.from_env())
-    runner = web.AppRunner(create_http_app(agent))
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.http_port)
-    await site.start()
-    http_port = site._server.sockets[0].getsockname()[1]
+    runner, http_port = await start_http(create_http_app(agent), args.host, args.http_port)
     await agent.start()
     print(f"nodeagent {args.agent_id} supervising {len(instances)} engine(s) "
           f"(http port {http_port}, controller {args.controller})", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     await agent.stop()
     await runner.cleanup()
     return 0
