@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import hmac
 import json
@@ -28,7 +29,7 @@ import threading
 from collections.abc import Callable
 
 from pdserve.engine.kv_transfer.transport import wire
-from pdserve.engine.kv_transfer.transport.base import BatchHandle
+from pdserve.engine.kv_transfer.transport.base import BatchHandle, Items, Transport
 
 log = logging.getLogger(__name__)
 
@@ -293,3 +294,33 @@ def _shutdown(sock: socket.socket) -> None:
     """Wake every thread blocked on ``sock``; the owning thread closes it later."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+class ChannelTransport(Transport):
+    """What every transport built on a ``Channel`` shares: the endpoint, notify and its
+    ordering after batches, and write/read as one ``_submit``. Subclasses set
+    ``self._channel`` and implement ``_submit``."""
+
+    _channel: Channel
+
+    @property
+    def endpoint(self) -> str:
+        return self._channel.endpoint
+
+    def write_batch(self, peer: str, items: Items) -> BatchHandle:
+        return self._submit(peer, items, is_write=True)
+
+    def read_batch(self, peer: str, items: Items) -> BatchHandle:
+        return self._submit(peer, items, is_write=False)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._channel.link(peer).submit(
+            None, lambda link: wire.send_frame(link.connect(), wire.OP_NOTIFY, body=message)
+        )
+
+    def recv_notifications(self) -> list[tuple[str, bytes]]:
+        return self._channel.notifications()
+
+    @abc.abstractmethod
+    def _submit(self, peer: str, items: Items, *, is_write: bool) -> BatchHandle:
+        """Start one batch on the peer's link; never blocks."""

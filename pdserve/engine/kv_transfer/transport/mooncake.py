@@ -22,20 +22,18 @@ from __future__ import annotations
 import math
 import os
 
-from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.base import (
     BatchHandle,
     Items,
     Regions,
-    Transport,
     coalesce,
 )
-from pdserve.engine.kv_transfer.transport.channel import Channel, PeerLink
+from pdserve.engine.kv_transfer.transport.channel import Channel, ChannelTransport, PeerLink
 
 _MIN_MOONCAKE_TIMEOUT_S = 5
 
 
-class MooncakeTransport(Transport):
+class MooncakeTransport(ChannelTransport):
     name = "mooncake"
 
     def __init__(
@@ -73,29 +71,11 @@ class MooncakeTransport(Transport):
             timeout_s=timeout_s,
         )
 
-    @property
-    def endpoint(self) -> str:
-        return self._channel.endpoint
-
     def register_memory(self, ptr: int, length: int) -> None:
         rc = self._engine.register_memory(ptr, length)
         if rc != 0:
             raise RuntimeError(f"Mooncake register_memory({ptr:#x}, {length}) = {rc}")
         self._regions.add(ptr, length)
-
-    def write_batch(self, peer: str, items: Items) -> BatchHandle:
-        return self._submit(peer, items, is_write=True)
-
-    def read_batch(self, peer: str, items: Items) -> BatchHandle:
-        return self._submit(peer, items, is_write=False)
-
-    def notify(self, peer: str, message: bytes) -> None:
-        self._channel.link(peer).submit(
-            None, lambda link: wire.send_frame(link.connect(), wire.OP_NOTIFY, body=message)
-        )
-
-    def recv_notifications(self) -> list[tuple[str, bytes]]:
-        return self._channel.notifications()
 
     def close(self) -> None:
         self._channel.close()

@@ -31,10 +31,9 @@ from pdserve.engine.kv_transfer.transport.base import (
     BatchHandle,
     Items,
     Regions,
-    Transport,
     coalesce,
 )
-from pdserve.engine.kv_transfer.transport.channel import Channel, PeerLink
+from pdserve.engine.kv_transfer.transport.channel import Channel, ChannelTransport, PeerLink
 
 SHM_DIR = "/dev/shm"
 
@@ -90,7 +89,7 @@ def _boot_id() -> str:
         return f.read().strip()
 
 
-class ShmTransport(Transport):
+class ShmTransport(ChannelTransport):
     name = "shm"
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0,
@@ -107,27 +106,9 @@ class ShmTransport(Transport):
             host=host, port=port, auth_token=auth_token, timeout_s=timeout_s,
         )
 
-    @property
-    def endpoint(self) -> str:
-        return self._channel.endpoint
-
     def register_memory(self, ptr: int, length: int) -> None:
         self._segments.append(find_shm_mapping(ptr, length))
         self._regions.add(ptr, length)
-
-    def write_batch(self, peer: str, items: Items) -> BatchHandle:
-        return self._submit(peer, items, is_write=True)
-
-    def read_batch(self, peer: str, items: Items) -> BatchHandle:
-        return self._submit(peer, items, is_write=False)
-
-    def notify(self, peer: str, message: bytes) -> None:
-        self._channel.link(peer).submit(
-            None, lambda link: wire.send_frame(link.connect(), wire.OP_NOTIFY, body=message)
-        )
-
-    def recv_notifications(self) -> list[tuple[str, bytes]]:
-        return self._channel.notifications()
 
     def close(self) -> None:
         self._channel.close()

@@ -25,14 +25,13 @@ from pdserve.engine.kv_transfer.transport.base import (
     BatchHandle,
     Items,
     Regions,
-    Transport,
     coalesce,
 )
-from pdserve.engine.kv_transfer.transport.channel import Channel, PeerLink
+from pdserve.engine.kv_transfer.transport.channel import Channel, ChannelTransport, PeerLink
 from pdserve.engine.kv_transfer.transport.grants import WriteGrants
 
 
-class TcpTransport(Transport):
+class TcpTransport(ChannelTransport):
     name = "tcp"
 
     def __init__(
@@ -61,26 +60,8 @@ class TcpTransport(Transport):
             timeout_s=timeout_s,
         )
 
-    @property
-    def endpoint(self) -> str:
-        return self._channel.endpoint
-
     def register_memory(self, ptr: int, length: int) -> None:
         self._regions.add(ptr, length)
-
-    def write_batch(self, peer: str, items: Items) -> BatchHandle:
-        return self._submit(peer, items, wire.OP_WRITE)
-
-    def read_batch(self, peer: str, items: Items) -> BatchHandle:
-        return self._submit(peer, items, wire.OP_READ)
-
-    def notify(self, peer: str, message: bytes) -> None:
-        self._channel.link(peer).submit(
-            None, lambda link: wire.send_frame(link.connect(), wire.OP_NOTIFY, body=message)
-        )
-
-    def recv_notifications(self) -> list[tuple[str, bytes]]:
-        return self._channel.notifications()
 
     def grant(self, peer: str, tag: str, ranges: np.ndarray) -> None:
         self._grants.grant(peer, tag, ranges)
@@ -93,7 +74,8 @@ class TcpTransport(Transport):
 
     # -- client side (runs on the peer's sender thread) --------------------------------
 
-    def _submit(self, peer: str, items: Items, op: int) -> BatchHandle:
+    def _submit(self, peer: str, items: Items, *, is_write: bool) -> BatchHandle:
+        op = wire.OP_WRITE if is_write else wire.OP_READ
         arr = coalesce(items)
         local, remote, lengths = arr[:, 0], arr[:, 1], arr[:, 2]
         handle = BatchHandle(peer, int(lengths.sum()), self.timeout_s)
