@@ -26,7 +26,7 @@ def free_port() -> int:
 class EtcdServer:
     def __init__(self, data_dir: Path) -> None:
         if shutil.which("etcd") is None:
-            pytest.skip("etcd not installed (apt-get install etcd-server)")
+            pytest.fail("etcd is not installed: `make test` installs the Debian package etcd-server")
         self.data_dir = data_dir
         self.client_port, self.peer_port = free_port(), free_port()
         self.proc: subprocess.Popen | None = None

@@ -54,7 +54,7 @@ def tls_env(s: SecuritySettings) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, SecuritySettings]:
     if shutil.which("openssl") is None:
-        pytest.skip("no openssl CLI to make test certificates")
+        pytest.fail("the openssl CLI is needed to make test certificates")
     cwd = tmp_path_factory.mktemp("pki")
     make_ca(cwd, "cluster-ca")
     make_ca(cwd, "rogue-ca")
