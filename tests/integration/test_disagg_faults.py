@@ -141,64 +141,45 @@ def test_kill_d_mid_transfer(procs):
     assert_all_free(p_addr)
 
 
+async def _stats(address):
+    async with EngineClient(address) as c:
+        return await c.stats()
+
+
+def pause_mid_transfer(victim, observer: str, addrs: tuple, rid: str):
+    """SIGSTOP ``victim`` once P reported its first token, wait until ``observer``
+    (the other engine) gives the transfer up, then SIGCONT it; returns run_pair's result."""
+
+    async def run():
+        task = asyncio.ensure_future(
+            run_pair(*addrs, rid, fault=lambda: victim.signal(signal.SIGSTOP)))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (await _stats(observer)).kv_transfers_failed < 1:
+            await asyncio.sleep(0.2)
+        victim.signal(signal.SIGCONT)
+        return await task
+
+    return asyncio.run(run())
+
+
 def test_sigstop_d_then_continue(procs):
     p, p_addr, p_kv = engine("prefill", "--fault-kv-send-delay", "0.3")
     d, d_addr, d_kv = engine("decode")
     procs += [p, d]
-
-    async def scenario():
-        p_task = asyncio.ensure_future(run_pair(
-            p_addr, p_kv, d_addr, d_kv, "stopd", fault=lambda: d.signal(signal.SIGSTOP)))
-        p_msgs, _, _, _ = await asyncio.wait_for(_first(p_task), 30)
-        return p_msgs, p_task
-
-    async def _first(task):
-        return await task
-
-    async def run():
-        task = asyncio.ensure_future(run_pair(
-            p_addr, p_kv, d_addr, d_kv, "stopd", fault=lambda: d.signal(signal.SIGSTOP)))
-        # P's writes to the stopped D time out; P reports the failure and frees.
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            s = await _p_stats(p_addr)
-            if s.kv_transfers_failed >= 1:
-                break
-            await asyncio.sleep(0.2)
-        d.signal(signal.SIGCONT)
-        return await task
-
-    p_msgs, _, d_msgs, _ = asyncio.run(run())
+    # P's writes to the stopped D time out; P reports the failure and frees.
+    p_msgs, _, d_msgs, _ = pause_mid_transfer(d, p_addr, (p_addr, p_kv, d_addr, d_kv), "stopd")
     assert p_msgs[-1].finish_reason == "error"
     assert d_msgs and d_msgs[-1].finish_reason == "error"
     assert_all_free(p_addr)
     assert_all_free(d_addr)
 
 
-async def _p_stats(address):
-    async with EngineClient(address) as c:
-        return await c.stats()
-
-
 def test_sigstop_p_then_continue(procs):
     p, p_addr, p_kv = engine("prefill", "--fault-kv-send-delay", "0.5")
     d, d_addr, d_kv = engine("decode")
     procs += [p, d]
-
-    async def run():
-        task = asyncio.ensure_future(run_pair(
-            p_addr, p_kv, d_addr, d_kv, "stopp", fault=lambda: p.signal(signal.SIGSTOP)))
-        # D gives up waiting for DONE, aborts, and never frees a block P could still write.
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            s = await _p_stats(d_addr)
-            if s.kv_transfers_failed >= 1:
-                break
-            await asyncio.sleep(0.2)
-        p.signal(signal.SIGCONT)
-        return await task
-
-    p_msgs, _, d_msgs, _ = asyncio.run(run())
+    # D gives up waiting for DONE, aborts, and never frees a block P could still write.
+    p_msgs, _, d_msgs, _ = pause_mid_transfer(p, d_addr, (p_addr, p_kv, d_addr, d_kv), "stopp")
     assert d_msgs[-1].finish_reason == "error"
     assert p_msgs[-1].finish_reason == "error"
     assert_all_free(d_addr)

@@ -154,7 +154,7 @@ class KVConnector:
         """P: per-layer writes for this step, for layer-wise requests whose destination is known."""
         plan = []
         for request, num_new in batch_items:
-            xfer = self.transfers.get(getattr(request, "transfer_id", None) or "")
+            xfer = self.transfers.get(request.transfer_id or "")
             if xfer is None or xfer.params.mode != "layerwise" or xfer.params.role != "prefill":
                 continue
             end = min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
@@ -224,7 +224,7 @@ class KVConnector:
 
     def abort(self, request: Request, reason: str) -> None:
         """The request is going away (client abort); end its transfer safely. Idempotent."""
-        xfer = self.transfers.get(getattr(request, "transfer_id", None) or "")
+        xfer = self.transfers.get(request.transfer_id or "")
         if xfer is not None and xfer.request is request:
             self._fail(xfer, reason, notify_peer=True)
 
@@ -232,7 +232,7 @@ class KVConnector:
 
     def owns(self, request: Request) -> bool:
         """True while the connector decides when ``request``'s blocks are freed."""
-        tid = getattr(request, "transfer_id", None)
+        tid = request.transfer_id
         return tid is not None and (
             (tid in self.transfers and self.transfers[tid].request is request)
             or tid in self._quarantine
