@@ -1,8 +1,10 @@
 """The ``PDCluster`` resource: what a user applies to get a PD-disaggregated service.
 
-Owns the spec (model, engine settings, prefill and decode pools, KV transfer,
-routing, fallback, SLOs, control plane, heartbeats) and the status (conditions,
-counts, mode). The same models load local-mode YAML and define the CRD.
+Owns the spec (model, engine settings, the prefill, decode and hybrid pools, KV
+transfer, routing, fallback, SLOs, control plane, heartbeats) and the status
+(conditions, counts, mode). The same models load local-mode YAML and define the
+CRD. A cluster whose only replicas are hybrid is the colocated baseline: every
+engine serves whole requests, nothing is disaggregated.
 
 Invariants: every cross-field rule exists twice, as a CEL rule in ``RULES`` (for
 the apiserver) and as a pydantic validator (for local mode and the operator);
@@ -11,7 +13,7 @@ the rule tables below keep the two side by side and a test checks they agree.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -61,8 +63,8 @@ HEARTBEAT_RULES = [_rule(
 )]
 SPEC_RULES = [
     _rule(
-        "self.prefill.replicas > 0 || self.decode.replicas > 0",
-        "spec.prefill.replicas or spec.decode.replicas must be greater than 0",
+        "self.prefill.replicas > 0 || self.decode.replicas > 0 || self.hybrid.replicas > 0",
+        "spec.prefill.replicas, spec.decode.replicas or spec.hybrid.replicas must be greater than 0",
         ".prefill.replicas",
     ),
     _rule(
@@ -119,6 +121,10 @@ class EngineSpec(ApiModel):
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     enable_prefix_caching: bool = True
+    prefill_chunk_tokens: int | None = Field(default=None, ge=1)
+    """Most prompt tokens one request prefills per engine step (the engine's
+    ``--prefill-chunk-tokens``): a long prompt is prefilled in chunks, so the other
+    requests of the engine wait at most one chunk. Unset: the engine's default."""
 
 
 class ParallelismSpec(ApiModel):
@@ -134,9 +140,38 @@ class PoolSpec(ApiModel):
     """GPUs per engine, added to the Pod's limits as ``gpuResource``."""
     gpu_resource: str = "nvidia.com/gpu"
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    """Pod resources; on Kubernetes, cpu requests/limits are how engines get cores."""
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    threads: int | None = Field(default=None, ge=1, le=1024)
+    """torch CPU threads per engine (the engine's ``--threads``), locally and on
+    Kubernetes. Unset: torch's default."""
+    cpu_affinity: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, min_length=1, max_length=1024)
+    """Core ids the pool's engines are pinned to, local mode only (``pdserve up``;
+    ignored on Kubernetes, where Pods get cores through ``resources``). Engine i of
+    the pool runs on the ``threads`` entries starting at entry ``i * threads``,
+    wrapping around the list (``threads`` unset: the one entry ``i % len``). With
+    ``[0, 1, 2, 3]`` and threads 2, engine 0 runs on cores 0-1, engine 1 on 2-3,
+    engine 2 on 0-1 again. Each pool has its own list."""
+
+    def cpus_for_replica(self, ordinal: int) -> list[int] | None:
+        """The cores engine ``ordinal`` of this pool is pinned to (the rule above), or None.
+
+        Called by the NodeAgent in local mode when it launches the engine."""
+        if not self.cpu_affinity:
+            return None
+        cores, width = self.cpu_affinity, self.threads or 1
+        return sorted({cores[(ordinal * width + k) % len(cores)] for k in range(width)})
+
+
+class HybridPoolSpec(PoolSpec):
+    """The colocated pool: engines that run whole requests (prefill and decode in one
+    step loop). Alone it is the colocated baseline; next to PD pools its engines
+    serve when no prefill/decode pair is ready (fallback policy ``hybrid``)."""
+
+    replicas: int = Field(default=0, ge=0, le=1024)
 
 
 class KVTransferSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": KV_TRANSFER_RULES}):
@@ -161,9 +196,14 @@ class KVTransferSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": KV
 class RoutingSpec(ApiModel):
     prefill_policy: RoutingPolicy = "prefix_cache_aware"
     decode_policy: RoutingPolicy = "least_loaded"
-    local_prefill_max_tokens: int = Field(default=0, ge=0)
+    local_prefill_max_tokens: int = Field(default=64, ge=0)
     """Conditional disaggregation: prompts with at most this many uncached tokens
-    prefill on the decode instance itself; 0 always disaggregates."""
+    prefill on the decode instance itself (cheaper than the trip through a prefill
+    instance); 0 turns this rule off."""
+    load_aware_local_prefill: bool = True
+    """Also prefill on the decode instance when the prefill instance's predicted wait
+    exceeds the decode instance's cost, unless that would stall the decode instance's
+    streams past the TPOT target (``slo.tpotMs``, else 100 ms)."""
 
 
 class FallbackSpec(ApiModel):
@@ -204,6 +244,8 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": SPE
     engine: EngineSpec = Field(default_factory=EngineSpec)
     prefill: PoolSpec = Field(default_factory=PoolSpec)
     decode: PoolSpec = Field(default_factory=PoolSpec)
+    hybrid: HybridPoolSpec = Field(default_factory=HybridPoolSpec)
+    """Colocated engines (role hybrid); 0 replicas unless set."""
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     fallback: FallbackSpec = Field(default_factory=FallbackSpec)
@@ -216,7 +258,7 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": SPE
 
     @model_validator(mode="after")
     def _cross_pool_rules(self) -> PDClusterSpec:
-        if self.prefill.replicas == 0 and self.decode.replicas == 0:
+        if self.prefill.replicas == 0 and self.decode.replicas == 0 and self.hybrid.replicas == 0:
             raise ValueError(SPEC_RULES[0]["message"])
         tp_prefill = self.prefill.parallelism.tensor_parallel_size
         if tp_prefill % self.decode.parallelism.tensor_parallel_size:
@@ -226,8 +268,9 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": SPE
 
 class PDClusterStatus(StatusModel):
     observed_generation: int | None = Field(default=None, ge=0)
-    mode: Literal["PD", "Fallback"] | None = None
-    """PD when both pools serve; Fallback while requests run hybrid."""
+    mode: Literal["PD", "Fallback", "Colocated"] | None = None
+    """PD when both pools serve; Fallback while requests run hybrid; Colocated when the
+    spec has no prefill or decode replicas (only the hybrid pool)."""
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=16,
@@ -238,6 +281,7 @@ class PDClusterStatus(StatusModel):
     )
     desired_prefill: int = Field(default=0, ge=0)
     desired_decode: int = Field(default=0, ge=0)
+    desired_hybrid: int = Field(default=0, ge=0)
     ready_prefill: int = Field(default=0, ge=0)
     ready_decode: int = Field(default=0, ge=0)
     ready_hybrid: int = Field(default=0, ge=0)

@@ -48,6 +48,8 @@ KINDS: dict[str, CrdInfo] = {
                     description="ready prefill instances"),
             _column("Decode", ".status.readyDecode", "integer",
                     description="ready decode instances"),
+            _column("Hybrid", ".status.readyHybrid", "integer",
+                    description="ready hybrid (colocated) instances"),
             _column("Ready", '.status.conditions[?(@.type=="Ready")].status'),
             _AGE,
         ),

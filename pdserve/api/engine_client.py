@@ -64,6 +64,7 @@ def build_generate_request(
     stop: list[str] | None = None,
     stop_token_ids: list[int] | None = None,
     ignore_eos: bool = False,
+    min_tokens: int = 0,
     kv_transfer: dict | None = None,
     sample_offset: int = 0,
 ) -> pb.GenerateRequest:
@@ -71,7 +72,7 @@ def build_generate_request(
     sampling = pb.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos,
-        sample_offset=sample_offset,
+        sample_offset=sample_offset, min_tokens=min_tokens,
     )
     if seed is not None:
         sampling.seed = seed

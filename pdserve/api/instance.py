@@ -21,7 +21,7 @@ from pdserve.api.common import API_VERSION, ApiModel, ObjectMeta, StatusModel
 from pdserve.api.conditions import Condition
 
 Role = Literal["prefill", "decode", "hybrid"]
-Pool = Literal["prefill", "decode"]
+Pool = Literal["prefill", "decode", "hybrid"]
 Phase = Literal["Pending", "Running", "Terminating", "Failed"]
 Health = Literal["Starting", "Ready", "Suspect", "Failed"]
 
@@ -73,3 +73,10 @@ class PDInstance(ApiModel):
 def instance_name(cluster: str, pool: Pool, ordinal: int) -> str:
     """The PDInstance (and Pod) name for a pool replica: ``<cluster>-<pool>-<ordinal>``."""
     return f"{cluster}-{pool}-{ordinal}"
+
+
+def instance_ordinal(cluster: str, pool: Pool, name: str) -> int | None:
+    """The ordinal in ``name`` if it is ``instance_name(cluster, pool, n)``, else None."""
+    prefix = f"{cluster}-{pool}-"
+    rest = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() and str(int(rest)) == rest else None

@@ -44,7 +44,7 @@ class Cluster:
     def __init__(self, settings: ClusterSettings, now_s: float) -> None:
         self.settings = settings
         self.records: dict[str, InstanceRecord] = {}
-        self.mode = fallback.ModeState()
+        self.mode = fallback.ModeState(mode=fallback.initial_mode(settings.fallback))
         self.started_s = now_s
         self.events: collections.deque[str] = collections.deque(maxlen=32)
         self.dirty: set[str] = set()       # instance ids to persist

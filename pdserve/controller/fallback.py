@@ -1,7 +1,12 @@
-"""Hybrid fallback: the cluster mode (PD or FALLBACK) and each instance's target role.
+"""Hybrid fallback: the cluster mode (PD, FALLBACK or COLOCATED) and each instance's
+target role.
 
 Algorithm (pure; the Controller calls ``evaluate`` every tick):
 
+- COLOCATED when the spec configures no prefill or decode pool (only the hybrid
+  pool: the colocated baseline). Nothing is missing, nothing falls back; every
+  instance keeps its hybrid role. Hybrid-pool instances never count as a pool
+  here in any mode: they are routable as they are.
 - PD -> FALLBACK at once when a configured pool (prefill or decode) has no alive
   instance (READY, or DRAINING for a role switch), counted by *assigned* role.
   Not before the cluster was complete once, or ``startup_grace_s`` passed, so a
@@ -20,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PD, FALLBACK = "PD", "FALLBACK"
-POOL_ROLES = ("prefill", "decode")
+PD, FALLBACK, COLOCATED = "PD", "FALLBACK", "COLOCATED"
+POOL_ROLES = ("prefill", "decode")  # the PD pools; the hybrid pool is not judged here
 
 
 @dataclass
@@ -38,12 +43,26 @@ class FallbackSettings:
     policy: str = "hybrid"            # hybrid | queue | fail (queue/fail: mode only)
     hysteresis_s: float = 30.0
     startup_grace_s: float = 60.0
-    configured_roles: tuple[str, ...] = POOL_ROLES  # pools with replicas > 0
+    configured_roles: tuple[str, ...] = POOL_ROLES  # PD pools with replicas > 0
+
+
+def initial_mode(s: FallbackSettings) -> str:
+    """The mode of a new cluster state: COLOCATED without PD pools, else PD."""
+    return PD if s.configured_roles else COLOCATED
 
 
 def evaluate(state: ModeState, num_alive: dict[str, int], now_s: float, started_s: float,
              s: FallbackSettings) -> str | None:
     """Update ``state`` from alive counts by assigned role. Returns an event line on a change."""
+    if not s.configured_roles:
+        if state.mode == COLOCATED:
+            return None
+        before = state.mode
+        state.mode, state.reason, state.missing_roles = COLOCATED, "", []
+        state.complete_since_s = None
+        return f"mode {before} -> COLOCATED (no prefill or decode pool: hybrid instances serve)"
+    if state.mode == COLOCATED:
+        state.mode = PD  # the spec gained a PD pool (state from an earlier spec): judge it now
     missing = [r for r in POOL_ROLES if num_alive.get(r, 0) == 0]
     missing_configured = [r for r in missing if r in s.configured_roles]
     if not missing and set(s.configured_roles) == set(POOL_ROLES):

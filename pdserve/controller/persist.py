@@ -6,7 +6,7 @@ Keys under ``/pdserve/<cluster>/``:
   ``lease_ttl_s``, kept alive while the instance's agent heartbeats. An agent that
   goes silent lets its entries expire; so does a Controller that dies with no
   standby to take over.
-- ``meta``: the mode (PD/FALLBACK), missing pools, whether the cluster was
+- ``meta``: the mode (PD/FALLBACK/COLOCATED), missing pools, whether the cluster was
   complete once. No lease: it is the cluster's, not a process's.
 - ``replace/<id>``: a replacement request for the operator (it deletes the key
   once it has acted). No lease.

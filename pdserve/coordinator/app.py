@@ -155,7 +155,8 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
     async def ready() -> Response:
         pools = registry.pools()
         can_pd = not Router.compatible(pools)[2]
-        can_hybrid = bool(pools.hybrid) and settings.fallback_policy == "hybrid"
+        can_hybrid = bool(pools.hybrid) and (
+            settings.fallback_policy == "hybrid" or deps.router.is_colocated())
         ok = can_pd or can_hybrid
         detail = {"prefill": len(pools.prefill), "decode": len(pools.decode),
                   "hybrid": len(pools.hybrid), "mode": registry.mode}

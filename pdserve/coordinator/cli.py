@@ -41,11 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-policy", default=d.prefill_policy, choices=_POLICIES)
     parser.add_argument("--decode-policy", default=d.decode_policy, choices=_POLICIES)
     parser.add_argument("--kv-mode", default=d.kv_mode, choices=_MODES)
-    parser.add_argument("--local-prefill-max-tokens", type=int, default=0,
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
                         help="conditional disaggregation threshold in uncached tokens (0: off)")
     parser.add_argument("--fallback-policy", default=d.fallback_policy, choices=_FALLBACKS)
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--ttft-slo-s", type=float, default=None)
+    parser.add_argument("--tpot-slo-s", type=float, default=None,
+                        help="TPOT target: bounds how long a prefill on D may stall its streams")
+    parser.add_argument("--no-load-aware-local-prefill", dest="load_aware_local_prefill",
+                        action="store_false",
+                        help="prefill on D only by --local-prefill-max-tokens, never by P's load")
     parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     parser.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
     parser.add_argument("--max-queue", type=int, default=d.max_queue)
@@ -64,7 +69,8 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, kv_mode=args.kv_mode,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         fallback_policy=args.fallback_policy, block_size=args.block_size,
-        ttft_slo_s=args.ttft_slo_s, request_timeout_s=args.request_timeout_s,
+        ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s,
+        load_aware_local_prefill=args.load_aware_local_prefill, request_timeout_s=args.request_timeout_s,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
         poll_interval_s=args.poll_interval_s, max_tokens_default=args.max_tokens_default,

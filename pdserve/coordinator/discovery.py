@@ -2,9 +2,12 @@
 
 Used when no Controller is configured. Every ``poll_interval_s`` each engine's
 Health (role, KV endpoint, compat hash, draining) and Stats (queue depth, KV
-usage, block size) are read concurrently; an engine that does not answer within
-the interval is unhealthy (not routable) until it answers again. A role change
-(e.g. an operator switching an engine to hybrid) is seen at the next poll.
+usage, block size) are read concurrently. A busy engine is not a dead one: engines
+answer both from a snapshot, never behind a step, and a probe that merely times out
+keeps the engine's last view for up to ``MAX_SLOW_PROBES`` polls in a row; an engine
+that refuses the connection or errors is unhealthy (not routable) at once, until it
+answers again. A role change (e.g. an operator switching an engine to hybrid) is
+seen at the next poll.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ from .instances import Instance, InstanceRegistry
 
 log = logging.getLogger(__name__)
 
+MAX_SLOW_PROBES = 3  # consecutive timed-out probes before a silent engine is unroutable
+
 
 class StaticDiscovery:
     def __init__(self, registry: InstanceRegistry, addresses: list[str], interval_s: float) -> None:
         self.registry = registry
         self.addresses = list(addresses)
         self.interval_s = interval_s
+        self._num_slow: dict[str, int] = {}
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -57,9 +63,14 @@ class StaticDiscovery:
             )
         except (TimeoutError, grpc.aio.AioRpcError) as exc:
             old = self.registry.get(address)
+            if _is_timeout(exc) and old is not None and old.healthy:
+                slow = self._num_slow[address] = self._num_slow.get(address, 0) + 1
+                if slow < MAX_SLOW_PROBES:
+                    return old  # slow, not gone: keep routing on its last view
             if old is None or old.healthy:
                 log.warning("engine %s does not answer: %s", address, _short(exc))
             return Instance(address, address, old.role if old else "unknown", healthy=False)
+        self._num_slow.pop(address, None)
         return Instance(
             instance_id=address, address=address, role=health.role,
             kv_endpoint=health.kv_endpoint, kv_compat_hash=health.kv_compat_hash,
@@ -68,6 +79,12 @@ class StaticDiscovery:
             num_kv_blocks_used=stats.num_kv_blocks_used,
             num_kv_blocks_free=stats.num_kv_blocks_free, block_size=stats.block_size,
         )
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    return isinstance(exc, TimeoutError)
 
 
 def _short(exc: BaseException) -> str:

@@ -55,12 +55,15 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 class RequestRun:
     def __init__(self, deps: Deps, request_id: str, prompt_ids: list[int], sampling: Sampling,
-                 deadline: float) -> None:
+                 deadline: float, arrival_s: float | None = None) -> None:
         self.deps = deps
+        self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.sampling = sampling
@@ -123,10 +126,13 @@ class RequestRun:
         return build_generate_request(
             leg_id, prompt_token_ids=prompt, max_tokens=max_tokens, temperature=sp.temperature,
             top_p=sp.top_p, seed=sp.seed, stop=sp.stop, kv_transfer=kv,
-            sample_offset=len(self.generated),
+            sample_offset=len(self.generated), ignore_eos=sp.ignore_eos,
+            min_tokens=max(0, sp.min_tokens - len(self.generated)),
         )
 
     def _call(self, inst: Instance, request):
+        if "route_s" not in self.timings:  # arrival -> first leg sent: tokenize, admit, route
+            self._observe("route", "route_s", time.monotonic() - self.arrival_s)
         left = self.left_s()
         if left <= 0:
             raise ServeError(504, "the request's deadline passed", code="deadline")
@@ -190,6 +196,7 @@ class RequestRun:
                     raise finish_failure(msg, d, "decode", "mid_stream" if got else "before_first_token")
                 if not got and msg.HasField("timings"):
                     self._observe("decode_wait", "decode_wait_s", msg.timings.kv_wait_s)
+                    self._observe("decode_queue", "decode_queue_s", msg.timings.decode_queue_s)
                 if msg.token_ids:
                     got = True
                     yield list(msg.token_ids)

@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0, 60.0)
-STAGES = ("prefill_queue", "prefill_compute", "kv_transfer", "decode_wait", "first_decode")
+STAGES = ("route", "prefill_queue", "prefill_compute", "kv_transfer", "decode_wait",
+          "decode_queue", "first_decode")
 # Every label value these counters take (router, lifecycle, admission, serving). Their
 # series are created at zero, so dashboards and alerts see 0 (not "no data") until the
 # first event, and rate() counts that first event.
@@ -40,6 +41,9 @@ class CoordinatorMetrics:
                                 ["reason"], registry=r)
         self.local_prefills = Counter(p + "local_prefills_total", "Requests run on one engine "
                                       "by conditional disaggregation.", registry=r)
+        self.prefill_decisions = Counter(
+            p + "prefill_decisions_total", "Where a PD request's prompt was prefilled (decode: "
+            "conditional disaggregation), by the reason.", ["where", "reason"], registry=r)
         self.aborts = Counter(p + "aborts_total", "Requests ended early (client gone, deadline, "
                               "stop string), both legs aborted.", ["reason"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens.", registry=r)

@@ -3,14 +3,16 @@
 Plans: ``pd`` (a prefill engine and a decode engine with equal ``kv_compat_hash``,
 chosen by the per-pool policies; decode first for push and layerwise, whose D must
 reserve blocks before P writes, prefill first for pull) or ``single`` (one engine
-runs the whole request: conditional disaggregation on the chosen D, or the hybrid
-fallback).
+runs the whole request: conditional disaggregation on the chosen D, decided by
+``conditional.decide``, or the hybrid fallback).
 
 Fallback, when no PD pair exists (a pool is empty, or no compatible pair):
 ``hybrid`` runs whole requests on hybrid engines (with a Controller, it switches
 engines to hybrid and says so with view mode FALLBACK); while none exists the
 request waits as with ``queue``; ``queue`` waits for the view to change until the
-deadline; ``fail`` answers 503 at once. Never silent: each fallback is counted
+deadline; ``fail`` answers 503 at once. A colocated deployment (only hybrid engines
+by design: view mode COLOCATED) is no fallback: its engines serve under every
+policy and nothing is counted as a fallback. Never silent: each fallback is counted
 (``pdserve_coordinator_fallbacks_total``) and the reason is in the error text.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from .conditional import decide
 from .errors import ServeError
 from .instances import Instance, InstanceRegistry, Pools
 from .metrics import CoordinatorMetrics
@@ -54,6 +57,11 @@ class Router:
             plan, reason = self.plan_now(pools, ctx)
             if plan is not None:
                 return plan
+            if pools.hybrid and self.is_colocated():  # the deployment, not a fallback
+                inst = self.decode_policy.choose(pools.hybrid, ctx)
+                self.metrics.routes.labels("hybrid", self.settings.decode_policy).inc()
+                self.index.record(inst.instance_id, ctx.hashes)
+                return Plan("single", single=inst)
             policy = self.settings.fallback_policy
             detail = self.registry.fallback_reason or reason.replace("_", " ")
             if policy == "hybrid" and pools.hybrid:
@@ -78,6 +86,14 @@ class Router:
                 await self.registry.wait_changed(left)
             finally:
                 self.metrics.queued_for_route.dec()
+
+    def is_colocated(self) -> bool:
+        """A colocated deployment: the Controller says so, or (static view) no engine of
+        the view is a prefill or decode engine. Its hybrid engines serve as the norm."""
+        if self.registry.mode == "COLOCATED":
+            return True
+        return self.registry.mode == "PD" and bool(self.registry.all()) and all(
+            i.role in ("hybrid", "unknown") for i in self.registry.all())
 
     @staticmethod
     def compatible(pools: Pools) -> tuple[list[Instance], list[Instance], str]:
@@ -106,14 +122,17 @@ class Router:
         else:  # decode first: D reserves its blocks before P writes into them
             d = self.decode_policy.choose(decode, ctx)
             p = self.prefill_policy.choose([i for i in prefill if i.kv_compat_hash == d.kv_compat_hash], ctx)
-        threshold = self.settings.local_prefill_max_tokens
-        if threshold:
-            cached = self.index.match(d.instance_id, ctx.hashes) * ctx.block_size
-            if ctx.num_tokens - cached <= threshold:
-                self.index.record(d.instance_id, ctx.hashes)
-                self.metrics.local_prefills.inc()
-                self.metrics.routes.labels("decode", self.settings.decode_policy).inc()
-                return Plan("single", single=d), ""
+        s = self.settings
+        cached = self.index.match(d.instance_id, ctx.hashes) * ctx.block_size
+        decision = decide(p, d, ctx.num_tokens - cached, s.local_prefill_max_tokens,
+                          s.load_aware_local_prefill, s.tpot_slo_s)
+        self.metrics.prefill_decisions.labels(
+            "decode" if decision.on_decode else "prefill", decision.reason).inc()
+        if decision.on_decode:
+            self.index.record(d.instance_id, ctx.hashes)
+            self.metrics.local_prefills.inc()
+            self.metrics.routes.labels("decode", s.decode_policy).inc()
+            return Plan("single", single=d), ""
         self.index.record(p.instance_id, ctx.hashes)
         self.index.record(d.instance_id, ctx.hashes)
         self.metrics.routes.labels("prefill", self.settings.prefill_policy).inc()

@@ -35,6 +35,10 @@ class _Request(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     return_token_ids: bool = False
     """pdserve extension (as vLLM's): each choice also carries its output token ids."""
+    ignore_eos: bool = False
+    """Extension (as vLLM's and SGLang's): the model's EOS does not end the output."""
+    min_tokens: int = Field(default=0, ge=0, le=1 << 20)
+    """Extension (as vLLM's): no EOS or stop token before this many output tokens."""
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

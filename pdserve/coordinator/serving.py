@@ -77,11 +77,15 @@ class Completions:
         seed = body.seed
         if seed is None and body.temperature:
             seed = random.getrandbits(62)
-        sampling = Sampling(max_tokens, body.temperature, body.top_p, seed, body.stop_list())
+        if body.min_tokens > max_tokens:
+            raise ServeError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens "
+                             f"({max_tokens})", param="min_tokens")
+        sampling = Sampling(max_tokens, body.temperature, body.top_p, seed, body.stop_list(),
+                            body.ignore_eos, body.min_tokens)
         deadline = arrival + settings.request_timeout_s
         slot = await self.admission.acquire(deadline)
         rid = new_request_id(request)
-        run = RequestRun(self.deps, rid, prompt_ids, sampling, deadline)
+        run = RequestRun(self.deps, rid, prompt_ids, sampling, deadline, arrival)
         out = _Output(self, run, body, endpoint, arrival, request.headers.get(TIMINGS_HEADER) == "1")
         headers = {"x-request-id": rid}
         try:

@@ -29,12 +29,16 @@ class CoordinatorSettings(BaseModel):
     prefill_policy: RoutingPolicy = "prefix_cache_aware"
     decode_policy: RoutingPolicy = "least_loaded"
     kv_mode: TransferMode = "layerwise"
-    local_prefill_max_tokens: int = Field(default=0, ge=0)
-    """Conditional disaggregation: at most this many uncached tokens run on one engine."""
+    local_prefill_max_tokens: int = Field(default=64, ge=0)
+    """Conditional disaggregation: at most this many uncached tokens prefill on D itself."""
+    load_aware_local_prefill: bool = True
+    """Also prefill on D when P's predicted wait exceeds D's cost (``conditional.py``)."""
     fallback_policy: FallbackPolicy = "hybrid"
     block_size: int = Field(default=16, ge=1)
     """Engines' KV block size, for prefix hashing (static view reads it from Stats)."""
     ttft_slo_s: float | None = Field(default=None, gt=0)
+    tpot_slo_s: float | None = Field(default=None, gt=0)
+    """TPOT target; bounds how long a prefill on D may stall D's streams."""
     prefix_index_max_blocks: int = Field(default=65536, ge=1)
     """LRU bound of the prefix index, per instance."""
 
@@ -68,11 +72,13 @@ class CoordinatorSettings(BaseModel):
     def from_cluster(cls, name: str, spec: PDClusterSpec, **overrides) -> CoordinatorSettings:
         """What the operator's Coordinator Deployment runs with: the cluster's policies."""
         slo = spec.slo.ttft_ms / 1000.0 if spec.slo.ttft_ms else None
+        tpot = spec.slo.tpot_ms / 1000.0 if spec.slo.tpot_ms else None
         fields = dict(
             model=spec.model.preset or spec.model.path or name,
             served_model_name=spec.model.served_name or name,
             prefill_policy=spec.routing.prefill_policy, decode_policy=spec.routing.decode_policy,
             local_prefill_max_tokens=spec.routing.local_prefill_max_tokens,
+            load_aware_local_prefill=spec.routing.load_aware_local_prefill, tpot_slo_s=tpot,
             kv_mode=spec.kv_transfer.mode, fallback_policy=spec.fallback.policy,
             block_size=spec.engine.block_size, ttft_slo_s=slo,
         )

@@ -17,7 +17,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-bytes", type=int, default=256 * 2**20, help="KV cache budget in bytes")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (wins over bytes)")
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step (decodes and prefill chunks together)")
+    g.add_argument("--prefill-chunk-tokens", type=int, default=512,
+                   help="most prompt tokens one request prefills per step")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -41,7 +44,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=args.dtype, role=args.role,
         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
         kv_transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
         kv_auth_token=args.kv_auth_token, decode_allocation=args.decode_allocation,

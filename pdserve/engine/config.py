@@ -121,6 +121,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Most prompt tokens one request prefills per step: bounds how long a new prompt
+    # (or, on a hybrid engine, a decode) waits behind a long prefill to about one chunk.
+    prefill_chunk_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -164,5 +167,7 @@ class EngineConfig:
             )
         if self.kv_done_timeout_s <= self.kv_descriptor_timeout_s:
             raise ConfigError("kv_done_timeout_s must exceed kv_descriptor_timeout_s (D waits longer than P)")
+        if self.prefill_chunk_tokens < 1:
+            raise ConfigError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError("max_num_batched_tokens must be at least block_size")

@@ -109,7 +109,8 @@ class LLMEngine:
                 f"kv_cache_bytes={config.kv_cache_bytes} is below one block ({bytes_per_block} bytes)"
             )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.prefill_chunk_tokens)
         allocator = kv_allocator(config)
         self.runner = ModelRunner(model, num_blocks, config.block_size, allocator)
         self._kv_segment = getattr(allocator, "segment", None)
@@ -141,8 +142,12 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt: str | None = None,
         kv_transfer: KVTransferParams | None = None,
+        arrival_s: float | None = None,
     ) -> Request:
         """Validate and queue a request. Raises ``EngineInputError`` on bad input.
+
+        ``arrival_s`` (monotonic) is when the request reached the engine's process; the
+        loop stamps it on receipt, so queue time includes waiting for a running step.
 
         With ``kv_transfer`` the request is one leg of a disaggregated request: as
         ``prefill`` it stops after the first token and hands its KV to the peer; as
@@ -183,7 +188,8 @@ class LLMEngine:
         except SamplingError as exc:
             raise EngineInputError(str(exc)) from None
         params = params.with_seed()
-        request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids)
+        request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
+                          arrival_s)
         self.requests[request_id] = request
         self._detok[request_id] = Detokenizer(self.tokenizer, params.stop)
         if kv_transfer is not None and kv_transfer.role == "decode":
@@ -266,6 +272,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Drive KV transfers, schedule, run the model once, sample, report what changed."""
         outputs = self._apply_connector_events() if self.connector is not None else []
+        if any(o.num_output_tokens == 1 and o.new_token_ids for o in outputs):
+            return outputs  # D: a first token goes out now, not after one more decode step
         batch = self.scheduler.schedule()
         self.last_step_idle = not batch and not outputs
         if not batch:
@@ -425,7 +433,9 @@ def request_timings(request: Request, now: float) -> dict[str, float]:
     """Stage durations of ``request`` so far, for the Coordinator's breakdown."""
     t: dict[str, float] = {}
     if request.kv_exposed_s is not None:  # decode leg
-        t["kv_wait_s"] = request.kv_exposed_s - request.arrival_s
+        arrived_s = max(request.kv_arrived_s or request.kv_exposed_s, request.arrival_s)
+        t["kv_wait_s"] = arrived_s - request.arrival_s
+        t["decode_queue_s"] = max(0.0, request.first_token_s - arrived_s)
     elif request.first_scheduled_s is not None:
         t["queue_s"] = request.first_scheduled_s - request.arrival_s
         if request.first_token_s is not None:

@@ -5,6 +5,12 @@ Other threads (the gRPC server's event loop) talk to it through ``submit`` and
 ``step()`` while there is work, and hands each ``RequestOutput`` to the request's
 sink. A failing step never kills the loop: every request in it ends with an error
 and the engine goes on with new ones.
+
+A busy engine is not a dead one: after every step and every drained command the
+loop publishes ``snapshot`` (an ``EngineStats``, replaced whole, never mutated), so
+Health, Stats and metrics scrapes are answered at once from it instead of queueing
+behind a step that may run for seconds. A request's arrival time is stamped in
+``submit`` (on receipt), so time spent waiting for a running step counts as queue.
 """
 
 from __future__ import annotations
@@ -12,10 +18,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import (
+    EngineInputError,
+    EngineStats,
+    EngineUnavailable,
+    LLMEngine,
+    RequestOutput,
+)
 from pdserve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -30,6 +43,12 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.snapshot: EngineStats = engine.stats()
+        self.snapshot_s = time.monotonic()
+
+    def _publish(self) -> None:
+        # One attribute store: readers on other threads see the old or the new one whole.
+        self.snapshot, self.snapshot_s = self.engine.stats(), time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
@@ -55,7 +74,7 @@ class EngineLoop:
         ``EngineInputError`` when the engine refuses it."""
         admitted: Future = Future()
         self._inbox.put(("add", request_id, prompt_token_ids, prompt, params, sink, admitted,
-                         kv_transfer))
+                         kv_transfer, time.monotonic()))
         return admitted
 
     def abort(self, request_id: str) -> None:
@@ -79,24 +98,29 @@ class EngineLoop:
             else:
                 wait_s = 0.0
             try:
-                self._drain(wait_s)
+                if self._drain(wait_s):
+                    self._publish()
             except Exception:  # noqa: BLE001 - the loop must survive anything a command does
                 log.exception("engine command failed")
             if self.engine.has_unfinished:
                 self._step()
+                self._publish()
 
-    def _drain(self, wait_s: float) -> None:
+    def _drain(self, wait_s: float) -> int:
+        """Run queued commands; returns how many ran."""
+        num_done = 0
         while True:
             try:
                 cmd = self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return num_done
             wait_s = 0.0
+            num_done += 1
             kind = cmd[0]
             if kind == "add":
-                _, rid, ids, prompt, params, sink, admitted, kv = cmd
+                _, rid, ids, prompt, params, sink, admitted, kv, arrival_s = cmd
                 try:
-                    self.engine.add_request(rid, ids, params, prompt, kv)
+                    self.engine.add_request(rid, ids, params, prompt, kv, arrival_s=arrival_s)
                 except (EngineInputError, EngineUnavailable) as exc:
                     admitted.set_exception(exc)
                     continue

@@ -2,8 +2,8 @@
 
 Two sources, one explicit registry per engine process:
 
-- load and token totals are read from ``LLMEngine.stats()`` at scrape time, on the
-  engine's own thread (``EngineLoop.call``), so the scrape never races a step;
+- load and token totals come from the loop's ``snapshot`` (``LLMEngine.stats()``
+  published after every step), so a scrape never races a step and never waits for one;
 - KV transfers are observed one by one through the connector's transfer-done hook
   (``observe_transfer``, called on the engine thread for every finished transfer):
   bytes, duration, failures and exposed (not hidden behind prefill) time, by mode,
@@ -17,7 +17,6 @@ receives; a hybrid engine may take either). Never request or transfer ids.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -33,7 +32,6 @@ log = logging.getLogger(__name__)
 # KV transfers on one host take ~1 ms; over a slow network, seconds.
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0)
-STATS_TIMEOUT_S = 2.0  # a scrape waits at most this long for the engine thread
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -144,11 +142,7 @@ async def start_metrics_server(loop, metrics: EngineMetrics, host: str,
     """Serve ``GET /metrics`` on ``host:port`` (0: a free port); returns the runner and port."""
 
     async def scrape(_request):
-        try:
-            stats = await asyncio.wait_for(asyncio.wrap_future(loop.call(lambda e: e.stats())),
-                                           STATS_TIMEOUT_S)
-        except TimeoutError:
-            return web.Response(status=503, text="engine thread did not answer\n")
+        stats = loop.snapshot  # published after every step; a long step delays nothing here
         return web.Response(body=metrics.render(stats), headers={"Content-Type": CONTENT_TYPE})
 
     app = web.Application()

@@ -62,7 +62,8 @@ class Request:
         self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None
-        self.kv_exposed_s: float | None = None  # decode leg: when the remote KV was complete
+        self.kv_arrived_s: float | None = None  # decode leg: P's DONE came off the wire
+        self.kv_exposed_s: float | None = None  # decode leg: the engine loop exposed the KV
         self.error: str | None = None
         # Disaggregation: the transfer this request's KV belongs to (P or D side), and
         # whether it may be preempted (never while its blocks may be in flight).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, PrefillChunk
+from pdserve.engine.attention import AttentionMetadata, PrefillChunk, build_decode_buckets
 from pdserve.engine.model import Transformer
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample
@@ -85,15 +85,10 @@ class ModelRunner:
                     k_pos = torch.arange(ctx, device=self.device).unsqueeze(0)
                     meta.prefills.append(PrefillChunk(row0, n, ctx, slots, k_pos <= q_pos))
         if decodes:
-            ctx_lens = [r.num_computed_tokens + 1 for r, _ in decodes]
-            num_blocks = -(-max(ctx_lens) // bs)
-            tables = [r.block_table[:num_blocks] for r, _ in decodes]
-            meta.decode_blocks = torch.tensor(
-                [t + [0] * (num_blocks - len(t)) for t in tables], dtype=torch.long, device=self.device
+            meta.decode_buckets = build_decode_buckets(
+                [r.num_computed_tokens + 1 for r, _ in decodes],
+                [r.block_table for r, _ in decodes], bs, self.device,
             )
-            lens = torch.tensor(ctx_lens, device=self.device).unsqueeze(1)
-            valid = torch.arange(num_blocks * bs, device=self.device).unsqueeze(0) < lens
-            meta.decode_mask = valid.view(len(decodes), 1, 1, num_blocks * bs)
         meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -115,5 +110,14 @@ class ModelRunner:
             logits,
             [r.sampling_params for r in sampled],
             [r.sampling_params.sample_offset + len(r.output_token_ids) for r in sampled],
+            [_banned_tokens(r) for r in sampled],
         )
         return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+
+
+def _banned_tokens(request: Request) -> tuple[int, ...]:
+    """Token ids that may not be sampled now: a request below ``min_tokens`` cannot end."""
+    params = request.sampling_params
+    if len(request.output_token_ids) >= params.min_tokens:
+        return ()
+    return (*request.eos_token_ids, *params.stop_token_ids)

@@ -38,11 +38,20 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
+    banned: list[tuple[int, ...]] | None = None,
+) -> list[int]:
     """One token per row of ``logits`` ([N, V] float32).
 
-    ``indices[i]`` is the output index of the token being drawn for row ``i``.
+    ``indices[i]`` is the output index of the token being drawn for row ``i``;
+    ``banned[i]`` lists token ids row ``i`` may not draw (``min_tokens`` not reached).
     """
+    if banned is not None and any(banned):
+        logits = logits.clone()
+        for row, ids in enumerate(banned):
+            if ids:
+                logits[row, list(ids)] = float("-inf")
     if all(p.is_greedy for p in params):
         return logits.argmax(-1).tolist()
     out = []

@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     sample_offset: int = 0  # stream position of the first token (continued streams)
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -40,6 +41,10 @@ class SamplingParams:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise SamplingError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
         if self.sample_offset < 0:
             raise SamplingError(f"sample_offset must be >= 0, got {self.sample_offset}")
         if any(not s for s in self.stop):

@@ -4,17 +4,26 @@ Each step the scheduler hands the runner a batch: a list of ``(request, num_new_
 whose total stays within ``max_num_batched_tokens``. Prefill and decode are the same
 thing seen from here: a request has ``num_tokens`` known tokens of which
 ``num_computed_tokens`` are in the KV cache; a step computes some of the rest. A long
-prompt is therefore chunked across steps for free, and decode is the case of one new
-token.
+prompt is therefore chunked across steps, and decode is the case of one new token.
 
 Policy, in order:
-1. Running requests first (oldest first), so decodes keep their cadence.
-2. When a running request needs a block and none is free, the most recently admitted
+1. Decodes first (running requests with one token to compute, oldest first), so
+   streams keep their cadence whatever prefills are queued.
+2. Then prefill work, shortest remaining first: running requests still prefilling and
+   waiting requests, ordered by prompt tokens left to compute (ties: running before
+   waiting, then arrival order). Each gets at most ``prefill_chunk_tokens`` per step,
+   so a short prompt that arrives during a long prefill waits about one chunk, not
+   the whole prompt; the long prompt still advances with whatever budget is left.
+3. When a running request needs a block and none is free, the most recently admitted
    running request is preempted by recompute: its blocks are freed and it goes back
    to the front of the waiting queue.
-3. Then waiting requests, FIFO, while the token budget, the running cap
-   (``max_num_seqs``) and the free blocks allow; no new admissions in a step that
-   preempted (admitting would just thrash).
+4. Waiting requests are admitted while the token budget, the running cap
+   (``max_num_seqs``) and the free blocks allow; none in a step that preempted
+   (admitting would just thrash), none after one did not fit (no overtaking by size
+   for blocks, so a large prompt is not starved of memory by a stream of small ones).
+
+Thresholds: ``prefill_chunk_tokens`` (engine setting, 512 by default) and
+``max_num_batched_tokens`` (2048). Cost: one sort of the prefilling requests per step.
 """
 
 from __future__ import annotations
@@ -46,10 +55,12 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        prefill_chunk_tokens: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -62,59 +73,77 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> ScheduledBatch:
+        """Called by the engine once per step: the batch to run (policy at the top)."""
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        bm = self.block_manager
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not bm.allocate_slots(request, num_new):
-                victim = self._pick_victim(i)
-                if victim is None:  # only pinned requests left: wait for blocks
-                    break
-                self.running.remove(victim)
-                self._preempt(victim)
-                batch.num_preempted += 1
-                if victim is request:
-                    break
-            else:
-                batch.items.append((request, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            if request in self.running:
-                i += 1
-
-        while (
-            self.waiting
-            and budget > 0
-            and not batch.num_preempted
-            and len(self.running) < self.max_num_seqs
-        ):
-            request = self.waiting[0]
-            cached = bm.find_cached_blocks(request) if request.num_computed_tokens == 0 else []
-            num_uncached = request.num_tokens - len(cached) * bm.block_size
-            num_new = min(num_uncached, budget)
-            if not bm.allocate_slots(request, num_new, cached):
+        self._budget = self.max_num_batched_tokens
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        for request in decodes:
+            if self._budget <= 0:
                 break
-            if request.num_preemptions == 0:
-                bm.record_prefix_query(request.num_tokens, len(cached) * bm.block_size)
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_s is None:
-                request.first_scheduled_s = time.monotonic()
-            self.running.append(request)
-            batch.items.append((request, num_new))
-            budget -= num_new
+            if request in self.running:  # not preempted by an earlier one
+                self._schedule_running(request, batch)
+        prefills = sorted(
+            (r for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
+            key=lambda r: r.num_tokens - r.num_computed_tokens,
+        )
+        can_admit = True
+        waiting = iter(list(self.waiting))
+        candidate = next(waiting, None)
+        while self._budget > 0 and (prefills or (candidate is not None and can_admit)):
+            admit_next = candidate is not None and can_admit and (
+                not prefills or _remaining(candidate) < _remaining(prefills[0]))
+            if admit_next:
+                can_admit = self._admit(candidate, batch)
+                candidate = next(waiting, None)
+                continue
+            request = prefills.pop(0)
+            if request in self.running:
+                self._schedule_running(request, batch)
         return batch
 
-    def _pick_victim(self, first: int) -> Request | None:
-        """The most recently admitted running request at index >= ``first`` (not yet in
-        this step's batch) that may be preempted."""
-        for request in reversed(self.running[first:]):
-            if not request.pinned:
+    def _schedule_running(self, request: Request, batch: ScheduledBatch) -> None:
+        num_new = min(request.num_tokens - request.num_computed_tokens, self._budget,
+                      self.prefill_chunk_tokens)
+        bm = self.block_manager
+        while not bm.allocate_slots(request, num_new):
+            scheduled = {id(r) for r, _ in batch.items}
+            victim = self._pick_victim(scheduled)
+            if victim is None:  # only pinned or scheduled requests left: wait for blocks
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+            batch.num_preempted += 1
+            if victim is request:
+                return
+        batch.items.append((request, num_new))
+        self._budget -= num_new
+
+    def _admit(self, request: Request, batch: ScheduledBatch) -> bool:
+        """Try to start a waiting request; False stops admissions for this step."""
+        if batch.num_preempted or len(self.running) >= self.max_num_seqs:
+            return False
+        bm = self.block_manager
+        cached = bm.find_cached_blocks(request) if request.num_computed_tokens == 0 else []
+        num_uncached = request.num_tokens - len(cached) * bm.block_size
+        num_new = min(num_uncached, self._budget, self.prefill_chunk_tokens)
+        if not bm.allocate_slots(request, num_new, cached):
+            return False
+        if request.num_preemptions == 0:
+            bm.record_prefix_query(request.num_tokens, len(cached) * bm.block_size)
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_s is None:
+            request.first_scheduled_s = time.monotonic()
+        self.running.append(request)
+        batch.items.append((request, num_new))
+        self._budget -= num_new
+        return True
+
+    def _pick_victim(self, scheduled: set[int]) -> Request | None:
+        """The most recently admitted running request not yet in this step's batch that
+        may be preempted (never a pinned one: its blocks may be in flight)."""
+        for request in reversed(self.running):
+            if not request.pinned and id(request) not in scheduled:
                 return request
         return None
 
@@ -153,3 +182,7 @@ class Scheduler:
         if free_blocks:
             self.block_manager.free(request)
         return True
+
+
+def _remaining(request: Request) -> int:
+    return request.num_tokens - request.num_computed_tokens

@@ -40,6 +40,7 @@ def sampling_from_proto(msg: pb.SamplingParams, has_sampling: bool) -> SamplingP
         stop=list(msg.stop),
         ignore_eos=msg.ignore_eos,
         sample_offset=msg.sample_offset,
+        min_tokens=msg.min_tokens,
     )
 
 
@@ -132,7 +133,7 @@ class EngineService(pb_grpc.EngineServicer):
         return pb.SetRoleResponse(role=self.loop.engine.config.role)
 
     async def Stats(self, request, context) -> pb.StatsResponse:
-        stats = await asyncio.wrap_future(self.loop.call(lambda e: e.stats()))
+        stats = self.loop.snapshot  # never queued behind a step: a busy engine answers
         flat = {**stats.__dict__, **stats.extra}
         fields = {k: v for k, v in flat.items() if k in pb.StatsResponse.DESCRIPTOR.fields_by_name}
         return pb.StatsResponse(**fields)

@@ -43,6 +43,7 @@ class Instance:
     pool: str
     role: str
     argv: list[str]
+    cpus: tuple[int, ...] = ()         # cores the engine is pinned to; () = not pinned
     process: EngineProcess | None = None
     health: object | None = None       # last engine HealthResponse
     load: pb.InstanceLoad = field(default_factory=pb.InstanceLoad)
@@ -97,7 +98,7 @@ class Agent:
         for inst in instances:
             inst.process = EngineProcess(inst.instance_id, lambda i=inst: with_role(i.argv, i.role),
                                          settings.backoff, self._on_process_change,
-                                         echo=settings.echo_engine_output)
+                                         echo=settings.echo_engine_output, cpus=inst.cpus)
 
     def _on_process_change(self) -> None:
         for inst in self.instances.values():

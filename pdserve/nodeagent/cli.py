@@ -3,16 +3,22 @@
 One agent supervises one instance per Pod on Kubernetes, several in local mode
 (``--instance ID=ROLE`` repeated). Engine settings come from the PDCluster spec
 (``-f``, default: the built-in cluster); ``--engine-arg`` appends raw engine flags.
+The ROLE of ``--instance`` is the pool the instance belongs to (its settings apply)
+and the role it starts in. ``--pin-cpus`` (local mode: ``pdserve up``) pins each
+engine to its cores under the pool's ``cpuAffinity`` rule, which needs instance
+ids named ``<cluster>-<pool>-<ordinal>``; without it ``cpuAffinity`` is ignored.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 
 from pdserve.api import PDCluster
 from pdserve.api.http_runtime import start_http, wait_for_stop_signal
+from pdserve.api.instance import instance_ordinal
 from pdserve.api.logs import configure_logging
 from pdserve.api.manifest import default_cluster
 from pdserve.api.security import SecuritySettings
@@ -42,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
     p.add_argument("--http-port", type=int, default=0, help="/healthz, /readyz, /metrics")
     p.add_argument("--quiet-engines", action="store_true", help="do not echo engine output")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="pin engines to their pool's spec cpuAffinity cores (local mode)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -52,6 +60,22 @@ def parse_instance(text: str) -> tuple[str, str]:
     return instance_id, role
 
 
+def engine_cpus(cluster: PDCluster, instance_id: str, pool: str) -> tuple[int, ...]:
+    """The cores ``instance_id`` is pinned to under its pool's ``cpuAffinity``; () if none."""
+    pool_spec = getattr(cluster.spec, pool)
+    if not pool_spec.cpu_affinity:
+        return ()
+    ordinal = instance_ordinal(cluster.metadata.name, pool, instance_id)
+    if ordinal is None:
+        raise SystemExit(f"--instance {instance_id}: spec.{pool}.cpuAffinity needs the id "
+                         f"{cluster.metadata.name}-{pool}-<ordinal> to pick its cores")
+    cpus = tuple(pool_spec.cpus_for_replica(ordinal) or ())
+    if unusable := sorted(set(cpus) - os.sched_getaffinity(0)):
+        raise SystemExit(f"spec.{pool}.cpuAffinity: core(s) {unusable} are not available "
+                         f"to this process (usable: {sorted(os.sched_getaffinity(0))})")
+    return cpus
+
+
 async def serve(args: argparse.Namespace) -> int:
     cluster = PDCluster.from_file(args.cluster_file) if args.cluster_file else default_cluster()
     settings = AgentSettings(
@@ -59,8 +83,9 @@ async def serve(args: argparse.Namespace) -> int:
         interval_s=args.heartbeat_interval or cluster.spec.heartbeat.interval_seconds,
         probe_timeout_s=args.probe_timeout, echo_engine_output=not args.quiet_engines,
         backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after))
-    instances = [Instance(iid, role, role, build_engine_argv(cluster, role, args.engine_arg))
-                 for iid, role in map(parse_instance, args.instance)]
+    instances = [Instance(iid, pool, pool, build_engine_argv(cluster, pool, args.engine_arg),
+                          cpus=engine_cpus(cluster, iid, pool) if args.pin_cpus else ())
+                 for iid, pool in map(parse_instance, args.instance)]
     agent = Agent(settings, instances, SecuritySettings.from_env())
     runner, http_port = await start_http(create_http_app(agent), args.host, args.http_port)
     await agent.start()

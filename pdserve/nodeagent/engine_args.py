@@ -3,7 +3,8 @@
 Called by the NodeAgent CLI. The engine listens on a free port (``--port 0``) and
 prints its address, which the supervisor reads; everything else comes from the
 spec so that every instance of a cluster is compatible (block size, dtype,
-transport).
+transport): the cluster-wide engine settings, plus the instance's *pool* settings
+(``threads``; ``cpuAffinity`` is applied by the supervisor, not on the command line).
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ import sys
 
 from pdserve.api import PDCluster
 from pdserve.api.common import parse_quantity
+from pdserve.api.component_args import model_location
+from pdserve.api.instance import Pool
 
 ENGINE_ENTRY = [sys.executable, "-m", "pdserve.cli", "engine"]
 
 
-def build_engine_argv(cluster: PDCluster, role: str, extra: list[str] | None = None) -> list[str]:
+def build_engine_argv(cluster: PDCluster, pool: Pool, extra: list[str] | None = None) -> list[str]:
+    """The argv of an engine of ``pool``, which also starts in the pool's role
+    (``with_role`` changes it after a switch); ``extra`` flags go last and win."""
     spec = cluster.spec
-    model = spec.model.preset or spec.model.path
-    if model is None:  # pvc / image sources are mounted by the operator at a fixed path
-        model = "/models/" + (spec.model.pvc.sub_path if spec.model.pvc else "")
-    engine, kv = spec.engine, spec.kv_transfer
-    argv = [*ENGINE_ENTRY, "--model", model, "--role", role, "--port", "0",
+    engine, kv, pool_spec = spec.engine, spec.kv_transfer, getattr(spec, pool)
+    argv = [*ENGINE_ENTRY, "--model", model_location(spec), "--role", pool, "--port", "0",
             "--dtype", engine.dtype, "--block-size", str(engine.block_size),
             "--max-num-seqs", str(engine.max_num_seqs),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
@@ -36,6 +38,10 @@ def build_engine_argv(cluster: PDCluster, role: str, extra: list[str] | None = N
         argv += ["--max-model-len", str(engine.max_model_len)]
     if not engine.enable_prefix_caching:
         argv.append("--no-prefix-caching")
+    if engine.prefill_chunk_tokens:
+        argv += ["--prefill-chunk-tokens", str(engine.prefill_chunk_tokens)]
+    if pool_spec.threads:
+        argv += ["--threads", str(pool_spec.threads)]
     return argv + list(extra or [])
 
 

@@ -2,8 +2,10 @@
 
 Owned by the NodeAgent, one per instance. The engine runs in the agent's process
 group (and dies with the agent: PR_SET_PDEATHSIG), so stopping the agent's group
-stops its engines. States: ``starting`` (launched, address not printed yet),
-``running``, ``exited`` (just died), ``restarting`` (waiting out the backoff).
+stops its engines. With ``cpus`` the engine is pinned to those cores
+(``sched_setaffinity`` in the child, before it runs a line of Python). States:
+``starting`` (launched, address not printed yet), ``running``, ``exited`` (just
+died), ``restarting`` (waiting out the backoff).
 
 Invariants: restarts wait ``base_s * 2**(n-1)`` capped at ``max_s``, where n counts
 consecutive short-lived runs (a run longer than ``stable_after_s`` resets it);
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import re
 import signal
 import time
@@ -41,11 +44,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _child_setup(cpus: tuple[int, ...]) -> Callable[[], None]:
+    """The child's pre-exec step: die with the agent, then pin to ``cpus`` (if any)."""
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
 class EngineProcess:
     def __init__(self, instance_id: str, argv: Callable[[], list[str]], backoff: Backoff,
-                 on_change: Callable[[], None], echo: bool = True) -> None:
+                 on_change: Callable[[], None], echo: bool = True,
+                 cpus: tuple[int, ...] = ()) -> None:
         """``argv()`` is called at each launch (the role may have changed)."""
         self.instance_id, self._argv, self.backoff = instance_id, argv, backoff
+        self.cpus = tuple(cpus)
         self._on_change, self._echo = on_change, echo
         self.state = "starting"
         self.address = ""
@@ -69,9 +83,10 @@ class EngineProcess:
             self._set("starting")
             self._proc = await asyncio.create_subprocess_exec(
                 *self._argv(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=_die_with_parent)
+                preexec_fn=_child_setup(self.cpus))
             self.pid = self._proc.pid
-            log.info("%s: engine started (pid %d)", self.instance_id, self.pid)
+            log.info("%s: engine started (pid %d%s)", self.instance_id, self.pid,
+                     f", cores {','.join(map(str, self.cpus))}" if self.cpus else "")
             await self._read_output(self._proc)
             code = await self._proc.wait()
             if self._stopping:

@@ -37,12 +37,14 @@ CONTROLLER_HTTP_PORT = 8080
 COORDINATOR_PORT = 8000
 AGENT_HTTP_PORT = 8081
 ENGINE_METRICS_PORT = 9400  # one engine per Pod: a fixed port Prometheus can find
-POOLS: tuple[Pool, ...] = ("prefill", "decode")
+POOLS: tuple[Pool, ...] = ("prefill", "decode", "hybrid")
+PD_POOLS: tuple[Pool, ...] = ("prefill", "decode")
 
 # Spec fields that do not change what an engine computes or how it pairs: replica
-# counts (scaling) and the control-plane Deployments (rolled by their own hash).
-_NOT_ENGINE_SETTINGS = (("prefill", "replicas"), ("decode", "replicas"), ("coordinator",),
-                        ("controller",))
+# counts (scaling), core pinning (local mode only: ignored here) and the
+# control-plane Deployments (rolled by their own hash).
+_NOT_ENGINE_SETTINGS = (*((pool, field) for pool in POOLS for field in ("replicas", "cpuAffinity")),
+                        ("coordinator",), ("controller",))
 
 
 def _hash(data: object) -> str:

@@ -66,7 +66,7 @@ class ControllerClient:
         return (await self._call("ForgetCluster", pb.ForgetClusterRequest())).num_keys_deleted
 
     async def mode(self) -> str:
-        """``PD`` or ``FALLBACK`` as the Controller sees it."""
+        """``PD``, ``FALLBACK`` or ``COLOCATED`` as the Controller sees it."""
         return (await self._call("GetView", pb.WatchViewRequest(coordinator_id="operator"))).mode
 
 

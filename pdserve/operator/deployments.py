@@ -1,7 +1,8 @@
 """Pure builders of a cluster's control plane: the Controller and Coordinator Deployments.
 
-Owns their arguments (derived from the spec, so local mode and Kubernetes run the
-same settings), probes and rollout strategy.
+Owns their containers, probes and rollout strategy; the Coordinator's arguments
+come from ``pdserve.api.component_args.coordinator_argv``, which ``pdserve up``
+uses too, so local mode and Kubernetes run the same settings.
 
 Invariants: the Controller Service routes to the elected leader only (readiness is
 ``/leaderz``), so agents and Coordinators need one address; the Controller rolls
@@ -13,6 +14,7 @@ new cluster file.
 from __future__ import annotations
 
 from pdserve.api import PDCluster
+from pdserve.api.component_args import coordinator_argv
 from pdserve.operator import builders as b
 from pdserve.operator.settings import OperatorSettings
 
@@ -67,30 +69,13 @@ def build_controller_deployment(cluster: PDCluster, settings: OperatorSettings) 
                        container, settings, "Recreate")
 
 
-def coordinator_args(cluster: PDCluster) -> list[str]:
-    spec = cluster.spec
-    model = spec.model.preset or spec.model.path or "/models/" + (
-        spec.model.pvc.sub_path if spec.model.pvc else "")
-    args = ["coordinator", "--host", "0.0.0.0", "--port", str(b.COORDINATOR_PORT),
-            "--controller", f"{b.controller_service_name(cluster)}:{b.CONTROLLER_GRPC_PORT}",
-            "--model", model,
-            "--served-model-name", spec.model.served_name or cluster.metadata.name,
-            "--prefill-policy", spec.routing.prefill_policy,
-            "--decode-policy", spec.routing.decode_policy,
-            "--kv-mode", spec.kv_transfer.mode,
-            "--local-prefill-max-tokens", str(spec.routing.local_prefill_max_tokens),
-            "--fallback-policy", spec.fallback.policy,
-            "--block-size", str(spec.engine.block_size)]
-    if spec.slo.ttft_ms:
-        args += ["--ttft-slo-s", f"{spec.slo.ttft_ms / 1000:g}"]
-    return args
-
-
 def build_coordinator_deployment(cluster: PDCluster, settings: OperatorSettings) -> dict:
     component = cluster.spec.coordinator
     container = {
         "name": "coordinator",
-        "args": coordinator_args(cluster),
+        "args": coordinator_argv(
+            cluster, "0.0.0.0", b.COORDINATOR_PORT,
+            f"{b.controller_service_name(cluster)}:{b.CONTROLLER_GRPC_PORT}"),
         "ports": [{"name": "http", "containerPort": b.COORDINATOR_PORT}],
         "livenessProbe": _http_probe("/health", "http", 10),
         "readinessProbe": _http_probe("/ready", "http", 5),

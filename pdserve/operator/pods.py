@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from pdserve.api import PDCluster
 from pdserve.api.common import API_VERSION
+from pdserve.api.component_args import MODEL_DIR
 from pdserve.operator import builders as b
-
-MODEL_DIR = "/models"
 
 
 def _resources(pool) -> dict:

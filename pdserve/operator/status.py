@@ -11,6 +11,8 @@ Owns the meaning of each condition:
   an invalid spec).
 - HybridFallback: the Controller runs requests hybrid (its view says FALLBACK;
   without the Controller: a configured pool has no ready instance, the other has).
+  Never for a colocated cluster (no prefill or decode replicas, only hybrid ones):
+  its engines run whole requests by design, and ``mode`` says Colocated.
 
 Invariants: no clock read and no I/O (``now`` is passed in); conditions go through
 ``set_condition``, so an unchanged observation leaves ``lastTransitionTime`` alone
@@ -109,16 +111,28 @@ def _degraded(obs: Observation) -> tuple[str, str] | None:
     return None
 
 
+def is_colocated(cluster: PDCluster) -> bool:
+    """No prefill or decode replicas: the hybrid pool serves everything (not a fallback)."""
+    return not any(getattr(cluster.spec, p).replicas for p in b.PD_POOLS)
+
+
+_CONTROLLER_MODE_REASONS = {"FALLBACK": "ControllerFallback", "PD": "ControllerPD",
+                            "COLOCATED": "ControllerColocated"}
+
+
 def _fallback(cluster: PDCluster, obs: Observation, counts: dict[str, int]) -> tuple[bool, str, str]:
     if obs.controller_mode is not None:
         on = obs.controller_mode == "FALLBACK"
-        return on, "ControllerFallback" if on else "ControllerPD", f"Controller mode {obs.controller_mode}"
-    configured = [p for p in b.POOLS if getattr(cluster.spec, p).replicas > 0]
+        reason = _CONTROLLER_MODE_REASONS.get(obs.controller_mode, "ControllerPD")
+        return on, reason, f"Controller mode {obs.controller_mode}"
+    configured = [p for p in b.PD_POOLS if getattr(cluster.spec, p).replicas > 0]
     empty = [p for p in configured if counts[p] == 0]
     serving = sum(counts.values()) > 0
     if cluster.spec.fallback.policy == "hybrid" and empty and serving:
         return True, "PoolEmpty", f"no ready {' or '.join(empty)} instance: requests run hybrid"
-    return False, "PoolsServing" if serving else "NoInstancesReady", ""
+    if not serving:
+        return False, "NoInstancesReady", ""
+    return False, "Colocated" if is_colocated(cluster) else "PoolsServing", ""
 
 
 def build_status(cluster: PDCluster, generation: int | None, old: dict | None, obs: Observation,
@@ -128,7 +142,8 @@ def build_status(cluster: PDCluster, generation: int | None, old: dict | None, o
     progress, degraded = _progress(cluster, obs, counts), _degraded(obs)
     fallback_on, fallback_reason, fallback_message = _fallback(cluster, obs, counts)
     desired = {p: getattr(cluster.spec, p).replicas for p in b.POOLS}
-    ready_msg = ", ".join(f"{p} {counts[p]}/{desired[p]} ready" for p in b.POOLS)
+    shown = [p for p in b.POOLS if p in b.PD_POOLS or desired[p] or counts[p]]
+    ready_msg = ", ".join(f"{p} {counts[p]}/{desired[p]} ready" for p in shown)
     conditions = parse_conditions(old)
     for type_, is_true, reason, message in (
         ("Ready", progress is None, "AllInstancesReady" if progress is None else "NotReady", ready_msg),
@@ -138,11 +153,13 @@ def build_status(cluster: PDCluster, generation: int | None, old: dict | None, o
     ):
         conditions = set_condition(conditions, type_, "True" if is_true else "False", reason,
                                    message, generation, now)
+    mode = "Fallback" if fallback_on else "Colocated" if is_colocated(cluster) else "PD"
     return {
         "observedGeneration": generation,
-        "mode": "Fallback" if fallback_on else "PD",
+        "mode": mode,
         "conditions": [c.to_manifest() for c in conditions],
         "desiredPrefill": desired["prefill"], "desiredDecode": desired["decode"],
+        "desiredHybrid": desired["hybrid"],
         "readyPrefill": counts["prefill"], "readyDecode": counts["decode"],
         "readyHybrid": counts["hybrid"],
         "coordinatorUrl": f"http://{cluster.metadata.name}-coordinator."

@@ -23,6 +23,7 @@ from pdserve.controller.etcd_store import EtcdStore
 from tests.etcd import EtcdServer
 from tests.integration.test_control_plane_support import CoordinatorLoad, ViewReader, roles
 from tests.procs import PDSERVE, Proc
+from tests.unit.coordinator.harness import ALWAYS_PD_ARGS
 
 INTERVAL_S = 0.2
 CONTROLLER_FLAGS = ["--heartbeat-interval", str(INTERVAL_S), "--suspect-after", "2",
@@ -51,7 +52,7 @@ def cluster(tmp_path_factory):
         procs.append(agent)
         coordinator = Proc([*PDSERVE, "coordinator", "--controller", ",".join(c[1] for c in controllers),
                             "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
-                            "--request-timeout-s", "30"])
+                            "--request-timeout-s", "30", *ALWAYS_PD_ARGS])
         procs.append(coordinator)
         url = "http://" + coordinator.wait_for(r"coordinator serving on (\S+)", timeout_s=60).group(1)
         views = ViewReader([c[1] for c in controllers])

@@ -23,7 +23,7 @@ from pdserve.coordinator.app import create_app
 from pdserve.coordinator.settings import CoordinatorSettings
 from pdserve.coordinator.stub_engine import StubEngine, start_stub
 from tests.procs import PDSERVE, Proc
-from tests.unit.coordinator.harness import AppServer, LoopThread
+from tests.unit.coordinator.harness import ALWAYS_PD, AppServer, LoopThread
 
 ENGINE_ARGS = ["--model", "tiny", "--port", "0", "--kv-transport", "tcp", "--num-kv-blocks", "256",
                "--block-size", "8", "--threads", "1"]
@@ -78,7 +78,7 @@ def assert_all_free(addrs, *names: str) -> None:
 
 def serve(loop, addrs, names, **overrides) -> AppServer:
     settings = CoordinatorSettings(engines=tuple(addrs[n] for n in names), block_size=8,
-                                   poll_interval_s=0.2, **overrides)
+                                   poll_interval_s=0.2, **{**ALWAYS_PD, **overrides})
     return AppServer(loop, create_app(settings))
 
 
@@ -117,6 +117,66 @@ def test_pd_output_equals_hybrid_greedy(engines, loop, mode):
     rid = timings["request_id"]
     assert f"request {rid}" in procs["P1"].output or rid in procs["P1"].output
     assert_all_free(addrs, "P1", "D1", "D2")
+
+
+def test_stage_timings_add_up_to_the_clients_ttft(engines, loop):
+    # route + D's wait for P's notice + D's queue is the TTFT less the D -> Coordinator
+    # hop; P's queue and compute sit inside D's wait.
+    _, addrs = engines
+    with serve(loop, addrs, ["P1", "D1"], kv_mode="layerwise") as app:
+        for n in range(5):
+            r = httpx.post(app.url + "/v1/completions", timeout=30,
+                           headers={"x-pdserve-timings": "1"},
+                           json={"model": "tiny", "prompt": f"timings {n} " * 20, "max_tokens": 4})
+            t = r.json()["pdserve_timings"]
+            d_side = t["route_s"] + t["decode_wait_s"] + t["decode_queue_s"]
+            assert 0 <= t["ttft_s"] - d_side < 0.05, t
+            assert t["prefill_queue_s"] + t["prefill_compute_s"] <= t["decode_wait_s"], t
+        assert metric(app, "pdserve_coordinator_stage_duration_seconds_count",
+                      stage="decode_queue") == 5
+
+
+def test_short_prompts_prefill_on_decode_by_default(engines, loop):
+    _, addrs = engines
+    settings = CoordinatorSettings(engines=(addrs["P1"], addrs["D1"]), block_size=8,
+                                   poll_interval_s=0.2)
+    with AppServer(loop, create_app(settings)) as app:
+        short = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(app.url + "/v1/completions", json=short, timeout=30,
+                       headers={"x-pdserve-timings": "1"})
+        t = r.json()["pdserve_timings"]
+        assert t["prefill_instance"] == t["decode_instance"] == addrs["D1"]
+        assert r.json()["choices"][0]["text"] == TOK.decode(reference(addrs, "hi", 4))
+        long = {**short, "prompt": "a longer prompt " * 10}
+        t = httpx.post(app.url + "/v1/completions", json=long, timeout=30,
+                       headers={"x-pdserve-timings": "1"}).json()["pdserve_timings"]
+        assert (t["prefill_instance"], t["decode_instance"]) == (addrs["P1"], addrs["D1"])
+        assert metric(app, "pdserve_coordinator_prefill_decisions_total",
+                      where="decode", reason="short_prompt") == 1
+        assert metric(app, "pdserve_coordinator_prefill_decisions_total",
+                      where="prefill", reason="long_prompt") == 1
+    assert_all_free(addrs, "P1", "D1")
+
+
+def test_min_tokens_and_ignore_eos_fix_the_output_length(engines, loop):
+    _, addrs = engines
+    prompt = "prompt 15"  # the tiny preset's greedy output ends with EOS after 9 tokens
+    assert len(reference(addrs, prompt, 16)) == 9
+    with serve(loop, addrs, ["P1", "D1"]) as app:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+
+        def post(**extra):
+            return httpx.post(app.url + "/v1/completions", timeout=30, json={**body, **extra})
+
+        assert post().json()["choices"][0]["finish_reason"] == "stop"
+        for extra in ({"min_tokens": 16}, {"ignore_eos": True}):
+            done = post(**extra).json()
+            assert done["usage"]["completion_tokens"] == 16, extra
+            assert done["choices"][0]["finish_reason"] == "length"
+        assert post(min_tokens=12).json()["usage"]["completion_tokens"] >= 12
+        bad = post(min_tokens=17)
+        assert bad.status_code == 400 and "min_tokens" in bad.json()["error"]["message"]
+    assert_all_free(addrs, "P1", "D1")
 
 
 def test_hybrid_fallback_runs_whole_requests_on_hybrid(engines, loop):

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from tests.procs import PDSERVE, Proc
+from tests.unit.coordinator.harness import ALWAYS_PD_ARGS
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -74,7 +75,8 @@ class LocalCluster:
         engines = {i: agent.wait_for(rf"\[{i}\] pdserve engine metrics on http://(\S+:\d+)/", 120)
                    .group(1) for i in INSTANCES}
         coord = self._spawn(["coordinator", "--controller", self.controller, "--port", "0",
-                             "--coordinator-id", "obs-coordinator", *coordinator_args], env)
+                             "--coordinator-id", "obs-coordinator", *ALWAYS_PD_ARGS,
+                             *coordinator_args], env)
         self.url = "http://" + coord.wait_for(r"coordinator serving on (\S+:\d+)", 60).group(1)
         self.controller_proc, self.agent_proc, self.coordinator_proc = ctl, agent, coord
         self.targets = {

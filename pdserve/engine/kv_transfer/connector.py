@@ -362,6 +362,7 @@ class KVConnector:
             self._fail(xfer, f"DONE with a bad state (token={token!r}, n={n!r})", notify_peer=True)
             return
         xfer.first_token = token
+        xfer.request.kv_arrived_s = msg.get("rx_s")
         self._succeed_decode(xfer, seed=msg.get("seed"))
 
     def _on_ready(self, xfer: Transfer, msg: dict) -> None:

@@ -73,14 +73,16 @@ class ConnectorWorker:
         self._hello_sent.discard(peer)
 
     def receive(self) -> list[dict]:
-        """Drain incoming messages; handshakes are answered here, the rest returned."""
+        """Drain incoming messages; handshakes are answered here, the rest returned, each
+        with ``rx_s``: when it came off the wire (monotonic)."""
         out = []
-        for _, raw in self.transport.recv_notifications():
+        for _, raw, received_s in self.transport.recv_notifications():
             try:
                 msg = messages.decode(raw)
             except messages.MessageError as exc:
                 log.warning("dropping malformed KV control message: %s", exc)
                 continue
+            msg["rx_s"] = received_s
             kind, peer = msg["t"], msg["from"]
             if kind in ("HELLO", "HELLO_ACK"):
                 self._on_hello(peer, msg, reply=kind == "HELLO")

@@ -61,7 +61,7 @@ def test_crd_is_structural_and_well_formed(kind):
 def test_printer_columns_and_short_names():
     cluster = build_crd("PDCluster")["spec"]
     columns = [c["name"] for c in cluster["versions"][0]["additionalPrinterColumns"]]
-    assert columns == ["Mode", "Prefill", "Decode", "Ready", "Age"]
+    assert columns == ["Mode", "Prefill", "Decode", "Hybrid", "Ready", "Age"]
     assert cluster["names"]["shortNames"] == ["pdc"]
     instance = build_crd("PDInstance")["spec"]
     assert instance["names"]["shortNames"] == ["pdi"]
@@ -122,11 +122,11 @@ def test_checker_reports_non_structural_schemas():
 
 
 @pytest.mark.parametrize(
-    "tp_prefill,tp_decode,replicas_prefill,replicas_decode",
-    list(itertools.product([1, 2, 3, 4], [1, 2, 4], [0, 1], [0, 2])),
+    "tp_prefill,tp_decode,replicas_prefill,replicas_decode,replicas_hybrid",
+    list(itertools.product([1, 2, 3, 4], [1, 2, 4], [0, 1], [0, 2], [None, 0, 2])),
 )
 def test_cel_rules_and_model_validators_agree(tp_prefill, tp_decode, replicas_prefill,
-                                              replicas_decode):
+                                              replicas_decode, replicas_hybrid):
     schema = build_crd("PDCluster")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     manifest = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
                 "metadata": {"name": "x"}, "spec": {
@@ -135,6 +135,8 @@ def test_cel_rules_and_model_validators_agree(tp_prefill, tp_decode, replicas_pr
                                 "parallelism": {"tensorParallelSize": tp_prefill}},
                     "decode": {"replicas": replicas_decode,
                                "parallelism": {"tensorParallelSize": tp_decode}}}}
+    if replicas_hybrid is not None:  # None: the hybrid pool left out (the CRD defaults it)
+        manifest["spec"]["hybrid"] = {"replicas": replicas_hybrid, "threads": 1}
     _, errors = admit(schema, manifest)
     try:
         PDCluster.model_validate(manifest)
@@ -142,6 +144,34 @@ def test_cel_rules_and_model_validators_agree(tp_prefill, tp_decode, replicas_pr
     except ValueError:
         model_ok = False
     assert (errors == []) == model_ok, errors
+    has_replicas = replicas_prefill or replicas_decode or replicas_hybrid
+    if not has_replicas:
+        assert any(e.startswith("spec.prefill.replicas") for e in errors), errors
+
+
+def test_hybrid_pool_defaults_to_no_replicas_in_the_crd_and_the_models():
+    schema = build_crd("PDCluster")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    manifest = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                "metadata": {"name": "x"}, "spec": {"model": {"preset": "tiny"},
+                                                    "hybrid": {"threads": 2}}}
+    stored, errors = admit(schema, manifest)
+    assert errors == []
+    assert stored["spec"]["hybrid"]["replicas"] == 0 and "replicas" not in manifest["spec"]["hybrid"]
+    assert PDCluster.model_validate(stored) == PDCluster.model_validate(manifest)
+    assert PDCluster.model_validate(manifest).spec.hybrid.replicas == 0
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode", "hybrid"])
+@pytest.mark.parametrize("field,value", [("threads", 0), ("cpuAffinity", []), ("cpuAffinity", [-1])])
+def test_bad_threads_and_cpu_affinity_are_rejected_by_both(pool, field, value):
+    schema = build_crd("PDCluster")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    manifest = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                "metadata": {"name": "x"}, "spec": {"model": {"preset": "tiny"},
+                                                    pool: {"replicas": 1, field: value}}}
+    _, errors = admit(schema, manifest)
+    assert any(e.startswith(f"spec.{pool}.{field}") for e in errors), errors
+    with pytest.raises(ValueError):
+        PDCluster.model_validate(manifest)
 
 
 def test_pdinstance_manifest_is_admitted_and_bad_role_rejected():

@@ -53,7 +53,23 @@ def test_valid_example_is_admitted_by_the_crd(path, cluster_schema):
 def test_valid_example_loads_through_the_models(path):
     cluster = PDCluster.from_file(path)
     assert cluster.kind == "PDCluster"
-    assert cluster.spec.prefill.replicas + cluster.spec.decode.replicas > 0
+    spec = cluster.spec
+    assert spec.prefill.replicas + spec.decode.replicas + spec.hybrid.replicas > 0
+
+
+def test_benchmark_pair_runs_at_once_on_equal_resources():
+    pd = PDCluster.from_file(ROOT / "examples" / "bench-pd.yaml")
+    colocated = PDCluster.from_file(ROOT / "examples" / "bench-colocated.yaml")
+    assert pd.metadata.name != colocated.metadata.name  # both can run at once
+    assert pd.spec.model == colocated.spec.model and pd.spec.engine == colocated.spec.engine
+    pd_pools = [pd.spec.prefill, pd.spec.decode]
+    assert [p.replicas for p in pd_pools] == [1, 1] and pd.spec.hybrid.replicas == 0
+    assert (colocated.spec.prefill.replicas, colocated.spec.decode.replicas) == (0, 0)
+    assert colocated.spec.hybrid.replicas == sum(p.replicas for p in pd_pools)
+    pd_cores = [p.cpus_for_replica(0) for p in pd_pools]
+    colocated_cores = [colocated.spec.hybrid.cpus_for_replica(i) for i in range(2)]
+    assert pd_cores == colocated_cores == [[0], [1]]
+    assert {p.threads for p in pd_pools} == {colocated.spec.hybrid.threads} == {1}
 
 
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)

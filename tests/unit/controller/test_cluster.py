@@ -131,3 +131,61 @@ def test_a_new_leader_commands_only_instances_it_has_heard_from():
     assert c.apply_heartbeat("agent", [], 1.0) == []  # no switch on a stale record
     assert beat(c, 1.1, report("d0", "decode", pool="decode")) == []  # the switch had completed
     assert beat(c, 1.2, report("d0", "hybrid", pool="decode"))[0].role == "decode"  # it had not
+
+
+def colocated_cluster() -> Cluster:
+    """A spec with only the hybrid pool: no PD pool is configured."""
+    settings = ClusterSettings(thresholds=T, fallback=fallback.FallbackSettings(
+        hysteresis_s=5, startup_grace_s=100, configured_roles=()))
+    cluster = Cluster(settings, now_s=0.0)
+    cluster.started_s = -10.0
+    return cluster
+
+
+def test_a_colocated_cluster_serves_in_colocated_mode_and_never_falls_back():
+    c = colocated_cluster()
+    assert c.view("me").mode == "COLOCATED"  # from the first view on, not PD
+    commands = beat(c, 0.0, report("h0", "hybrid"), report("h1", "hybrid", "starting"))
+    assert routable(c) == {"h0": "hybrid"} and commands == []
+    c.apply_heartbeat("agent", [report("h0", "hybrid", "exited")], 1.0)
+    commands = beat(c, 200.0, report("h1", "hybrid"))  # past the startup grace, one engine down
+    assert c.mode.mode == "COLOCATED" and c.mode.reason == "" and commands == []
+    assert routable(c) == {"h1": "hybrid"}
+    assert not [e for e in c.events if "FALLBACK" in e]
+
+
+def test_state_from_an_earlier_pd_spec_turns_colocated():
+    c = colocated_cluster()
+    c.mode = fallback.ModeState(mode="FALLBACK", reason="no ready prefill instance",
+                                missing_roles=["prefill"], has_been_complete=True)
+    beat(c, 0.0, report("h0", "hybrid"))
+    assert c.mode.mode == "COLOCATED" and c.mode.missing_roles == [] and c.meta_dirty
+    assert "FALLBACK -> COLOCATED" in c.events[-1]
+
+
+def test_hybrid_pool_instances_serve_as_they_are_next_to_pd_pools():
+    c = make_cluster()
+    commands = beat(c, 0.0, report("p0", "prefill"), report("d0", "decode"), report("h0", "hybrid"))
+    assert c.mode.mode == "PD" and routable(c) == {"p0": "prefill", "d0": "decode", "h0": "hybrid"}
+    assert commands == []
+    c.apply_heartbeat("agent", [report("p0", "prefill", "exited")], 1.0)
+    commands = beat(c, 1.0, report("d0", "decode"), report("h0", "hybrid"))
+    assert c.mode.mode == "FALLBACK" and c.mode.missing_roles == ["prefill"]  # not "hybrid"
+    assert [(x.instance_id, x.role) for x in commands] == [("d0", "hybrid")]
+
+
+def test_controller_settings_configure_only_the_pd_pools_with_replicas():
+    import argparse
+
+    from pdserve.api import parse_manifest
+    from pdserve.controller.cli import add_arguments, build_settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    def configured(**pools):
+        spec = parse_manifest({"kind": "PDCluster", "metadata": {"name": "x"},
+                               "spec": {"model": {"preset": "tiny"}, **pools}})
+        return build_settings(args, spec, "me").cluster.fallback.configured_roles
+    assert configured(prefill={"replicas": 0}, decode={"replicas": 0}, hybrid={"replicas": 2}) == ()
+    assert configured(hybrid={"replicas": 1}) == ("prefill", "decode")

@@ -10,7 +10,7 @@ import pytest
 from pdserve.coordinator.app import create_app
 from pdserve.coordinator.settings import CoordinatorSettings
 from pdserve.coordinator.stub_engine import StubEngine, start_stub
-from tests.unit.coordinator.harness import AppServer, LoopThread
+from tests.unit.coordinator.harness import ALWAYS_PD, AppServer, LoopThread
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 
@@ -37,7 +37,8 @@ def stubs(loop):
 
 
 def serve(loop, engines, **overrides) -> AppServer:
-    settings = CoordinatorSettings(engines=tuple(engines), poll_interval_s=0.2, **overrides)
+    settings = CoordinatorSettings(engines=tuple(engines), poll_interval_s=0.2,
+                                   **{**ALWAYS_PD, **overrides})
     return AppServer(loop, create_app(settings))
 
 

@@ -14,12 +14,12 @@ from pdserve.coordinator.policies import RouteContext
 from pdserve.coordinator.prefix_index import PrefixIndex
 from pdserve.coordinator.router import Router
 from pdserve.coordinator.settings import CoordinatorSettings
-from tests.unit.coordinator.harness import inst
+from tests.unit.coordinator.harness import ALWAYS_PD, inst
 
 
 def make_router(instances, **overrides):
     settings = CoordinatorSettings(block_size=8, prefill_policy="round_robin",
-                                   decode_policy="round_robin", **overrides)
+                                   decode_policy="round_robin", **{**ALWAYS_PD, **overrides})
     registry = InstanceRegistry()
     registry.replace(instances)
     metrics = CoordinatorMetrics()
@@ -103,3 +103,58 @@ def test_failed_and_excluded_instances_only_as_last_resort():
     assert plan(router, exclude={"p2"}).prefill.instance_id in ("p1", "p2")
     registry.get("p2").draining = True
     assert plan(router).prefill.instance_id == "p1"
+
+
+def decisions(metrics, where, reason) -> float:
+    return metrics.registry.get_sample_value(
+        "pdserve_coordinator_prefill_decisions_total", {"where": where, "reason": reason}) or 0.0
+
+
+def test_conditional_disaggregation_is_on_by_default():
+    settings = CoordinatorSettings()
+    assert settings.local_prefill_max_tokens > 0 and settings.load_aware_local_prefill
+    router, _, metrics = make_router([inst("p1", "prefill"), inst("d1", "decode")],
+                                     local_prefill_max_tokens=settings.local_prefill_max_tokens,
+                                     load_aware_local_prefill=True)
+    assert plan(router, range(32)).kind == "single"
+    assert plan(router, range(200, 500)).kind == "pd"
+    assert decisions(metrics, "decode", "short_prompt") == 1
+    assert decisions(metrics, "prefill", "long_prompt") == 1
+
+
+def test_a_backed_up_prefill_engine_sends_the_prompt_to_decode_unless_it_would_stall_streams():
+    rates = {"prefill_tokens_per_s": 1000.0}
+    p = inst("p1", "prefill", num_pending_prefill_tokens=4000, **rates)  # 4 s of work queued
+    d = inst("d1", "decode", **rates)
+    router, _, metrics = make_router([p, d], local_prefill_max_tokens=16,
+                                     load_aware_local_prefill=True, tpot_slo_s=0.5)
+    # 300 tokens: 0.3 s on an idle D against 4.3 s behind P's queue.
+    assert plan(router, range(300)).kind == "single"
+    assert decisions(metrics, "decode", "prefill_busy") == 1
+    # D now decodes streams: 0.3 s fits the 0.5 s TPOT budget, 800 tokens (0.8 s) does not.
+    d.num_running = 4
+    assert plan(router, range(1000, 1300)).kind == "single"
+    assert plan(router, range(2000, 2800)).kind == "pd"
+    assert decisions(metrics, "prefill", "stall_guard") == 1
+    # P is idle again: a long prompt goes to P whatever D does.
+    p.num_pending_prefill_tokens, d.num_running = 0, 0
+    assert plan(router, range(3000, 3800)).kind == "pd"
+
+
+def test_load_aware_prefill_can_be_turned_off():
+    rates = {"prefill_tokens_per_s": 1000.0}
+    p = inst("p1", "prefill", num_pending_prefill_tokens=4000, **rates)
+    router, _, _ = make_router([p, inst("d1", "decode", **rates)], local_prefill_max_tokens=16)
+    assert plan(router, range(300)).kind == "pd"  # ALWAYS_PD's load_aware_local_prefill=False
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "queue", "fail"])
+def test_a_colocated_deployment_serves_on_hybrid_engines_and_counts_no_fallback(policy):
+    router, registry, metrics = make_router([inst("h1", "hybrid"), inst("h2", "hybrid")],
+                                            fallback_policy=policy)
+    registry.replace(registry.all(), mode="COLOCATED")
+    chosen = {plan(router, range(i, i + 8)).single.instance_id for i in range(4)}
+    assert chosen == {"h1", "h2"}
+    samples = metrics.registry.get_sample_value
+    assert not any(samples("pdserve_coordinator_fallbacks_total", {"policy": policy, "reason": r})
+                   for r in ("no_prefill_or_decode_engine", "no_prefill_engine", "no_decode_engine"))

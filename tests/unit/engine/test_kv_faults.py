@@ -53,7 +53,7 @@ class FakeDecode:
     def received(self, kind: str, timeout_s: float = 5.0) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for _, raw in self.transport.recv_notifications():
+            for _, raw, _ in self.transport.recv_notifications():
                 msg = messages.decode(raw)
                 if msg["t"] == kind:
                     return msg

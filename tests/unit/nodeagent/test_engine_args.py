@@ -1,10 +1,19 @@
-"""The engine command line follows the cluster spec; restarts back off and reset."""
+"""The engine command line follows the cluster spec and the instance's pool; engines are
+pinned to their pool's cores; restarts back off and reset."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
+
+import pytest
+
+from pdserve.api import PDCluster, parse_manifest
 from pdserve.api.manifest import default_cluster
+from pdserve.nodeagent.cli import engine_cpus
 from pdserve.nodeagent.engine_args import build_engine_argv, with_role
-from pdserve.nodeagent.process import Backoff
+from pdserve.nodeagent.process import Backoff, EngineProcess
 
 
 def test_argv_from_the_default_cluster():
@@ -19,3 +28,63 @@ def test_argv_from_the_default_cluster():
 def test_backoff_doubles_up_to_the_cap():
     b = Backoff(base_s=0.5, max_s=3.0)
     assert [b.delay_s(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+def pools_cluster() -> PDCluster:
+    return parse_manifest({"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                           "metadata": {"name": "c"}, "spec": {
+                               "model": {"preset": "tiny"},
+                               "engine": {"prefillChunkTokens": 256},
+                               "prefill": {"replicas": 1, "threads": 2, "cpuAffinity": [0]},
+                               "decode": {"replicas": 1},
+                               "hybrid": {"replicas": 2, "threads": 1, "cpuAffinity": [0, 1]}}})
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_each_instance_gets_its_pools_threads_and_the_cluster_chunk():
+    c = pools_cluster()
+    hybrid, prefill, decode = (build_engine_argv(c, pool) for pool in ("hybrid", "prefill", "decode"))
+    assert (flag(hybrid, "--role"), flag(hybrid, "--threads")) == ("hybrid", "1")
+    assert (flag(prefill, "--role"), flag(prefill, "--threads")) == ("prefill", "2")
+    assert flag(decode, "--threads") is None  # unset: the engine's default
+    assert {flag(a, "--prefill-chunk-tokens") for a in (hybrid, prefill, decode)} == {"256"}
+    assert flag(build_engine_argv(default_cluster(), "decode"), "--prefill-chunk-tokens") is None
+    # a raw --engine-arg comes last, so it wins over the spec
+    assert build_engine_argv(c, "hybrid", ["--threads", "4"])[-2:] == ["--threads", "4"]
+
+
+def test_engine_cpus_follow_the_pool_rule_and_need_pool_named_ids(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    c = pools_cluster()
+    assert engine_cpus(c, "c-hybrid-0", "hybrid") == (0,)
+    assert engine_cpus(c, "c-hybrid-1", "hybrid") == (1,)
+    assert engine_cpus(c, "c-prefill-0", "prefill") == (0,)
+    assert engine_cpus(c, "c-decode-0", "decode") == ()  # no cpuAffinity: not pinned
+    with pytest.raises(SystemExit, match="c-hybrid-<ordinal>"):
+        engine_cpus(c, "my-engine", "hybrid")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1})
+    with pytest.raises(SystemExit, match=r"core\(s\) \[0\] are not available"):
+        engine_cpus(c, "c-hybrid-0", "hybrid")
+
+
+@pytest.mark.asyncio
+async def test_a_pinned_engine_process_runs_on_its_cores_only(tmp_path):
+    """The supervisor applies the affinity in the child: a stand-in engine writes it down."""
+    core = min(os.sched_getaffinity(0))
+    out = tmp_path / "cores"
+    script = (f"import os, time; open({str(out)!r}, 'w').write(repr(sorted(os.sched_getaffinity(0)))); "
+              "print('serving model x on 127.0.0.1:1', flush=True); time.sleep(30)")
+    proc = EngineProcess("e", lambda: [sys.executable, "-c", script], Backoff(), lambda: None,
+                         echo=False, cpus=(core,))
+    task = asyncio.create_task(proc.supervise())
+    for _ in range(200):
+        if proc.state == "running":
+            break
+        await asyncio.sleep(0.05)
+    assert proc.state == "running" and out.read_text() == f"[{core}]"
+    await proc.stop()
+    await asyncio.wait_for(task, 10)
+    assert proc._proc.returncode is not None  # reaped

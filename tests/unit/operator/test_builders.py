@@ -120,3 +120,61 @@ def test_settings_from_the_charts_environment():
     assert (s.namespace, s.metrics_port, s.image, s.operator_namespace) == ("team", 9090, "img:2", "ops")
     assert s.store_url == "etcd://e:2379" and s.resync_s == 3.0 and s.drain_deadline_s == 120.0
     assert OperatorSettings().store_url == "memory://"
+
+
+def colocated(hybrid: dict | None = None, **spec) -> PDCluster:
+    """Two hybrid engines (3 threads, cores 0-1), no prefill or decode replicas."""
+    pool = {"replicas": 2, "threads": 3, "cpuAffinity": [0, 1],
+            "resources": {"requests": {"cpu": "3"}, "limits": {"cpu": "3"}}, **(hybrid or {})}
+    return cluster(**{"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "hybrid": pool, **spec})
+
+
+def test_hybrid_pool_replicas_are_instances_and_pods_in_their_pool_role():
+    c = colocated()
+    assert b.desired_instances(c) == {"c-hybrid-0": ("hybrid", 0), "c-hybrid-1": ("hybrid", 1)}
+    inst = b.build_instance(c, "hybrid", 1)
+    assert inst["spec"] == {"role": "hybrid", "cluster": "c", "pool": "hybrid", "ordinal": 1}
+    assert inst["metadata"]["labels"][b.POOL_LABEL] == "hybrid"
+    pod = build_engine_pod(c, "c-hybrid-1", "hybrid", "u", "img")
+    container = pod["spec"]["containers"][0]
+    assert container["args"][3:5] == ["--instance", "c-hybrid-1=hybrid"]
+    assert "--pin-cpus" not in container["args"]  # cpuAffinity is local mode only
+    assert container["resources"] == {"requests": {"cpu": "3"}, "limits": {"cpu": "3"}}
+    assert pod["metadata"]["labels"][b.POOL_LABEL] == "hybrid"
+    mixed = cluster(hybrid={"replicas": 1})
+    assert set(b.desired_instances(mixed)) == {"c-prefill-0", "c-prefill-1", "c-decode-0", "c-hybrid-0"}
+
+
+def test_the_pod_runs_its_pools_threads_and_the_engine_settings(tmp_path):
+    """What the agent in a Pod launches: its --instance pool's settings from the ConfigMap."""
+    from pdserve.nodeagent.cli import engine_cpus
+    from pdserve.nodeagent.engine_args import build_engine_argv
+
+    c = colocated(engine={"prefillChunkTokens": 128}, prefill={"replicas": 1, "threads": 2},
+                  decode={"replicas": 0})
+    (tmp_path / "cluster.yaml").write_text(b.build_config_map(c)["data"]["cluster.yaml"])
+    loaded = load_manifest(tmp_path / "cluster.yaml")
+    for name, pool, threads in (("c-hybrid-0", "hybrid", "3"), ("c-prefill-0", "prefill", "2")):
+        args = build_engine_pod(c, name, pool, "u", "img")["spec"]["containers"][0]["args"]
+        iid, role = args[args.index("--instance") + 1].split("=")
+        argv = build_engine_argv(loaded, role)
+        assert argv[argv.index("--role") + 1] == pool and argv[argv.index("--threads") + 1] == threads
+        assert argv[argv.index("--prefill-chunk-tokens") + 1] == "128"
+        assert engine_cpus(loaded, iid, role) == (() if pool == "prefill" else (0, 1))
+
+
+def test_engine_hash_ignores_hybrid_scaling_and_cpu_affinity_but_not_threads():
+    base = b.engine_spec_hash(colocated())
+    assert b.engine_spec_hash(colocated({"replicas": 5, "cpuAffinity": [7]})) == base
+    assert b.engine_spec_hash(colocated({"threads": 4})) != base
+
+
+def test_coordinator_args_are_the_shared_mapping_with_in_cluster_addresses():
+    from pdserve.api.component_args import coordinator_argv
+
+    c = cluster(model={"preset": "tiny", "servedName": "m"}, routing={"decodePolicy": "round_robin"})
+    args = build_coordinator_deployment(c, OperatorSettings())["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert args == coordinator_argv(c, "0.0.0.0", 8000, "c-controller:50050")
+    assert args[:7] == ["coordinator", "--host", "0.0.0.0", "--port", "8000",
+                        "--controller", "c-controller:50050"]

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 from pdserve.operator import builders as b
 from pdserve.operator.status import Observation, build_invalid_status, build_status, instance_phase
-from tests.unit.operator.test_builders import cluster
+from tests.unit.operator.test_builders import cluster, colocated
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -100,3 +100,37 @@ def test_invalid_spec_status_says_why():
     assert conds["Ready"]["status"] == "False" and conds["Degraded"]["status"] == "True"
     assert conds["Degraded"]["reason"] == "InvalidSpec"
     assert "spec.model" in conds["Ready"]["message"] and status["observedGeneration"] == 4
+
+
+def test_a_colocated_cluster_is_ready_in_colocated_mode_not_fallback():
+    c = colocated()
+    status = build_status(c, 1, None, observed(c), NOW)
+    assert conditions(status) == {"Ready": ("True", "AllInstancesReady"),
+                                  "Progressing": ("False", "Reconciled"),
+                                  "Degraded": ("False", "AsExpected"),
+                                  "HybridFallback": ("False", "Colocated")}
+    assert status["mode"] == "Colocated"
+    assert (status["desiredHybrid"], status["readyHybrid"]) == (2, 2)
+    assert (status["desiredPrefill"], status["readyPrefill"]) == (0, 0)
+    ready = next(x["message"] for x in status["conditions"] if x["type"] == "Ready")
+    assert ready == "prefill 0/0 ready, decode 0/0 ready, hybrid 2/2 ready"
+    with_controller = build_status(c, 1, None, observed(c, controller_mode="COLOCATED"), NOW)
+    assert conditions(with_controller)["HybridFallback"] == ("False", "ControllerColocated")
+    assert with_controller["mode"] == "Colocated"
+
+
+def test_a_hybrid_engine_not_ready_yet_is_progressing():
+    c = colocated()
+    obs = observed(c)
+    obs.pods["c-hybrid-1"] = pod(c, "c-hybrid-1", phase="Pending", ready=False)
+    status = build_status(c, 1, None, obs, NOW)
+    assert conditions(status)["Progressing"] == ("True", "WaitingForInstances")
+    assert status["readyHybrid"] == 1 and status["mode"] == "Colocated"
+    assert conditions(status)["HybridFallback"] == ("False", "Colocated")
+
+
+def test_a_pd_cluster_with_a_hybrid_pool_counts_it():
+    c = cluster(hybrid={"replicas": 1})
+    status = build_status(c, 1, None, observed(c), NOW)
+    assert status["mode"] == "PD" and status["readyHybrid"] == 1 and status["desiredHybrid"] == 1
+    assert conditions(status)["HybridFallback"] == ("False", "PoolsServing")

@@ -209,8 +209,9 @@ class Transport(abc.ABC):
         """Send a small control message (e.g. DONE + first token); ordered after batches."""
 
     @abc.abstractmethod
-    def recv_notifications(self) -> list[tuple[str, bytes]]:
-        """Drain (peer endpoint, message) pairs received so far; never blocks."""
+    def recv_notifications(self) -> list[tuple[str, bytes, float]]:
+        """Drain (peer endpoint, message, received_s) received so far; never blocks.
+        ``received_s`` is the monotonic time the message came off the wire."""
 
     def grant(self, peer: str, tag: str, ranges: np.ndarray) -> None:
         """Allow ``peer`` to write into ``ranges`` ([n, 2]: addr, length) until ``revoke(tag)``.

@@ -26,6 +26,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from pdserve.engine.kv_transfer.transport import wire
@@ -58,7 +59,7 @@ class Channel:
         self.auth_token = auth_token
         self._info = info
         self._on_frame = on_frame
-        self._notes: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._notes: queue.SimpleQueue[tuple[str, bytes, float]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._links: dict[str, PeerLink] = {}
         self._conns: set[socket.socket] = set()
@@ -75,7 +76,7 @@ class Channel:
                 self._links[peer] = PeerLink(self, peer)
             return self._links[peer]
 
-    def notifications(self) -> list[tuple[str, bytes]]:
+    def notifications(self) -> list[tuple[str, bytes, float]]:
         out = []
         while True:
             try:
@@ -130,7 +131,7 @@ class Channel:
                 except wire.Idle:
                     continue
                 if op == wire.OP_NOTIFY:
-                    self._notes.put((peer, body))
+                    self._notes.put((peer, body, time.monotonic()))
                 elif op == wire.OP_FENCE:
                     wire.send_frame(sock, wire.OP_ACK, batch_id)
                 elif self._on_frame is not None:
@@ -318,7 +319,7 @@ class ChannelTransport(Transport):
             None, lambda link: wire.send_frame(link.connect(), wire.OP_NOTIFY, body=message)
         )
 
-    def recv_notifications(self) -> list[tuple[str, bytes]]:
+    def recv_notifications(self) -> list[tuple[str, bytes, float]]:
         return self._channel.notifications()
 
     @abc.abstractmethod

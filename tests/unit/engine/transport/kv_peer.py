@@ -54,7 +54,7 @@ def main() -> None:
             transport.notify(args[0], args[1].strip().encode())
             reply("ok")
         elif cmd == "notes":
-            notes += [[peer, msg.decode()] for peer, msg in transport.recv_notifications()]
+            notes += [[peer, msg.decode()] for peer, msg, _ in transport.recv_notifications()]
             reply(notes)
         elif cmd == "exit":
             break

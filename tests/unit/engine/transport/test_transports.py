@@ -184,7 +184,8 @@ def test_notify_round_trip(pair):
     while not got and time.monotonic() < deadline:
         got = side.transport.recv_notifications()
         time.sleep(0.02)
-    assert got == [(peer.endpoint, b"FREE req-1")]
+    assert [(endpoint, body) for endpoint, body, _ in got] == [(peer.endpoint, b"FREE req-1")]
+    assert got[0][2] <= time.monotonic()  # stamped when it came off the wire
 
 
 def test_wrong_auth_token_is_refused_with_a_logged_reason(pair):
