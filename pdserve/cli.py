@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "nodeagent": ("pdserve.nodeagent.cli", "supervise engines and heartbeat to the Controller"),
     "up": ("pdserve.local.up", "run a whole cluster locally as processes"),
     "operator": ("pdserve.operator.cli", "run the kopf operator"),
+    "bench": ("pdserve.bench.cli", "measure goodput under SLO of a server, or compare two specs"),
 }
 
 

@@ -164,7 +164,8 @@ async def test_invalid_spec_is_reported_and_fixed_by_an_update(env):
     cluster = await eventually(lambda: _with_reason(k8s, "bad", "Degraded", "InvalidSpec"),
                                what="Degraded/InvalidSpec")
     message = next(c["message"] for c in cluster["status"]["conditions"] if c["type"] == "Ready")
-    assert "spec.prefill.replicas or spec.decode.replicas must be greater than 0" in message
+    assert "spec.prefill.replicas, spec.decode.replicas or spec.hybrid.replicas must be greater than 0" \
+        in message
     assert not await k8s.instances("bad")
     assert operator.metrics.value("pdserve_operator_errors_total", kind="invalid") >= 1
     await k8s.kube.patch("PDCluster", NS, "bad", {"spec": {"decode": {"replicas": 1}}})
