@@ -122,9 +122,10 @@ class EngineSpec(ApiModel):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     enable_prefix_caching: bool = True
     prefill_chunk_tokens: int | None = Field(default=None, ge=1)
-    """Most prompt tokens one request prefills per engine step (the engine's
-    ``--prefill-chunk-tokens``): a long prompt is prefilled in chunks, so the other
-    requests of the engine wait at most one chunk. Unset: the engine's default."""
+    """Most prompt tokens one engine step prefills, all requests together (the engine's
+    ``--prefill-chunk-tokens``): a long prompt is prefilled in chunks, shortest prompts
+    first, so the other requests of the engine wait about one chunk. Unset: the
+    engine's default (512)."""
 
 
 class ParallelismSpec(ApiModel):
@@ -201,9 +202,10 @@ class RoutingSpec(ApiModel):
     prefill on the decode instance itself (cheaper than the trip through a prefill
     instance); 0 turns this rule off."""
     load_aware_local_prefill: bool = True
-    """Also prefill on the decode instance when the prefill instance's predicted wait
-    exceeds the decode instance's cost, unless that would stall the decode instance's
-    streams past the TPOT target (``slo.tpotMs``, else 100 ms)."""
+    """Weigh both queues: a longer prompt prefills on the decode instance when the
+    prefill instance is backed up (unless that would stall the decode instance's
+    streams past the TPOT target, ``slo.tpotMs``, else 100 ms), and a short one goes
+    to an idle prefill instance when the decode instance has a burst queued."""
 
 
 class FallbackSpec(ApiModel):

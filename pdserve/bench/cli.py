@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,8 @@ from .options import Point, build_points, describe_slos, resolve_slos, resolve_w
 from .report import build_run_report, format_compare, format_run
 from .stats import RequestResult, SLOSet
 from .workload import WorkloadError, workload_as_dict
+
+POINT_SEED_STRIDE = 1009  # seed offset between the points of a sweep (prime, != warm-up's)
 
 Measured = list[tuple[Point, list[RequestResult]]]
 
@@ -82,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compare", nargs=2, type=Path, metavar=("A.yaml", "B.yaml"),
                    help="ratios are A/B: A the PD spec, B the colocated baseline")
     g.add_argument("--rounds", type=int, default=2, metavar="N", help="A,B,A,B,...; medians across rounds (default 2)")
+    g.add_argument("--slo-from", type=float, metavar="RATE",
+                   help="without --slo-*: derive the SLO from the baseline at this sweep rate "
+                        "(default: the first point, the lightest load)")
     g.add_argument("--run-dir", type=Path, metavar="DIR", help="deployments' logs (default: a temporary directory)")
     g.add_argument("--port", type=int, metavar="PORT", help="first Coordinator port (default: free ports)")
     g.add_argument("--up-timeout", type=float, default=900.0, metavar="S",
@@ -95,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         settings = RunSettings(args.prompt_kind, args.vocab_size, workload.num_requests,
                                workload.duration_s, args.warmup, not args.no_progress)
         _check_args(args)
+        slo_reference(points, args.slo_from)  # a bad --slo-from fails before any load
         build_streams(workload, points[0].arrival, settings)  # reads datasets: fail before any load
     except WorkloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -136,7 +143,15 @@ async def _measure(base_url: str, args, workload, points: list[Point], settings,
         if wait_s > 0:
             await client.wait_until_serving(wait_s)
         await client.discover_model()
-        return [(pt, await run_point(client, workload, pt.arrival, settings, pt.label)) for pt in points]
+        return [(pt, await run_point(client, wl, pt.arrival, settings, pt.label))
+                for pt, wl in zip(points, point_workloads(workload, len(points)), strict=True)]
+
+
+def point_workloads(workload, num_points: int) -> list:
+    """The workload of each point of a sweep, each with its own seed: one deployment
+    serves every point, and prompts repeated across points would be prefix-cache hits.
+    Rounds (fresh deployments) repeat the same points."""
+    return [replace(workload, seed=workload.seed + POINT_SEED_STRIDE * i) for i in range(num_points)]
 
 
 def _single(args, workload, slos: SLOSet, points, settings, config: dict) -> int:
@@ -188,8 +203,10 @@ def _compare(args, workload, slos: SLOSet, points, settings, config: dict) -> in
             print(format_run(build_run_report(pt.label, pt.rate, results, slos), names[target]) + "\n")
     source = "given"
     if slos.is_empty():
-        slos = derive_slo([m[0][1] for m in measured["B"]])
-        source = f"derived from {names['B']} (baseline) medians"
+        ref = slo_reference(points, args.slo_from)
+        slos = derive_slo([m[ref][1] for m in measured["B"]])
+        at = f" at {points[ref].label}" if len(points) > 1 else ""
+        source = f"derived from {names['B']} (baseline) medians{at}"
     slo_text = f"{describe_slos(slos, [c.name for c in workload.classes])} ({source})"
     reports = {t: [[build_run_report(pt.label, pt.rate, res, slos) for pt, res in m] for m in rounds]
                for t, rounds in measured.items()}
@@ -218,6 +235,16 @@ def _compare(args, workload, slos: SLOSet, points, settings, config: dict) -> in
             files.append(plot_goodput_vs_rate(sweep, args.plot, slo_text))
         print(f"\nplots: {', '.join(str(f) for f in files)}")
     return 0
+
+
+def slo_reference(points: list[Point], rate: float | None) -> int:
+    """Index of the sweep point the SLO is derived at: ``rate``'s, else the first."""
+    if rate is None:
+        return 0
+    for i, pt in enumerate(points):
+        if pt.rate is not None and abs(pt.rate - rate) < 1e-9:
+            return i
+    raise WorkloadError(f"--slo-from {rate:g}: not a rate of this sweep")
 
 
 def _write_json(path: Path | None, doc: dict) -> None:

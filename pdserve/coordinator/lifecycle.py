@@ -143,6 +143,8 @@ class RequestRun:
         self.timings["prefill_instance"] = self.timings["decode_instance"] = inst.address
         call = self._call(inst, self._build(leg_id, prompt, max_tokens))
         inst.num_inflight += 1
+        pending = len(prompt)  # counted in the engine's pending prefill until its first token
+        inst.num_pending_prefill_tokens += pending
         finished = got = False
         try:
             async for msg in call:
@@ -150,6 +152,8 @@ class RequestRun:
                     raise finish_failure(msg, inst, "single", "mid_stream" if got else "before_first_token")
                 if not got and msg.HasField("timings"):
                     self._prefill_timings(inst, msg.timings, len(prompt))
+                    inst.num_pending_prefill_tokens -= pending
+                    pending = 0
                 if msg.token_ids:
                     got = True
                     yield list(msg.token_ids)
@@ -162,6 +166,7 @@ class RequestRun:
             raise classify_rpc_error(exc, inst, "single", "mid_stream" if got else "before_first_token") from None
         finally:
             inst.num_inflight -= 1
+            inst.num_pending_prefill_tokens -= pending
             if not finished:
                 call.cancel()
                 self.deps.aborter.abort_soon(inst, leg_id)

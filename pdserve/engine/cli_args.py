@@ -20,7 +20,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step (decodes and prefill chunks together)")
     g.add_argument("--prefill-chunk-tokens", type=int, default=512,
-                   help="most prompt tokens one request prefills per step")
+                   help="most prompt tokens one step prefills, all requests together")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -121,8 +121,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    # Most prompt tokens one request prefills per step: bounds how long a new prompt
-    # (or, on a hybrid engine, a decode) waits behind a long prefill to about one chunk.
+    # Most prompt tokens one step prefills (all requests together): bounds how long a new
+    # prompt (or, on a hybrid engine, a decode) waits behind a long prefill to one chunk.
     prefill_chunk_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

@@ -11,16 +11,17 @@ Policy, in order:
    streams keep their cadence whatever prefills are queued.
 2. Then prefill work, shortest remaining first: running requests still prefilling and
    waiting requests, ordered by prompt tokens left to compute (ties: running before
-   waiting, then arrival order). Each gets at most ``prefill_chunk_tokens`` per step,
-   so a short prompt that arrives during a long prefill waits about one chunk, not
-   the whole prompt; the long prompt still advances with whatever budget is left.
+   waiting, then arrival order), at most ``prefill_chunk_tokens`` prompt tokens per
+   step in all. So no step runs longer than about one chunk plus the decodes: a short
+   prompt that arrives during a long prefill waits about one chunk, not the whole
+   prompt, and (on a hybrid engine) a decode stalls at most one chunk; the long
+   prompt advances with whatever the shorter ones leave of the chunk.
 3. When a running request needs a block and none is free, the most recently admitted
    running request is preempted by recompute: its blocks are freed and it goes back
    to the front of the waiting queue.
 4. Waiting requests are admitted while the token budget, the running cap
    (``max_num_seqs``) and the free blocks allow; none in a step that preempted
-   (admitting would just thrash), none after one did not fit (no overtaking by size
-   for blocks, so a large prompt is not starved of memory by a stream of small ones).
+   (admitting would just thrash), and none after the shortest one did not fit.
 
 Thresholds: ``prefill_chunk_tokens`` (engine setting, 512 by default) and
 ``max_num_batched_tokens`` (2048). Cost: one sort of the prefilling requests per step.
@@ -82,12 +83,13 @@ class Scheduler:
                 break
             if request in self.running:  # not preempted by an earlier one
                 self._schedule_running(request, batch)
+        self._budget = min(self._budget, self.prefill_chunk_tokens)  # prefill tokens this step
         prefills = sorted(
             (r for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
             key=lambda r: r.num_tokens - r.num_computed_tokens,
         )
         can_admit = True
-        waiting = iter(list(self.waiting))
+        waiting = iter(sorted(self.waiting, key=_remaining))
         candidate = next(waiting, None)
         while self._budget > 0 and (prefills or (candidate is not None and can_admit)):
             admit_next = candidate is not None and can_admit and (
@@ -102,8 +104,7 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, request: Request, batch: ScheduledBatch) -> None:
-        num_new = min(request.num_tokens - request.num_computed_tokens, self._budget,
-                      self.prefill_chunk_tokens)
+        num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
         bm = self.block_manager
         while not bm.allocate_slots(request, num_new):
             scheduled = {id(r) for r, _ in batch.items}
@@ -125,7 +126,7 @@ class Scheduler:
         bm = self.block_manager
         cached = bm.find_cached_blocks(request) if request.num_computed_tokens == 0 else []
         num_uncached = request.num_tokens - len(cached) * bm.block_size
-        num_new = min(num_uncached, self._budget, self.prefill_chunk_tokens)
+        num_new = min(num_uncached, self._budget)
         if not bm.allocate_slots(request, num_new, cached):
             return False
         if request.num_preemptions == 0:

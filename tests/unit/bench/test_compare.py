@@ -20,6 +20,7 @@ from pdserve.bench.compare import (
 )
 from pdserve.bench.report import build_run_report
 from pdserve.bench.stats import SLO, RequestResult, SLOSet
+from pdserve.bench.workload import WorkloadError
 
 
 def streamed(ttft_ms: float, gap_ms: float, n: int = 5, cls: str = "chat") -> RequestResult:
@@ -91,3 +92,14 @@ def test_a_deployment_that_exits_early_is_an_error_with_its_output(tmp_path):
     with pytest.raises(DeploymentError, match="bad spec"), dep:
         pass
     assert dep.proc.returncode == 1
+
+
+def test_the_slo_is_derived_at_the_rate_asked_for():
+    from pdserve.bench.cli import slo_reference
+    from pdserve.bench.options import Point
+
+    points = [Point(f"rate {r:g} req/s", r, None) for r in (1.0, 2.0, 3.0)]
+    assert slo_reference(points, None) == 0
+    assert slo_reference(points, 3.0) == 2
+    with pytest.raises(WorkloadError, match="--slo-from 5"):
+        slo_reference(points, 5.0)

@@ -194,3 +194,14 @@ def test_per_class_streams_run_side_by_side_until_the_duration():
     by_class = {name: sum(r.class_name == name for r in results) for name in ("chat", "long")}
     assert by_class["long"] == 1  # periodic every 3 s: only the one at t=0
     assert by_class["chat"] >= 8 and client.max_in_flight <= 9
+
+
+def test_each_point_of_a_sweep_draws_other_prompts():
+    # One deployment serves every point: prompts repeated across points would be
+    # prefix-cache hits and make later points look faster than they are.
+    from pdserve.bench.cli import point_workloads
+
+    workloads = point_workloads(mixed_workload(), 3)
+    firsts = [ClassSampler(w.classes[0], w.seed, "ids", 256).next() for w in workloads]
+    assert len({str(f) for f in firsts}) == 3
+    assert point_workloads(mixed_workload(), 3) == workloads  # rounds repeat them

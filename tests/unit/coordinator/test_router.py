@@ -141,6 +141,23 @@ def test_a_backed_up_prefill_engine_sends_the_prompt_to_decode_unless_it_would_s
     assert plan(router, range(3000, 3800)).kind == "pd"
 
 
+def test_a_burst_of_short_prompts_is_split_between_decode_and_an_idle_prefill_engine():
+    p, d = inst("p1", "prefill"), inst("d1", "decode")
+    router, _, metrics = make_router([p, d], local_prefill_max_tokens=64,
+                                     load_aware_local_prefill=True)
+    kinds = []
+    for i in range(8):  # nothing finishes meanwhile: what the lifecycle would count
+        chosen = plan(router, range(100 * i, 100 * i + 32))
+        kinds.append(chosen.kind)
+        (d if chosen.kind == "single" else p).num_pending_prefill_tokens += 32
+    assert kinds[0] == "single" and 3 <= kinds.count("single") <= 5, kinds
+    assert decisions(metrics, "prefill", "decode_busy") == kinds.count("pd")
+    # While P works through a long prompt, short prompts all stay on D.
+    p.num_pending_prefill_tokens, d.num_pending_prefill_tokens = 1800, 0
+    assert all(plan(router, range(5000 + 50 * i, 5032 + 50 * i)).kind == "single"
+               for i in range(4))
+
+
 def test_load_aware_prefill_can_be_turned_off():
     rates = {"prefill_tokens_per_s": 1000.0}
     p = inst("p1", "prefill", num_pending_prefill_tokens=4000, **rates)
