@@ -9,6 +9,7 @@ matplotlib is imported on first use: a bench without ``--plot`` never loads it.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from .stats import RequestResult
@@ -77,7 +78,7 @@ def plot_goodput_vs_rate(points: dict[str, list[dict]], out_dir: Path, slo_text:
     ax.plot([0, top], [0, top], ":", color="grey", linewidth=1, label="offered")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("req/s")
-    ax.set_title(f"Goodput vs request rate (SLO: {slo_text})", fontsize=9)
+    ax.set_title("Goodput vs request rate\n" + textwrap.fill(f"SLO: {slo_text}", 100), fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
