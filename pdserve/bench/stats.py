@@ -23,9 +23,10 @@ goodput = good requests / run duration (first send to last completion).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
+
+import numpy as np
 
 QUANTILES: tuple[tuple[str, float], ...] = (
     ("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9), ("max", 100.0))
@@ -146,19 +147,17 @@ def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100), linear interpolation between closest ranks."""
     if not values:
         raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(rank), math.ceil(rank)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+    return float(np.percentile(values, q))
 
 
 def summarize(values_s: list[float]) -> dict[str, float | int | None]:
     """Percentiles and mean in milliseconds; every field None when there are no values."""
     if not values_s:
         return {"count": 0, "mean": None, **{name: None for name, _ in QUANTILES}}
-    ms = [v * 1000.0 for v in values_s]
-    return {"count": len(ms), "mean": sum(ms) / len(ms),
-            **{name: percentile(ms, q) for name, q in QUANTILES}}
+    ms = np.asarray(values_s) * 1000.0
+    points = np.percentile(ms, [q for _, q in QUANTILES])
+    return {"count": len(ms), "mean": float(ms.mean()),
+            **{name: float(v) for (name, _), v in zip(QUANTILES, points, strict=True)}}
 
 
 def meets_slo(result: RequestResult, slo: SLO) -> bool:

@@ -57,17 +57,15 @@ class Router:
             plan, reason = self.plan_now(pools, ctx)
             if plan is not None:
                 return plan
-            if pools.hybrid and self.is_colocated():  # the deployment, not a fallback
-                inst = self.decode_policy.choose(pools.hybrid, ctx)
-                self.metrics.routes.labels("hybrid", self.settings.decode_policy).inc()
-                self.index.record(inst.instance_id, ctx.hashes)
-                return Plan("single", single=inst)
             policy = self.settings.fallback_policy
             detail = self.registry.fallback_reason or reason.replace("_", " ")
-            if policy == "hybrid" and pools.hybrid:
+            colocated = self.is_colocated()  # the deployment, not a fallback
+            if pools.hybrid and (colocated or policy == "hybrid"):
                 inst = self.decode_policy.choose(pools.hybrid, ctx)
                 self.metrics.routes.labels("hybrid", self.settings.decode_policy).inc()
                 self.index.record(inst.instance_id, ctx.hashes)
+                if colocated:
+                    return Plan("single", single=inst)
                 self.metrics.fallbacks.labels("hybrid", reason).inc()
                 return Plan("single", single=inst, fallback=reason)
             if policy == "fail":
@@ -90,10 +88,10 @@ class Router:
     def is_colocated(self) -> bool:
         """A colocated deployment: the Controller says so, or (static view) no engine of
         the view is a prefill or decode engine. Its hybrid engines serve as the norm."""
-        if self.registry.mode == "COLOCATED":
-            return True
-        return self.registry.mode == "PD" and bool(self.registry.all()) and all(
-            i.role in ("hybrid", "unknown") for i in self.registry.all())
+        if self.registry.mode != "PD":
+            return self.registry.mode == "COLOCATED"
+        instances = self.registry.all()
+        return bool(instances) and all(i.role in ("hybrid", "unknown") for i in instances)
 
     @staticmethod
     def compatible(pools: Pools) -> tuple[list[Instance], list[Instance], str]:

@@ -1,16 +1,16 @@
-"""Coordinator settings: one frozen pydantic model, built from CLI flags or a PDCluster spec.
+"""Coordinator settings: one frozen pydantic model, built from CLI flags.
 
 Owns every knob of the request path (routing, fallback, admission, deadlines,
 retries). Invariants: durations are seconds (``*_s``), sizes bytes; the defaults
 match ``pdserve.api.cluster`` so a Coordinator started by hand routes like one the
-operator configures.
+operator configures; a spec reaches it as flags (``pdserve.api.component_args``).
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pdserve.api.cluster import FallbackPolicy, PDClusterSpec, RoutingPolicy, TransferMode
+from pdserve.api.cluster import FallbackPolicy, RoutingPolicy, TransferMode
 
 
 class CoordinatorSettings(BaseModel):
@@ -67,19 +67,3 @@ class CoordinatorSettings(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
-
-    @classmethod
-    def from_cluster(cls, name: str, spec: PDClusterSpec, **overrides) -> CoordinatorSettings:
-        """What the operator's Coordinator Deployment runs with: the cluster's policies."""
-        slo = spec.slo.ttft_ms / 1000.0 if spec.slo.ttft_ms else None
-        tpot = spec.slo.tpot_ms / 1000.0 if spec.slo.tpot_ms else None
-        fields = dict(
-            model=spec.model.preset or spec.model.path or name,
-            served_model_name=spec.model.served_name or name,
-            prefill_policy=spec.routing.prefill_policy, decode_policy=spec.routing.decode_policy,
-            local_prefill_max_tokens=spec.routing.local_prefill_max_tokens,
-            load_aware_local_prefill=spec.routing.load_aware_local_prefill, tpot_slo_s=tpot,
-            kv_mode=spec.kv_transfer.mode, fallback_policy=spec.fallback.policy,
-            block_size=spec.engine.block_size, ttft_slo_s=slo,
-        )
-        return cls(**{**fields, **overrides})

@@ -272,8 +272,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Drive KV transfers, schedule, run the model once, sample, report what changed."""
         outputs = self._apply_connector_events() if self.connector is not None else []
-        if any(o.num_output_tokens == 1 and o.new_token_ids for o in outputs):
-            return outputs  # D: a first token goes out now, not after one more decode step
+        if any(o.new_token_ids for o in outputs):
+            return outputs  # D's first tokens (KV exposed) go out now, not after a decode step
         batch = self.scheduler.schedule()
         self.last_step_idle = not batch and not outputs
         if not batch:

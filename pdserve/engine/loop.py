@@ -44,11 +44,10 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.snapshot: EngineStats = engine.stats()
-        self.snapshot_s = time.monotonic()
 
     def _publish(self) -> None:
         # One attribute store: readers on other threads see the old or the new one whole.
-        self.snapshot, self.snapshot_s = self.engine.stats(), time.monotonic()
+        self.snapshot = self.engine.stats()
 
     def start(self) -> None:
         self._thread.start()

@@ -77,17 +77,14 @@ class Scheduler:
         """Called by the engine once per step: the batch to run (policy at the top)."""
         batch = ScheduledBatch()
         self._budget = self.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decodes = [r for r in self.running if _remaining(r) == 1]
         for request in decodes:
             if self._budget <= 0:
                 break
             if request in self.running:  # not preempted by an earlier one
                 self._schedule_running(request, batch)
         self._budget = min(self._budget, self.prefill_chunk_tokens)  # prefill tokens this step
-        prefills = sorted(
-            (r for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
-            key=lambda r: r.num_tokens - r.num_computed_tokens,
-        )
+        prefills = sorted((r for r in self.running if _remaining(r) > 1), key=_remaining)
         can_admit = True
         waiting = iter(sorted(self.waiting, key=_remaining))
         candidate = next(waiting, None)
@@ -104,7 +101,7 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, request: Request, batch: ScheduledBatch) -> None:
-        num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
+        num_new = min(_remaining(request), self._budget)
         bm = self.block_manager
         while not bm.allocate_slots(request, num_new):
             scheduled = {id(r) for r, _ in batch.items}
