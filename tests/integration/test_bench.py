@@ -29,6 +29,20 @@ spec:
     mode: layerwise
     transport: tcp
 """
+COLOCATED_SPEC = """apiVersion: pdserve.io/v1alpha1
+kind: PDCluster
+metadata:
+  name: {name}
+spec:
+  model:
+    preset: tiny
+  prefill:
+    replicas: 0
+  decode:
+    replicas: 0
+  hybrid:
+    replicas: 2
+"""
 
 
 def bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
@@ -87,9 +101,10 @@ def test_bench_reports_every_request_of_a_short_run(tmp_path):
 
 def test_compare_runs_both_specs_and_prints_ratios(tmp_path):
     specs = []
-    for name in ("pd", "ref"):  # both PD: this checks the protocol, not who wins
+    # What a user compares: PD against the colocated baseline (a hybrid-only spec).
+    for name, text in (("pd", TINY_SPEC), ("ref", COLOCATED_SPEC)):
         spec = tmp_path / f"{name}.yaml"
-        spec.write_text(TINY_SPEC.format(name=f"bench-{name}"))
+        spec.write_text(text.format(name=f"bench-{name}"))
         specs.append(str(spec))
     done = bench("--compare", *specs, "--rounds", "1", "--run-dir", str(tmp_path / "runs"),
                  "--num-requests", "6", "--concurrency", "2", "--prompt-tokens", "16",
@@ -111,6 +126,7 @@ def test_compare_runs_both_specs_and_prints_ratios(tmp_path):
     assert {"goodput req/s", "ttft p50 default ms", "ttft p99 default ms", "itl p50 ms",
             "itl p99 ms", "itl p99.9 ms", "tpot p50 ms"} <= set(ratios)
     assert ratios["ttft p50 default ms"]["ratio"] > 0
+    assert "2 hybrid, colocated" in (tmp_path / "runs" / "ref-1.out").read_text()
     # every deployment was stopped: pdserve up removes its process list on a clean exit
     for run_dir in ("pd-1", "ref-1"):
         assert not (tmp_path / "runs" / run_dir / "processes.json").exists()
