@@ -18,8 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-import abc
-import contextlib
 import hmac
 import json
 import logging
@@ -30,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.kv_transfer.transport import wire
-from pdserve.engine.kv_transfer.transport.base import BatchHandle, Items, Transport
+from pdserve.engine.kv_transfer.transport.base import BatchHandle
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +40,12 @@ _SWEEP_S = 0.2
 
 
 class Channel:
-    """Listener plus links. Created by a transport; ``info`` feeds the WELCOME reply."""
+    """Listener plus links. Created by ``ChannelTransport`` from its transport's options
+    (the transport states their defaults); ``info`` feeds the WELCOME reply."""
 
     def __init__(
-        self,
-        *,
-        info: Callable[[], dict],
-        on_frame: FrameHandler | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        advertise_host: str | None = None,
-        auth_token: str | None = None,
-        timeout_s: float = 10.0,
+        self, *, info: Callable[[], dict], on_frame: FrameHandler | None, host: str, port: int,
+        advertise_host: str | None, auth_token: str | None, timeout_s: float,
     ) -> None:
         self.timeout_s = timeout_s
         self.auth_token = auth_token
@@ -90,12 +82,12 @@ class Channel:
                 return
             self._closed = True
             links, conns = list(self._links.values()), list(self._conns)
-        _shutdown(self._listener)  # wakes the accept thread; close() alone does not
+        wire.shutdown(self._listener)  # wakes the accept thread; close() alone does not
         self._listener.close()
         for link in links:
             link.close()
         for conn in conns:
-            _shutdown(conn)  # its serving thread closes it
+            wire.shutdown(conn)  # its serving thread closes it
 
     def _accept_loop(self) -> None:
         while True:
@@ -125,11 +117,7 @@ class Channel:
                 wire.send_frame(sock, wire.OP_REFUSE, body=reason.encode())
                 return
             wire.send_frame(sock, wire.OP_WELCOME, body=json.dumps(self._info()).encode())
-            while True:
-                try:
-                    op, batch_id, body = wire.recv_frame(sock, idle_ok=True)
-                except wire.Idle:
-                    continue
+            for op, batch_id, body in wire.recv_frames(sock):
                 if op == wire.OP_NOTIFY:
                     self._notes.put((peer, body, time.monotonic()))
                 elif op == wire.OP_FENCE:
@@ -219,7 +207,7 @@ class PeerLink:
             self.sock = None
             pending, self._pending = self._pending, {}
             self._retired.append((sock, self._reader_done))
-        _shutdown(sock)
+        wire.shutdown(sock)
         for handle, _ in pending.values():
             handle.fail(f"connection to {self.peer} lost: {reason}")
 
@@ -271,11 +259,7 @@ class PeerLink:
 
     def _read_loop(self, sock: socket.socket, done: threading.Event) -> None:
         try:
-            while True:
-                try:
-                    op, batch_id, body = wire.recv_frame(sock, idle_ok=True)
-                except wire.Idle:
-                    continue
+            for op, batch_id, body in wire.recv_frames(sock):
                 with self._lock:
                     handle, on_reply = self._pending.pop(batch_id, (None, None))
                 if on_reply is None:
@@ -289,39 +273,3 @@ class PeerLink:
             self.reset(sock, str(exc) or type(exc).__name__)
         finally:
             done.set()
-
-
-def _shutdown(sock: socket.socket) -> None:
-    """Wake every thread blocked on ``sock``; the owning thread closes it later."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-
-
-class ChannelTransport(Transport):
-    """What every transport built on a ``Channel`` shares: the endpoint, notify and its
-    ordering after batches, and write/read as one ``_submit``. Subclasses set
-    ``self._channel`` and implement ``_submit``."""
-
-    _channel: Channel
-
-    @property
-    def endpoint(self) -> str:
-        return self._channel.endpoint
-
-    def write_batch(self, peer: str, items: Items) -> BatchHandle:
-        return self._submit(peer, items, is_write=True)
-
-    def read_batch(self, peer: str, items: Items) -> BatchHandle:
-        return self._submit(peer, items, is_write=False)
-
-    def notify(self, peer: str, message: bytes) -> None:
-        self._channel.link(peer).submit(
-            None, lambda link: wire.send_frame(link.connect(), wire.OP_NOTIFY, body=message)
-        )
-
-    def recv_notifications(self) -> list[tuple[str, bytes, float]]:
-        return self._channel.notifications()
-
-    @abc.abstractmethod
-    def _submit(self, peer: str, items: Items, *, is_write: bool) -> BatchHandle:
-        """Start one batch on the peer's link; never blocks."""

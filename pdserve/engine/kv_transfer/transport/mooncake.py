@@ -21,20 +21,18 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 
-from pdserve.engine.kv_transfer.transport.base import (
-    BatchHandle,
-    Items,
-    Regions,
-    coalesce,
-)
-from pdserve.engine.kv_transfer.transport.channel import Channel, ChannelTransport, PeerLink
+from pdserve.engine.kv_transfer.transport.base import BatchHandle, Regions
+from pdserve.engine.kv_transfer.transport.channel import PeerLink
+from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
 
 _MIN_MOONCAKE_TIMEOUT_S = 5
 
 
 class MooncakeTransport(ChannelTransport):
     name = "mooncake"
+    finishes_empty_batches = True  # Mooncake is never handed a batch with nothing to move
 
     def __init__(
         self,
@@ -54,73 +52,42 @@ class MooncakeTransport(ChannelTransport):
         )
         from mooncake.engine import TransferEngine  # imported late: env must be set first
 
-        self.timeout_s = timeout_s
         self._engine = TransferEngine()
         mc_host = advertise_host or host
         rc = self._engine.initialize(mc_host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise RuntimeError(f"Mooncake initialize({mc_host}, P2PHANDSHAKE, {protocol}) = {rc}")
         self.session_id = f"{mc_host}:{self._engine.get_rpc_port()}"
-        self._regions = Regions()
-        self._channel = Channel(
-            info=lambda: {"regions": self._regions.as_list(), "session": self.session_id},
-            host=host,
-            port=port,
-            advertise_host=advertise_host,
-            auth_token=auth_token,
-            timeout_s=timeout_s,
-        )
+        super().__init__(host=host, port=port, advertise_host=advertise_host,
+                         auth_token=auth_token, timeout_s=timeout_s)
 
     def register_memory(self, ptr: int, length: int) -> None:
         rc = self._engine.register_memory(ptr, length)
         if rc != 0:
             raise RuntimeError(f"Mooncake register_memory({ptr:#x}, {length}) = {rc}")
-        self._regions.add(ptr, length)
+        super().register_memory(ptr, length)
 
     def close(self) -> None:
-        self._channel.close()
+        super().close()
         for ptr, _ in self._regions.as_list():
             self._engine.unregister_memory(ptr)
         self._regions = Regions()
 
-    def _submit(self, peer: str, items: Items, *, is_write: bool) -> BatchHandle:
-        arr = coalesce(items)
-        local, remote, lengths = arr[:, 0], arr[:, 1], arr[:, 2]
-        handle = BatchHandle(peer, int(lengths.sum()), self.timeout_s)
-        problem = self._regions.check(local, lengths)
-        if problem is not None:
-            handle.fail(problem)
-            return handle
-        if not len(arr):
+    def _welcome(self) -> dict:
+        return {**super()._welcome(), "session": self.session_id}
+
+    def _move(self, link: PeerLink, sock: socket.socket, handle: BatchHandle, batch: Batch) -> None:
+        """Submit to Mooncake and wait here for the whole batch (see the module docstring)."""
+        engine, session = self._engine, link.info["session"]
+        submit = (engine.batch_transfer_async_write if batch.is_write
+                  else engine.batch_transfer_async_read)
+        local, remote, lengths = batch.local.tolist(), batch.remote.tolist(), batch.lengths.tolist()
+        batch_id = submit(session, local, remote, lengths)
+        if batch_id <= 0:
+            handle.fail(f"Mooncake refused to submit the batch ({batch_id})")
+            return
+        rc = engine.get_batch_transfer_status([batch_id])  # spins; GIL released
+        if rc == 0:
             handle.finish()
-            return handle
-
-        def job(link: PeerLink) -> None:
-            link.connect()
-            ranges = link.info["regions"]
-            problem = self._regions.check(remote, lengths, side="remote", ranges=ranges)
-            if problem is not None:
-                handle.fail(problem)
-                return
-            submit = (
-                self._engine.batch_transfer_async_write
-                if is_write
-                else self._engine.batch_transfer_async_read
-            )
-            batch_id = submit(
-                link.info["session"],
-                local.tolist(),
-                remote.tolist(),
-                lengths.tolist(),
-            )
-            if batch_id <= 0:
-                handle.fail(f"Mooncake refused to submit the batch ({batch_id})")
-                return
-            rc = self._engine.get_batch_transfer_status([batch_id])  # spins; GIL released
-            if rc == 0:
-                handle.finish()
-            else:
-                handle.fail(f"Mooncake batch to {link.info['session']} failed (rc={rc})")
-
-        self._channel.link(peer).submit(handle, job)
-        return handle
+        else:
+            handle.fail(f"Mooncake batch to {session} failed (rc={rc})")

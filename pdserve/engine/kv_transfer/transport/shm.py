@@ -20,6 +20,7 @@ import ctypes
 import math
 import mmap
 import os
+import socket
 import threading
 import uuid
 
@@ -27,13 +28,9 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv_transfer.transport import wire
-from pdserve.engine.kv_transfer.transport.base import (
-    BatchHandle,
-    Items,
-    Regions,
-    coalesce,
-)
-from pdserve.engine.kv_transfer.transport.channel import Channel, ChannelTransport, PeerLink
+from pdserve.engine.kv_transfer.transport.base import BatchHandle
+from pdserve.engine.kv_transfer.transport.channel import PeerLink
+from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
 
 SHM_DIR = "/dev/shm"
 
@@ -94,24 +91,18 @@ class ShmTransport(ChannelTransport):
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0,
                  auth_token: str | None = None, timeout_s: float = 10.0) -> None:
-        self.timeout_s = timeout_s
-        self._regions = Regions()
         self._segments: list[dict] = []
         self._maps: dict[str, tuple[mmap.mmap, ctypes.c_char, int]] = {}  # path -> map
         self._copy_lock = threading.Lock()
         self._boot_id = _boot_id()
-        self._channel = Channel(
-            info=lambda: {"regions": self._regions.as_list(), "segments": self._segments,
-                          "boot_id": self._boot_id},
-            host=host, port=port, auth_token=auth_token, timeout_s=timeout_s,
-        )
+        super().__init__(host=host, port=port, auth_token=auth_token, timeout_s=timeout_s)
 
     def register_memory(self, ptr: int, length: int) -> None:
         self._segments.append(find_shm_mapping(ptr, length))
-        self._regions.add(ptr, length)
+        super().register_memory(ptr, length)
 
     def close(self) -> None:
-        self._channel.close()
+        super().close()
         with self._copy_lock:  # never unmap under a running copy
             maps, self._maps = self._maps, {}
             while maps:
@@ -119,36 +110,25 @@ class ShmTransport(ChannelTransport):
                 with contextlib.suppress(BufferError):
                     mm.close()
 
-    def _submit(self, peer: str, items: Items, *, is_write: bool) -> BatchHandle:
-        arr = coalesce(items)
-        local, remote, lengths = arr[:, 0], arr[:, 1], arr[:, 2]
-        handle = BatchHandle(peer, int(lengths.sum()), self.timeout_s)
-        problem = self._regions.check(local, lengths)
-        if problem is not None:
-            handle.fail(problem)
-            return handle
+    def _welcome(self) -> dict:
+        return {**super()._welcome(), "segments": self._segments, "boot_id": self._boot_id}
 
-        def job(link: PeerLink) -> None:
-            sock = link.connect()
-            if link.info.get("boot_id") != self._boot_id:
-                raise RuntimeError(f"peer {peer} is on another node; shm needs one host")
-            ranges = link.info["regions"]
-            problem = self._regions.check(remote, lengths, side="remote", ranges=ranges)
-            if problem is not None:
-                handle.fail(problem)
-                return
-            mapped = self._translate(link.info["segments"], remote, lengths)
-            with self._copy_lock:
-                for src, dst, n in zip(local.tolist(), mapped.tolist(), lengths.tolist(),
-                                       strict=True):
-                    if not is_write:
-                        src, dst = dst, src
-                    ctypes.memmove(dst, src, n)
-            link.expect(handle, lambda s, op, body: _on_fence(handle, op))
-            wire.send_frame(sock, wire.OP_FENCE, handle.batch_id)
+    def _check_peer(self, link: PeerLink) -> None:
+        if link.info.get("boot_id") != self._boot_id:
+            raise RuntimeError(f"peer {link.peer} is on another node; shm needs one host")
 
-        self._channel.link(peer).submit(handle, job)
-        return handle
+    def _move(self, link: PeerLink, sock: socket.socket, handle: BatchHandle, batch: Batch) -> None:
+        """Copy every item through our mapping of the peer's file, then FENCE: D's ACK
+        finishes the batch, so a dead or stopped D still FAILs it."""
+        mapped = self._translate(link.info["segments"], batch.remote, batch.lengths)
+        with self._copy_lock:
+            for src, dst, n in zip(batch.local.tolist(), mapped.tolist(), batch.lengths.tolist(),
+                                   strict=True):
+                if not batch.is_write:
+                    src, dst = dst, src
+                ctypes.memmove(dst, src, n)
+        link.expect(handle, lambda s, op, body: _on_fence(handle, op))
+        wire.send_frame(sock, wire.OP_FENCE, handle.batch_id)
 
     def _translate(self, segments: list[dict], remote: np.ndarray, lengths: np.ndarray):
         """Peer addresses -> our mapping of the same bytes (maps a peer file on first use)."""

@@ -15,19 +15,14 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import socket
 
 import numpy as np
 
 from pdserve.engine.kv_transfer.transport import wire
-from pdserve.engine.kv_transfer.transport.base import (
-    BatchHandle,
-    Items,
-    Regions,
-    coalesce,
-)
-from pdserve.engine.kv_transfer.transport.channel import Channel, ChannelTransport, PeerLink
+from pdserve.engine.kv_transfer.transport.base import BatchHandle
+from pdserve.engine.kv_transfer.transport.channel import PeerLink
+from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
 from pdserve.engine.kv_transfer.transport.grants import WriteGrants
 
 
@@ -46,58 +41,28 @@ class TcpTransport(ChannelTransport):
     ) -> None:
         """``require_grants``: accept writes only inside ranges granted to the writer
         (engines turn this on; see grants.py), which makes ``revoke`` a real fence."""
-        self.timeout_s = timeout_s
         self.require_grants = require_grants
         self._grants = WriteGrants()
-        self._regions = Regions()
-        self._channel = Channel(
-            info=lambda: {"regions": self._regions.as_list()},
-            on_frame=self._serve_frame,
-            host=host,
-            port=port,
-            advertise_host=advertise_host,
-            auth_token=auth_token,
-            timeout_s=timeout_s,
-        )
-
-    def register_memory(self, ptr: int, length: int) -> None:
-        self._regions.add(ptr, length)
+        super().__init__(host=host, port=port, advertise_host=advertise_host,
+                         auth_token=auth_token, timeout_s=timeout_s, on_frame=self._serve_frame)
 
     def grant(self, peer: str, tag: str, ranges: np.ndarray) -> None:
         self._grants.grant(peer, tag, ranges)
 
     def revoke(self, tag: str) -> bool:
-        return self._grants.revoke(tag, cut=_cut, timeout_s=self.timeout_s)
-
-    def close(self) -> None:
-        self._channel.close()
+        # A write landing in revoked memory is cut off: its recvmsg fails at once.
+        return self._grants.revoke(tag, cut=wire.shutdown, timeout_s=self.timeout_s)
 
     # -- client side (runs on the peer's sender thread) --------------------------------
 
-    def _submit(self, peer: str, items: Items, *, is_write: bool) -> BatchHandle:
-        op = wire.OP_WRITE if is_write else wire.OP_READ
-        arr = coalesce(items)
-        local, remote, lengths = arr[:, 0], arr[:, 1], arr[:, 2]
-        handle = BatchHandle(peer, int(lengths.sum()), self.timeout_s)
-        problem = self._regions.check(local, lengths)
-        if problem is not None:
-            handle.fail(problem)
-            return handle
-
-        def job(link: PeerLink) -> None:
-            sock = link.connect()
-            ranges = link.info["regions"]
-            problem = self._regions.check(remote, lengths, side="remote", ranges=ranges)
-            if problem is not None:
-                handle.fail(problem)
-                return
-            iov = np.stack([local, lengths], axis=1)
-            link.expect(handle, lambda s, rop, body: _on_reply(handle, s, rop, body, iov))
-            payload = iov if op == wire.OP_WRITE else None
-            wire.send_frame(sock, op, handle.batch_id, wire.encode_table(remote, lengths), payload)
-
-        self._channel.link(peer).submit(handle, job)
-        return handle
+    def _move(self, link: PeerLink, sock: socket.socket, handle: BatchHandle, batch: Batch) -> None:
+        """One WRITE (table + payload) or READ frame; the reply finishes the batch."""
+        op = wire.OP_WRITE if batch.is_write else wire.OP_READ
+        iov = np.stack([batch.local, batch.lengths], axis=1)
+        link.expect(handle, lambda s, rop, body: _on_reply(handle, s, rop, body, iov))
+        payload = iov if op == wire.OP_WRITE else None
+        table = wire.encode_table(batch.remote, batch.lengths)
+        wire.send_frame(sock, op, handle.batch_id, table, payload)
 
     # -- server side (runs on the connection's thread) ---------------------------------
 
@@ -142,8 +107,3 @@ def _on_reply(
     else:
         raise ValueError(f"unexpected reply op {op}")
 
-
-def _cut(sock: socket.socket) -> None:
-    """Stop a write that is landing in revoked memory: its recvmsg fails at once."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)

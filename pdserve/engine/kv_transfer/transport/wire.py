@@ -13,11 +13,13 @@ BlockingIOError; ``recv_exact`` maps it to Idle or TimeoutError.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import socket
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -75,6 +77,22 @@ def recv_frame(sock: socket.socket, *, idle_ok: bool = False) -> tuple[int, int,
     if body_len > MAX_BODY_BYTES:
         raise ValueError(f"frame body of {body_len} bytes exceeds {MAX_BODY_BYTES}")
     return op, batch_id, recv_exact(sock, body_len) if body_len else b""
+
+
+def recv_frames(sock: socket.socket) -> Iterator[tuple[int, int, bytes]]:
+    """Frames until the connection fails (the error propagates); quiet spells are skipped."""
+    while True:
+        try:
+            frame = recv_frame(sock, idle_ok=True)
+        except Idle:
+            continue
+        yield frame
+
+
+def shutdown(sock: socket.socket) -> None:
+    """Wake every thread blocked on ``sock``; the thread that owns it closes it later."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def configure(sock: socket.socket, timeout_s: float) -> None:

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from pdserve.engine.kv_transfer.transport import TransferItem, create_transport
 from tests.unit.engine.transport.kv_peer import KV_DTYPE, KV_SHAPE, allocate_kv, fill
+from tests.unit.engine.transport.leaks import assert_kv_threads_gone
 
 REPO = Path(__file__).resolve().parents[4]
 NAMES = ["tcp", "shm", "mooncake"]
@@ -112,14 +112,7 @@ def pair(request, tmp_path_factory):
     side.close()
     assert peer.reap() == 0
     assert not glob.glob(f"/dev/shm/pdserve-kv-{os.getpid()}-*"), "shm segment leaked"
-    deadline = time.monotonic() + 5
-    while kv_threads() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not kv_threads(), "transport threads outlived close()"
-
-
-def kv_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("kv-")]
+    assert_kv_threads_gone()
 
 
 def test_block_pieces_pushed_and_pulled_byte_exact(pair):
