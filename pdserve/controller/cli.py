@@ -13,7 +13,7 @@ import asyncio
 import socket
 
 from pdserve.api import PDCluster
-from pdserve.api.http_runtime import start_http, wait_for_stop_signal
+from pdserve.api.http_runtime import run_component
 from pdserve.api.logs import configure_logging
 from pdserve.api.manifest import default_cluster
 from pdserve.api.security import SecuritySettings
@@ -83,15 +83,11 @@ async def serve(args: argparse.Namespace) -> int:
     identity = args.advertise or (f"{host}:{port}" if host == "127.0.0.1" else f"{socket.getfqdn()}:{port}")
     controller.settings = build_settings(args, cluster, identity)
     controller.election.identity = identity
-    runner, http_port = await start_http(create_http_app(controller), args.host, args.http_port)
-    await controller.start()
-    print(f"controller serving on {host}:{port} (http {host}:{http_port}, store {args.store}, "
-          f"{'leader' if controller.is_leader else 'standby'})", flush=True)
-    await wait_for_stop_signal()
-    await controller.stop()
-    await server.stop(1.0)
-    await runner.cleanup()
-    return 0
+    return await run_component(
+        controller, create_http_app(controller), args.host, args.http_port,
+        lambda http_port: f"controller serving on {host}:{port} (http {host}:{http_port}, "
+                          f"store {args.store}, {'leader' if controller.is_leader else 'standby'})",
+        after_stop=lambda: server.stop(1.0))
 
 
 def run(args: argparse.Namespace) -> int:

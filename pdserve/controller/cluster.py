@@ -1,14 +1,24 @@
 """The leader's working state: instance registry, health, mode, commands, the view.
 
-Owns every ``InstanceRecord`` and the ``ModeState``. Pure with respect to I/O:
-the Controller feeds it heartbeats and ticks (with clocks), and reads back
+Owns every ``InstanceRecord``, the ``ModeState``, the commands queued for agents
+and the operator's drains. Pure with respect to I/O: the Controller feeds it
+heartbeats, ticks (with clocks) and the operator's requests, and reads back
 commands for agents, the routable view, events, and which keys to persist
-(``dirty`` / ``removed``).
+(``dirty`` / ``removed`` / ``replacements``).
+
+Where it decides failover (``docs/failover.md`` tells the whole story):
+``apply_heartbeat`` judges each report (process exit, failing probe: FAILED at
+once; a hung engine gets a ``restart`` command), ``tick`` judges silence
+(``_judge_silence``: SUSPECT, then FAILED, then forgotten), re-evaluates the mode
+(``_evaluate_mode``: hybrid fallback) and role switches (``_rebalance_step``,
+``_send_role_commands``); ``_on_failed`` counts a failover and asks the operator
+for a replacement after repeated failures.
 
 Invariants: the view holds READY instances only, so a FAILED instance leaves it
 in the same call that fails it; no command goes to an instance this leader has
 not heard from (a record loaded from the store); a command is re-sent only after
-``command_timeout_s`` without the reported role reaching the target; the view
+``command_timeout_s`` without the reported role reaching the target; a drain is
+sent once per leadership term (a new leader sends it again); the view
 ``version`` grows on every change of what it shows.
 """
 
@@ -40,6 +50,17 @@ class ClusterSettings:
     forget_after_s: float = 60.0   # a silent FAILED instance is dropped after this
 
 
+@dataclass(frozen=True)
+class DrainProgress:
+    """An operator drain as ``Cluster.request_drain`` sees it now."""
+
+    is_known: bool                 # False: no such instance (nothing to drain)
+    is_drained: bool
+    num_running: int = 0
+    num_waiting: int = 0
+    health: str = ""
+
+
 class Cluster:
     def __init__(self, settings: ClusterSettings, now_s: float) -> None:
         self.settings = settings
@@ -53,13 +74,16 @@ class Cluster:
         self.num_failovers = 0
         self.num_role_switches = 0
         self.meta_dirty = False
-        self._pending: dict[str, list[pb.Command]] = collections.defaultdict(list)
+        self._pending: dict[str, list[pb.Command]] = collections.defaultdict(list)  # by agent id
         self._command_ids = itertools.count(1)
+        # instance id -> heartbeat time when its drain command was seen delivered
+        # (None: queued, not yet delivered)
+        self._drains: dict[str, float | None] = {}
         self._rebalance = RebalancePolicy(settings.rebalance)
         self._view_key: tuple = ()
         self.view_version = 0
 
-    # --- inputs -------------------------------------------------------------
+    # --- inputs: agents -------------------------------------------------------
     def apply_heartbeat(self, agent_id: str, reports, now_s: float) -> list[pb.Command]:
         """Called by the gRPC Heartbeat handler (leader only). Returns the agent's commands."""
         for rep in reports:
@@ -68,7 +92,7 @@ class Cluster:
                 rec = self.records[rep.instance_id] = InstanceRecord(
                     rep.instance_id, pool=rep.pool or rep.role,
                     assigned_role=rep.pool or rep.role, health_since_s=now_s)
-                self._event(f"{rep.instance_id}: registered ({rec.pool} pool, agent {agent_id})")
+                self.record_event(f"{rep.instance_id}: registered ({rec.pool} pool, agent {agent_id})")
             self._update_from_report(rec, agent_id, rep, now_s)
         commands = self._pending.pop(agent_id, [])
         return commands
@@ -94,8 +118,59 @@ class Cluster:
         if rec.to_json() != before:
             self.dirty.add(rec.instance_id)
 
+    # --- inputs: the operator -------------------------------------------------
+    def request_drain(self, instance_id: str, deadline_s: float) -> DrainProgress:
+        """Called by the Drain RPC on each reconcile pass while the operator scales the
+        instance down. The first call queues one ``drain`` command for its agent; the
+        instance is drained once a heartbeat later than the one that delivered the
+        command reports nothing running or waiting, or when it is FAILED."""
+        rec = self.records.get(instance_id)
+        if rec is None:
+            return DrainProgress(is_known=False, is_drained=True)
+        if instance_id not in self._drains:
+            self._command(rec, "drain", deadline_s=deadline_s)
+            self._drains[instance_id] = None
+            self.record_event(f"{rec.instance_id}: drain requested by the operator")
+        pending = self._pending.get(rec.agent_id, [])
+        is_delivered = not any(c.instance_id == instance_id and c.kind == "drain" for c in pending)
+        if is_delivered and self._drains[instance_id] is None:
+            self._drains[instance_id] = rec.last_heartbeat_s
+        delivered_at = self._drains[instance_id]
+        num_running, num_waiting = rec.load.get("num_running", 0), rec.load.get("num_waiting", 0)
+        is_idle = (delivered_at is not None and rec.last_heartbeat_s > delivered_at
+                   and num_running == 0 and num_waiting == 0)
+        return DrainProgress(is_known=True, is_drained=is_idle or rec.health == FAILED,
+                             num_running=num_running, num_waiting=num_waiting, health=rec.health)
+
+    def clear_replacement(self, instance_id: str) -> None:
+        """Called once the operator deleted the instance's Pod for recreation (its
+        acknowledgement): the new Pod starts with a clean failure history."""
+        rec = self.records.get(instance_id)
+        if rec is not None:
+            rec.replacement_requested, rec.failures = False, []
+            self.dirty.add(rec.instance_id)
+
+    def forget_all(self) -> None:
+        """Called when the operator deletes the cluster: every record goes, and nothing
+        is left to write or delete (``Controller.forget_cluster`` empties the store)."""
+        self.records.clear()
+        self.dirty.clear()
+        self.removed.clear()
+        self.replacements.clear()
+        self.meta_dirty = False
+
+    # --- the leader's periodic judgement ----------------------------------------
     def tick(self, now_s: float) -> None:
-        """Called by the Controller's loop every half interval (leader only)."""
+        """Called by the Controller's commit loop every half interval (leader only):
+        silence, then the mode, then role switches."""
+        self._judge_silence(now_s)
+        self._evaluate_mode(now_s)
+        self._rebalance_step(now_s)
+        self._send_role_commands(now_s)
+
+    def _judge_silence(self, now_s: float) -> None:
+        """Missed heartbeats: SUSPECT, then FAILED; a FAILED instance silent for
+        ``forget_after_s`` is forgotten (its agent is gone: NodeAgent or Pod loss)."""
         t = self.settings.thresholds
         # a new leader gives agents one failure window to find it before judging silence
         is_grace = now_s - self.started_s < t.interval_s * t.failed_after_missed
@@ -106,7 +181,10 @@ class Cluster:
             if rec.health == FAILED and now_s - rec.last_heartbeat_s >= self.settings.forget_after_s:
                 del self.records[rec.instance_id]
                 self.removed.add(rec.instance_id)
-                self._event(f"{rec.instance_id}: forgotten (silent for {self.settings.forget_after_s:g}s)")
+                self.record_event(f"{rec.instance_id}: forgotten (silent for {self.settings.forget_after_s:g}s)")
+
+    def _evaluate_mode(self, now_s: float) -> None:
+        """PD <-> FALLBACK (hybrid fallback) from the alive instances of each pool."""
         alive = collections.Counter(r.assigned_role for r in self.records.values()
                                     if r.health in health.ALIVE)
         was_complete = self.mode.has_been_complete
@@ -114,9 +192,7 @@ class Cluster:
         self.meta_dirty |= was_complete != self.mode.has_been_complete
         if event:
             self.meta_dirty = True
-            self._event(event, logging.WARNING)
-        self._rebalance_step(now_s)
-        self._send_role_commands(now_s)
+            self.record_event(event, logging.WARNING)
 
     # --- decisions ------------------------------------------------------------
     def target_role(self, rec: InstanceRecord) -> str:
@@ -133,8 +209,8 @@ class Cluster:
         if move:
             self.records[move.instance_id].assigned_role = move.to_role
             self.dirty.add(move.instance_id)
-            self._event(f"{move.instance_id}: role switch {move.from_role} -> {move.to_role} ({move.reason})",
-                        logging.WARNING)
+            self.record_event(f"{move.instance_id}: role switch {move.from_role} -> {move.to_role} "
+                              f"({move.reason})", logging.WARNING)
 
     def _send_role_commands(self, now_s: float) -> None:
         for rec in self.records.values():
@@ -147,9 +223,10 @@ class Cluster:
             rec.command_sent_s = now_s
             self.num_role_switches += 1
             self._command(rec, "switch_role", role=target, deadline_s=self.settings.drain_deadline_s)
-            self._event(f"{rec.instance_id}: switch role {rec.role} -> {target} (drain first)")
+            self.record_event(f"{rec.instance_id}: switch role {rec.role} -> {target} (drain first)")
 
     def _command(self, rec: InstanceRecord, kind: str, **fields) -> None:
+        """Queue a command for ``rec``'s agent; its next heartbeat reply carries it."""
         cmd = pb.Command(command_id=f"c{next(self._command_ids)}", instance_id=rec.instance_id,
                          kind=kind, **fields)
         self._pending[rec.agent_id].append(cmd)
@@ -159,18 +236,24 @@ class Cluster:
         if not event:
             return
         self.dirty.add(rec.instance_id)
-        self._event(event, logging.WARNING if new == FAILED else logging.INFO)
-        if new != FAILED:
-            return
+        self.record_event(event, logging.WARNING if new == FAILED else logging.INFO)
+        if new == FAILED:
+            self._on_failed(rec, reason)
+
+    def _on_failed(self, rec: InstanceRecord, reason: str) -> None:
+        """A transition into FAILED (it left the view already): count the failover, and
+        after ``replace_after_failures`` within ``replace_window_s`` ask the operator to
+        recreate the instance's Pod (``replacements``, written by the persister)."""
         self.num_failovers += 1
         n = health.count_recent_failures(rec, self.settings.replace_window_s, time.time())
         if n >= self.settings.replace_after_failures and not rec.replacement_requested:
             rec.replacement_requested = True
             why = f"{n} failures within {self.settings.replace_window_s:g}s; last: {reason}"
             self.replacements.append((rec.instance_id, why))
-            self._event(f"{rec.instance_id}: replacement requested ({why})", logging.WARNING)
+            self.record_event(f"{rec.instance_id}: replacement requested ({why})", logging.WARNING)
 
-    def _event(self, line: str, level: int = logging.INFO) -> None:
+    def record_event(self, line: str, level: int = logging.INFO) -> None:
+        """Log ``line`` and keep it for the view's ``recent_events``."""
         log.log(level, "%s", line)
         self.events.append(f"{time.strftime('%H:%M:%S')} {line}")
 

@@ -1,10 +1,13 @@
 """The Controller process's brain: election, the leader's cluster state, the view.
 
 Owns the ``Cluster`` (only while leading), the ``Election`` and the
-``StatePersister``. Called by the gRPC service (heartbeats, view watchers) and
-runs two loops: the election, and the leader's commit loop: every half heartbeat
-interval a tick (health timeouts, mode, role switches), and after every tick or
-heartbeat that changed a record, a write to the store then the view's publication.
+``StatePersister``. Called by the gRPC service: agents' heartbeats, view
+watchers, and the operator's requests (``drain``, ``list_replacements``,
+``acknowledge_replacement``, ``forget_cluster``), each of which raises
+``NotLeader`` on a standby. Runs two loops: the election, and the leader's
+commit loop: every half heartbeat interval a tick (health timeouts, mode, role
+switches), and after every tick or heartbeat that changed a record, a write to
+the store then the view's publication.
 
 Invariants: a standby never answers heartbeats (``NotLeader``) and never writes
 state; a new leader loads the last leader's state before it answers anything;
@@ -22,9 +25,9 @@ import time
 from dataclasses import dataclass
 
 from pdserve.api.proto import controller_pb2 as pb
-from pdserve.controller.cluster import Cluster, ClusterSettings
+from pdserve.controller.cluster import Cluster, ClusterSettings, DrainProgress
 from pdserve.controller.election import Election
-from pdserve.controller.persist import StatePersister
+from pdserve.controller.persist import ReplacementRequest, StatePersister
 from pdserve.controller.store import Store
 
 log = logging.getLogger(__name__)
@@ -84,7 +87,7 @@ class Controller:
         self.num_leader_changes += 1
         if is_leader:
             cluster = await self.persister.load(self.settings.cluster, self.clock())
-            cluster._event(f"{self.settings.identity} leads ({len(cluster.records)} instances loaded)")
+            cluster.record_event(f"{self.settings.identity} leads ({len(cluster.records)} instances loaded)")
             self._view = cluster.view(self.election.leader)  # loaded from the store: already written
             self.cluster = cluster
         else:
@@ -170,3 +173,29 @@ class Controller:
     async def _wait_version(self, version: int) -> None:
         while self._view is not None and self._view.version == version:
             await self._changed.wait()
+
+    # --- the operator's requests ------------------------------------------------
+    def drain(self, instance_id: str, deadline_s: float) -> DrainProgress:
+        """Called by the Drain RPC: the operator drains an instance before deleting it."""
+        return self._require_leader().request_drain(instance_id, deadline_s)
+
+    async def list_replacements(self) -> list[ReplacementRequest]:
+        """Called by the ListReplacements RPC on every reconcile pass."""
+        self._require_leader()
+        return await self.persister.load_replacements()
+
+    async def acknowledge_replacement(self, instance_id: str) -> None:
+        """Called by the AckReplacement RPC once the operator deleted the instance's Pod
+        for recreation: the request is deleted and the failure history cleared."""
+        cluster = self._require_leader()
+        await self.persister.delete_replacement(instance_id)
+        cluster.clear_replacement(instance_id)
+
+    async def forget_cluster(self) -> int:
+        """Called by the ForgetCluster RPC (the operator's delete handler, after every
+        engine Pod is gone): from now on nothing is written, and every key of the
+        cluster but the leader key is deleted. Returns the number of keys deleted."""
+        cluster = self._require_leader()
+        self.persister = self.persister.forgotten()
+        cluster.forget_all()
+        return await self.persister.delete_all()

@@ -8,14 +8,15 @@ Keys under ``/pdserve/<cluster>/``:
   standby to take over.
 - ``meta``: the mode (PD/FALLBACK/COLOCATED), missing pools, whether the cluster was
   complete once. No lease: it is the cluster's, not a process's.
-- ``replace/<id>``: a replacement request for the operator (it deletes the key
-  once it has acted). No lease.
+- ``replace/<id>``: a replacement request for the operator (``load_replacements``;
+  ``delete_replacement`` once it has acted). No lease.
 - ``leader``: the elected Controller (see ``election.py``).
 
 Invariants: a write that fails leaves its key dirty for the next flush, and a
 change made while its key is being written is written by the next flush; after the
 store comes back from an outage every record and the meta are written again
-(etcd restarted from an older snapshot, or lost its data, converges).
+(etcd restarted from an older snapshot, or lost its data, converges); once the
+operator had the cluster forgotten (``ForgottenPersister``) nothing is written again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 from pdserve.controller.cluster import Cluster, ClusterSettings
 from pdserve.controller.fallback import ModeState
@@ -30,6 +32,15 @@ from pdserve.controller.health import InstanceRecord
 from pdserve.controller.store import Store, StoreError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplacementRequest:
+    """One ``replace/<id>`` key: the Controller wants the instance's Pod recreated."""
+
+    instance_id: str
+    reason: str
+    requested_unix_s: float
 
 
 class StatePersister:
@@ -55,6 +66,31 @@ class StatePersister:
             cluster.mode = ModeState(**json.loads(meta))
             cluster.mode.complete_since_s = None
         return cluster
+
+    async def load_replacements(self) -> list[ReplacementRequest]:
+        """Every outstanding replacement request. Called for the operator's ListReplacements."""
+        out = []
+        for key, text in (await self.store.get_prefix(self.key("replace", ""))).items():
+            data = json.loads(text)
+            out.append(ReplacementRequest(data.get("instance", key.rsplit("/", 1)[-1]),
+                                          data.get("reason", ""), data.get("requested_unix_s", 0.0)))
+        return out
+
+    async def delete_replacement(self, instance_id: str) -> None:
+        """Called for the operator's AckReplacement: it has acted on the request."""
+        await self.store.delete(self.key("replace", instance_id))
+
+    async def delete_all(self) -> int:
+        """Delete every key of the cluster but the leader key; returns how many."""
+        leader_key = self.key("leader")
+        keys = [k for k in await self.store.get_prefix(self.prefix + "/") if k != leader_key]
+        for key in keys:
+            await self.store.delete(key)
+        return len(keys)
+
+    def forgotten(self) -> ForgottenPersister:
+        """The persister to install once the operator deleted the cluster."""
+        return ForgottenPersister(self.store, self.prefix, self.lease_ttl_s)
 
     async def flush(self, cluster: Cluster, now_s: float) -> None:
         """Called by the leader's tick loop: write what changed, keep leases alive."""
@@ -111,3 +147,11 @@ class StatePersister:
             except BaseException:
                 cluster.meta_dirty = True
                 raise
+
+
+class ForgottenPersister(StatePersister):
+    """Installed by ``Controller.forget_cluster``: the deleted cluster's state is never
+    written again (a flush does nothing; loads and deletes still work)."""
+
+    async def flush(self, cluster: Cluster, now_s: float) -> None:
+        return None

@@ -1,133 +1,88 @@
 """The Controller's gRPC service and HTTP endpoints (metrics, probes).
 
-Owns the translation between the network and ``Controller``: a standby answers
-FAILED_PRECONDITION naming the leader (agents and Coordinators then try the next
-address), every call passes the cluster-token interceptor (and mTLS when
-configured). ``create_grpc_server`` and ``create_http_app`` are factories; the CLI
-wires them.
+Translation only, between the network and ``Controller``: each RPC calls one
+public method of the Controller and turns its answer into the reply; a standby's
+``NotLeader`` becomes FAILED_PRECONDITION naming the leader (agents and
+Coordinators then try the next address). Every call passes the cluster-token
+interceptor (and mTLS when configured). ``create_grpc_server`` and
+``create_http_app`` are factories; the CLI wires them.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 
 import grpc
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.api.http_runtime import alive, create_side_app, registry_of
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.api.security import SecuritySettings, add_port, server_interceptors
 from pdserve.controller.core import Controller, NotLeader
 from pdserve.controller.health import DRAINING, FAILED, READY, STARTING, SUSPECT
-from pdserve.controller.persist import StatePersister
 
 
-class ForgottenPersister(StatePersister):
-    """Installed by ``ForgetCluster``: the deleted cluster's state is never written again."""
+def leader_only(handler):
+    """A unary RPC handler whose ``NotLeader`` is answered FAILED_PRECONDITION."""
 
-    async def flush(self, cluster, now_s: float) -> None:
-        return None
+    @functools.wraps(handler)
+    async def translate(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except NotLeader as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    return translate
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
-        # instance id -> heartbeat time when its drain command was seen delivered
-        # (None: queued, not yet delivered). Per process: a new leader re-sends.
-        self._drains: dict[str, float | None] = {}
 
+    @leader_only
     async def Heartbeat(self, request, context):
-        try:
-            return await self.controller.heartbeat(request)
-        except NotLeader as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        """Called by every NodeAgent each interval."""
+        return await self.controller.heartbeat(request)
 
+    @leader_only
     async def GetView(self, request, context):
-        try:
-            return self.controller.view()
-        except NotLeader as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return self.controller.view()
 
     async def WatchView(self, request, context):
+        """Called by each Coordinator: a stream of the routable view."""
         try:
             async for view in self.controller.watch():
                 yield view
         except NotLeader as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
+    @leader_only
     async def Drain(self, request, context):
         """Called by the operator before it deletes a scaled-down instance."""
-        try:
-            cluster = self.controller._require_leader()
-        except NotLeader as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        rec = cluster.records.get(request.instance_id)
-        if rec is None:
-            return pb.DrainResponse(is_known=False, is_drained=True)
-        if request.instance_id not in self._drains:
-            cluster._command(rec, "drain", deadline_s=request.deadline_s)
-            self._drains[request.instance_id] = None
-            cluster._event(f"{rec.instance_id}: drain requested by the operator")
-        pending = cluster._pending.get(rec.agent_id, [])
-        is_delivered = not any(c.instance_id == rec.instance_id and c.kind == "drain" for c in pending)
-        if is_delivered and self._drains[request.instance_id] is None:
-            self._drains[request.instance_id] = rec.last_heartbeat_s
-        delivered_at = self._drains[request.instance_id]
-        num_running, num_waiting = rec.load.get("num_running", 0), rec.load.get("num_waiting", 0)
-        is_idle = (delivered_at is not None and rec.last_heartbeat_s > delivered_at
-                   and num_running == 0 and num_waiting == 0)
-        return pb.DrainResponse(is_known=True, is_drained=is_idle or rec.health == FAILED,
-                                num_running=num_running, num_waiting=num_waiting, health=rec.health)
+        d = self.controller.drain(request.instance_id, request.deadline_s)
+        return pb.DrainResponse(is_known=d.is_known, is_drained=d.is_drained,
+                                num_running=d.num_running, num_waiting=d.num_waiting, health=d.health)
 
+    @leader_only
     async def ListReplacements(self, request, context):
         """Called by the operator on every reconcile."""
-        try:
-            self.controller._require_leader()
-        except NotLeader as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        persister = self.controller.persister
         out = pb.ListReplacementsResponse()
-        for key, text in (await self.controller.store.get_prefix(persister.key("replace", ""))).items():
-            data = json.loads(text)
-            out.replacements.add(instance_id=data.get("instance", key.rsplit("/", 1)[-1]),
-                                 reason=data.get("reason", ""),
-                                 requested_unix_s=data.get("requested_unix_s", 0.0))
+        for r in await self.controller.list_replacements():
+            out.replacements.add(instance_id=r.instance_id, reason=r.reason,
+                                 requested_unix_s=r.requested_unix_s)
         return out
 
+    @leader_only
     async def AckReplacement(self, request, context):
         """Called by the operator once it deleted the instance's Pod for recreation."""
-        try:
-            cluster = self.controller._require_leader()
-        except NotLeader as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        await self.controller.store.delete(self.controller.persister.key("replace", request.instance_id))
-        rec = cluster.records.get(request.instance_id)
-        if rec is not None:  # the new Pod starts with a clean failure history
-            rec.replacement_requested, rec.failures = False, []
-            cluster.dirty.add(rec.instance_id)
+        await self.controller.acknowledge_replacement(request.instance_id)
         return pb.AckReplacementResponse()
 
+    @leader_only
     async def ForgetCluster(self, request, context):
         """Called by the operator's delete handler after every engine Pod is gone."""
-        try:
-            cluster = self.controller._require_leader()
-        except NotLeader as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        c = self.controller
-        old = c.persister
-        c.persister = ForgottenPersister(c.store, old.prefix, old.lease_ttl_s)
-        cluster.records.clear()
-        cluster.dirty.clear()
-        cluster.removed.clear()
-        cluster.replacements.clear()
-        cluster.meta_dirty = False
-        leader_key = old.key("leader")
-        keys = [k for k in await c.store.get_prefix(old.prefix + "/") if k != leader_key]
-        for key in keys:
-            await c.store.delete(key)
-        return pb.ForgetClusterResponse(num_keys_deleted=len(keys))
+        return pb.ForgetClusterResponse(num_keys_deleted=await self.controller.forget_cluster())
 
 
 async def create_grpc_server(controller: Controller, address: str,
@@ -179,26 +134,14 @@ class ControllerCollector:
 
 def create_http_app(controller: Controller) -> web.Application:
     """/metrics, /healthz (process alive), /readyz (serving: leader or standby), /leaderz."""
-    registry = CollectorRegistry()
-    registry.register(ControllerCollector(controller))
 
-    async def metrics(_):
-        return web.Response(body=generate_latest(registry), content_type="text/plain")
-
-    async def healthz(_):
-        return web.Response(text="ok\n")
-
-    async def leaderz(_):
+    def leaderz() -> tuple[bool, str]:
         if controller.is_leader:
-            return web.Response(text="leader\n")
-        return web.Response(status=503, text=f"standby; leader is {controller.election.leader}\n")
+            return True, "leader\n"
+        return False, f"standby; leader is {controller.election.leader}\n"
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", healthz)
-    app.router.add_get("/leaderz", leaderz)
-    return app
+    return create_side_app(registry_of(ControllerCollector(controller)),
+                           {"/healthz": alive, "/readyz": alive, "/leaderz": leaderz})
 
 
 __all__ = ["ControllerServicer", "create_grpc_server", "create_http_app", "pb"]

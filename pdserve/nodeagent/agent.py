@@ -1,10 +1,11 @@
 """The NodeAgent: supervises its instances' engines, probes them, heartbeats to the
 Controller and executes its commands.
 
-Owns one ``EngineProcess`` and one probe state per instance, the Controller
-channel, and the command tasks. Loops: one supervisor per engine, one probe loop
-per engine, one heartbeat loop (every interval, and at once when an engine's
-process state changes, so a death is reported without waiting).
+Owns one ``SupervisedEngine`` per instance (its ``EngineProcess`` and probe
+state), the Controller channel, and the command tasks. Loops: one supervisor
+per engine, one probe loop per engine, one heartbeat loop (every interval, and
+at once when an engine's process state changes, so a death is reported without
+waiting).
 
 Commands: ``drain`` (stop admitting), ``switch_role`` (drain, wait until idle or
 the deadline, SetRole, resume; if the engine cannot switch in place the process
@@ -38,7 +39,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Instance:
+class SupervisedEngine:
+    """One instance as its agent sees it: the engine process, the last probe, the
+    load to report. Built by the CLI; read by the loops, the HTTP probes and metrics."""
+
     instance_id: str
     pool: str
     role: str
@@ -84,7 +88,7 @@ class AgentSettings:
 
 
 class Agent:
-    def __init__(self, settings: AgentSettings, instances: list[Instance],
+    def __init__(self, settings: AgentSettings, instances: list[SupervisedEngine],
                  security: SecuritySettings) -> None:
         self.settings, self.security = settings, security
         self.instances = {i.instance_id: i for i in instances}
@@ -123,7 +127,7 @@ class Agent:
             await self._channel.close()
 
     # --- probes ---------------------------------------------------------------
-    async def _probe_loop(self, inst: Instance) -> None:
+    async def _probe_loop(self, inst: SupervisedEngine) -> None:
         client: EngineClient | None = None
         while True:
             await asyncio.sleep(self.settings.interval_s)
@@ -152,7 +156,7 @@ class Agent:
                 self._wake.set()
 
     @staticmethod
-    def _load(inst: Instance, s) -> pb.InstanceLoad:
+    def _load(inst: SupervisedEngine, s) -> pb.InstanceLoad:
         now = time.monotonic()
         prompt_rate = gen_rate = 0.0
         if inst._totals is not None and now > inst._totals[0]:
@@ -216,7 +220,7 @@ class Agent:
             self._tasks.append(asyncio.create_task(self._execute(inst, cmd)))
 
     # --- commands ---------------------------------------------------------------
-    async def _execute(self, inst: Instance, cmd: pb.Command) -> None:
+    async def _execute(self, inst: SupervisedEngine, cmd: pb.Command) -> None:
         log.info("%s: command %s %s", inst.instance_id, cmd.kind, cmd.role)
         try:
             if cmd.kind == "restart":
@@ -234,7 +238,7 @@ class Agent:
             inst.is_busy = False
             self._wake.set()
 
-    async def _switch_role(self, inst: Instance, client: EngineClient, role: str, deadline_s: float) -> None:
+    async def _switch_role(self, inst: SupervisedEngine, client: EngineClient, role: str, deadline_s: float) -> None:
         self._wake.set()  # report "draining" now: the Controller takes it out of the view
         await client.drain()
         deadline = time.monotonic() + deadline_s

@@ -17,12 +17,12 @@ import os
 import socket
 
 from pdserve.api import PDCluster
-from pdserve.api.http_runtime import start_http, wait_for_stop_signal
+from pdserve.api.http_runtime import run_component
 from pdserve.api.instance import instance_ordinal
 from pdserve.api.logs import configure_logging
 from pdserve.api.manifest import default_cluster
 from pdserve.api.security import SecuritySettings
-from pdserve.nodeagent.agent import Agent, AgentSettings, Instance
+from pdserve.nodeagent.agent import Agent, AgentSettings, SupervisedEngine
 from pdserve.nodeagent.engine_args import build_engine_argv
 from pdserve.nodeagent.http import create_http_app
 from pdserve.nodeagent.process import Backoff
@@ -83,18 +83,14 @@ async def serve(args: argparse.Namespace) -> int:
         interval_s=args.heartbeat_interval or cluster.spec.heartbeat.interval_seconds,
         probe_timeout_s=args.probe_timeout, echo_engine_output=not args.quiet_engines,
         backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after))
-    instances = [Instance(iid, pool, pool, build_engine_argv(cluster, pool, args.engine_arg),
-                          cpus=engine_cpus(cluster, iid, pool) if args.pin_cpus else ())
+    instances = [SupervisedEngine(iid, pool, pool, build_engine_argv(cluster, pool, args.engine_arg),
+                                  cpus=engine_cpus(cluster, iid, pool) if args.pin_cpus else ())
                  for iid, pool in map(parse_instance, args.instance)]
     agent = Agent(settings, instances, SecuritySettings.from_env())
-    runner, http_port = await start_http(create_http_app(agent), args.host, args.http_port)
-    await agent.start()
-    print(f"nodeagent {args.agent_id} supervising {len(instances)} engine(s) "
-          f"(http port {http_port}, controller {args.controller})", flush=True)
-    await wait_for_stop_signal()
-    await agent.stop()
-    await runner.cleanup()
-    return 0
+    return await run_component(
+        agent, create_http_app(agent), args.host, args.http_port,
+        lambda http_port: f"nodeagent {args.agent_id} supervising {len(instances)} engine(s) "
+                          f"(http port {http_port}, controller {args.controller})")
 
 
 def run(args: argparse.Namespace) -> int:

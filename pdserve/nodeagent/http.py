@@ -9,13 +9,15 @@ the agent at scrape time.
 from __future__ import annotations
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.api.http_runtime import alive, create_side_app, registry_of
 from pdserve.nodeagent.agent import Agent
 
 
 class AgentCollector:
+    """``pdserve_nodeagent_*`` metrics, read from the agent at scrape time."""
+
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
 
@@ -38,23 +40,11 @@ class AgentCollector:
 
 
 def create_http_app(agent: Agent) -> web.Application:
-    registry = CollectorRegistry()
-    registry.register(AgentCollector(agent))
-
-    async def metrics(_):
-        return web.Response(body=generate_latest(registry), content_type="text/plain")
-
-    async def healthz(_):
-        return web.Response(text="ok\n")
-
-    async def readyz(_):
+    def readyz() -> tuple[bool, str]:
         not_ready = [i.instance_id for i in agent.instances.values() if not i.is_ready]
         if not_ready:
-            return web.Response(status=503, text="not ready: " + ", ".join(not_ready) + "\n")
-        return web.Response(text="ready\n")
+            return False, "not ready: " + ", ".join(not_ready) + "\n"
+        return True, "ready\n"
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    return app
+    return create_side_app(registry_of(AgentCollector(agent)),
+                           {"/healthz": alive, "/readyz": readyz})

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter
+
+from pdserve.api.http_runtime import create_side_app
 
 
 class OperatorMetrics:
@@ -35,15 +37,9 @@ class OperatorMetrics:
 
 
 def create_http_app(metrics: OperatorMetrics, is_alive: Callable[[], bool]) -> web.Application:
-    async def serve_metrics(_):
-        return web.Response(body=generate_latest(metrics.registry), content_type="text/plain")
-
-    async def healthz(_):
+    def healthz() -> tuple[bool, str]:
         if is_alive():
-            return web.Response(text="ok\n")
-        return web.Response(status=503, text="operator loop not running\n")
+            return True, "ok\n"
+        return False, "operator loop not running\n"
 
-    app = web.Application()
-    app.router.add_get("/metrics", serve_metrics)
-    app.router.add_get("/healthz", healthz)
-    return app
+    return create_side_app(metrics.registry, {"/healthz": healthz})

@@ -4,6 +4,11 @@ Owns the Pod of a PDInstance: the agent's arguments (Controller address, the
 instance, the cluster file), probes, resources and GPUs, node placement, the
 config and model volumes. The Pod is named after its PDInstance and owned by it.
 
+Where Pods are created: ``Reconciler._apply_engine_pods`` (``reconcile.py``) is
+the one caller of ``build_engine_pod`` and the one place that creates engine
+Pods (a missing Pod, a failed one, one the Controller asked to replace, and each
+Pod of a settings rollout); ``kube.KubeClient.create`` sends it.
+
 Invariants: the Pod carries the engine-settings hash (``SPEC_HASH_LABEL``); the
 operator never patches a Pod, it deletes and recreates it, so a running Pod's
 settings are exactly those of its hash. The agent runs the instance in its *pool*
@@ -51,7 +56,8 @@ def agent_args(cluster: PDCluster, instance: str, pool: str) -> list[str]:
 
 def build_engine_pod(cluster: PDCluster, instance: str, pool: str, instance_uid: str | None,
                      image: str) -> dict:
-    """The Pod of PDInstance ``instance``. Called by reconcile when the Pod is missing."""
+    """The Pod of PDInstance ``instance``. Called by ``Reconciler._apply_engine_pods``
+    when the Pod is missing (never there, deleted as failed, replaced or stale)."""
     spec = getattr(cluster.spec, pool)
     mounts = [{"name": "config", "mountPath": b.CONFIG_DIR, "readOnly": True}]
     volumes = [{"name": "config", "configMap": {"name": b.config_map_name(cluster)}}]

@@ -2,10 +2,13 @@
 write status. Level-triggered: it reads everything each time and keeps no state
 between calls except per-cluster locks, so running it again changes nothing.
 
-Order of a pass: cluster file, control-plane objects and Services (``apply``);
-PDInstances (create missing; drain surplus, then delete); the Controller's
-replacement requests (delete the Pod, acknowledge); engine Pods (roll, recreate
-failed, create missing); PDInstance phases; PDCluster status.
+Order of a pass: cluster file, control-plane objects and Services
+(``_apply_static``); PDInstances (``_create_instances``; ``_scale_down``: drain
+surplus, then delete); the Controller's replacement requests
+(``_apply_replacements``: delete the Pod, acknowledge); engine Pods
+(``_apply_engine_pods``, the one place that creates Pods, built by
+``pods.build_engine_pod``: roll, recreate failed, create missing); PDInstance
+phases; PDCluster status.
 
 Rollout of engine settings (why "recreate"): a P and a D with different engine
 settings must never be paired, so Pods of two settings hashes never run at the
@@ -128,8 +131,8 @@ class Reconciler:
                 if is_available(obs.deployments.get("controller")) else None)
         await self._create_instances(cluster, obs, events)
         await self._scale_down(cluster, obs, ctrl, events)
-        await self._replace(cluster, obs, ctrl, events)
-        await self._roll_pods(cluster, obs, events)
+        await self._apply_replacements(cluster, obs, ctrl, events)
+        await self._apply_engine_pods(cluster, obs, events)
         try:
             obs.controller_mode = await ctrl.mode() if ctrl else None
         except ControllerUnavailable:
@@ -207,8 +210,10 @@ class Reconciler:
         obs.pods.pop(name, None)
         obs.instances.pop(name, None)
 
-    async def _replace(self, cluster: PDCluster, obs: Observation, ctrl: ControllerClient | None,
-                       events: list[Event]) -> None:
+    async def _apply_replacements(self, cluster: PDCluster, obs: Observation, ctrl: ControllerClient | None,
+                                  events: list[Event]) -> None:
+        """The Controller's replacement requests (repeated failures): delete the Pod
+        (``_apply_engine_pods`` creates the new one), then acknowledge."""
         if ctrl is None:
             return
         try:
@@ -228,7 +233,9 @@ class Reconciler:
             except ControllerUnavailable:
                 return  # asked again next pass; the new Pod is left alone then (not yet Running)
 
-    async def _roll_pods(self, cluster: PDCluster, obs: Observation, events: list[Event]) -> None:
+    async def _apply_engine_pods(self, cluster: PDCluster, obs: Observation, events: list[Event]) -> None:
+        """Engine Pods: with stale settings, delete them all and create none this pass;
+        else recreate failed ones and create each missing one from ``build_engine_pod``."""
         ns, spec_hash = cluster.metadata.namespace, b.engine_spec_hash(cluster)
         stale = [p for p in obs.pods.values() if p["metadata"]["labels"].get(b.SPEC_HASH_LABEL) != spec_hash]
         obs.num_stale_pods = len(stale)
