@@ -27,13 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.api.engine_client import EngineClient, build_generate_request  # noqa: E402
 from tests.procs import PDSERVE, Proc  # noqa: E402
+from tests.stub_engine import StubEngine, start_stub  # noqa: E402
 
 BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 1, "temperature": 0}
 
 
 def serve_stub(role: str) -> None:
-    from pdserve.coordinator.stub_engine import StubEngine, start_stub
-
     async def main():
         server, address = await start_stub(StubEngine(role=role))
         print(f"stub serving on {address}", flush=True)

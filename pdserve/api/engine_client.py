@@ -68,7 +68,9 @@ def build_generate_request(
     kv_transfer: dict | None = None,
     sample_offset: int = 0,
 ) -> pb.GenerateRequest:
-    """``kv_transfer``: {"role", "mode", "transfer_id", "peer"} for one disaggregated leg."""
+    """A request from keyword arguments, for the CLI, tests and benchmarks (the Coordinator
+    builds its legs' requests from its own parameters). ``kv_transfer``: {"role", "mode",
+    "transfer_id", "peer"} for one disaggregated leg."""
     sampling = pb.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .instances import Instance
+from .instances import EngineEndpoint
 
 PD_TRIP_TOKENS = 32  # ~the exposed KV transfer and two control hops, in prefill tokens
 DEFAULT_MAX_STALL_S = 0.1  # longest a prefill on D may pause D's streams without a TPOT SLO
@@ -40,7 +40,7 @@ class Decision:
     reason: str  # short_prompt | decode_busy | prefill_busy | stall_guard | long_prompt | disabled
 
 
-def decide(p: Instance, d: Instance, uncached: int, max_tokens: int, load_aware: bool,
+def decide(p: EngineEndpoint, d: EngineEndpoint, uncached: int, max_tokens: int, load_aware: bool,
            max_stall_s: float | None) -> Decision:
     """Where ``uncached`` prompt tokens prefill for the pair (p, d); pure."""
     if max_tokens <= 0 and not load_aware:

@@ -17,7 +17,7 @@ import logging
 
 import grpc
 
-from .instances import Instance, InstanceRegistry
+from .instances import EngineEndpoint, InstanceRegistry
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class StaticDiscovery:
         found = await asyncio.gather(*(self._probe(a) for a in self.addresses))
         self.registry.replace(list(found))
 
-    async def _probe(self, address: str) -> Instance:
+    async def _probe(self, address: str) -> EngineEndpoint:
         client = self.registry.client(address)
         timeout_s = max(0.2, min(2.0, self.interval_s))
         try:
@@ -69,9 +69,9 @@ class StaticDiscovery:
                     return old  # slow, not gone: keep routing on its last view
             if old is None or old.healthy:
                 log.warning("engine %s does not answer: %s", address, _short(exc))
-            return Instance(address, address, old.role if old else "unknown", healthy=False)
+            return EngineEndpoint(address, address, old.role if old else "unknown", healthy=False)
         self._num_slow.pop(address, None)
-        return Instance(
+        return EngineEndpoint(
             instance_id=address, address=address, role=health.role,
             kv_endpoint=health.kv_endpoint, kv_compat_hash=health.kv_compat_hash,
             healthy=health.serving, draining=health.draining,

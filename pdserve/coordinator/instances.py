@@ -1,7 +1,8 @@
 """The instance view: which engines exist, their role, KV endpoint, compat hash and load.
 
+Each engine is one ``EngineEndpoint`` (the Coordinator's picture of a PDInstance).
 ``InstanceRegistry`` is written by one source (the static poller or the Controller
-watcher) through ``replace``/``update``, and read by the router on every request.
+watcher) through ``replace``, and read by the router on every request.
 It also owns one ``EngineClient`` per engine address and the Coordinator's own
 count of legs in flight per engine (exact, unlike polled load).
 
@@ -22,7 +23,10 @@ from pdserve.api.security import SecuritySettings
 
 
 @dataclass
-class Instance:
+class EngineEndpoint:
+    """One engine as the router sees it. The view's fields are written by the view
+    source; the Coordinator-side counters by the legs running on it (``legs.Leg``)."""
+
     instance_id: str
     address: str
     role: str  # "prefill" | "decode" | "hybrid"
@@ -55,6 +59,13 @@ class Instance:
         """Requests ahead of a new one: reported load or our own count, whichever is larger."""
         return max(self.num_running + self.num_waiting, self.num_inflight)
 
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Called by a leg when the engine reports how long a prefill of ``num_tokens`` took."""
+        if seconds > 0 and num_tokens:
+            rate = num_tokens / seconds
+            old = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if old == 0 else 0.8 * old + 0.2 * rate
+
 
 VIEW_FIELDS = (
     "address", "role", "kv_endpoint", "kv_compat_hash", "healthy", "draining", "num_running",
@@ -64,16 +75,16 @@ VIEW_FIELDS = (
 
 @dataclass
 class Pools:
-    prefill: list[Instance] = field(default_factory=list)
-    decode: list[Instance] = field(default_factory=list)
-    hybrid: list[Instance] = field(default_factory=list)
+    prefill: list[EngineEndpoint] = field(default_factory=list)
+    decode: list[EngineEndpoint] = field(default_factory=list)
+    hybrid: list[EngineEndpoint] = field(default_factory=list)
 
 
 class InstanceRegistry:
     def __init__(self, security: SecuritySettings | None = None, suspect_s: float = 5.0) -> None:
         self._security = security or SecuritySettings.from_env()
         self._suspect_s = suspect_s
-        self._instances: dict[str, Instance] = {}
+        self._instances: dict[str, EngineEndpoint] = {}
         self._clients: dict[str, EngineClient] = {}
         self._changed = asyncio.Event()
         self.mode = "PD"  # the Controller's view mode: "PD" | "FALLBACK"
@@ -83,11 +94,11 @@ class InstanceRegistry:
 
     # -- written by the view source (static poller / Controller watcher) --
 
-    def replace(self, instances: list[Instance], mode: str = "PD", reason: str = "",
+    def replace(self, instances: list[EngineEndpoint], mode: str = "PD", reason: str = "",
                 events: list[str] | None = None) -> None:
         """A whole new view. Instances that stay keep their object (requests hold it)
         and Coordinator-side counters; only the view's fields are updated."""
-        new: dict[str, Instance] = {}
+        new: dict[str, EngineEndpoint] = {}
         for inst in instances:
             old = self._instances.get(inst.instance_id)
             if old is not None:
@@ -114,10 +125,10 @@ class InstanceRegistry:
 
     # -- read by the router and the request lifecycle --
 
-    def all(self) -> list[Instance]:
+    def all(self) -> list[EngineEndpoint]:
         return list(self._instances.values())
 
-    def get(self, instance_id: str) -> Instance | None:
+    def get(self, instance_id: str) -> EngineEndpoint | None:
         return self._instances.get(instance_id)
 
     def pools(self, exclude: set[str] = frozenset()) -> Pools:

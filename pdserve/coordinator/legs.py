@@ -1,23 +1,46 @@
-"""One engine leg of a request: the gRPC stream, its failure classes, and its abort.
+"""The legs of a request: one engine stream each, and the PD pair of two.
 
-A leg failure is either the client's fault (bad input: ``ServeError`` 400, never
-retried), the deadline's (504), or the engine's (``LegFailure``: retryable on other
-engines). ``abort_soon`` sends an Abort RPC in the background after a leg's call was
-cancelled: the engine aborts a cancelled call by itself, the explicit Abort makes
-sure its KV is freed even if the cancellation was lost on the way.
+A leg is one Generate call on one engine. ``Leg`` runs a whole request on one
+engine (conditional disaggregation on D, or a hybrid engine); ``PrefillLeg`` and
+``DecodeLeg`` are the halves of a PD attempt, which ``PairedLegs`` runs together:
+the decode leg streamed, the prefill leg awaited beside it in a task. Both shapes
+answer the same calls, made by ``RequestRun`` on the event loop:
+
+  start(timeout_s)   send the call(s); count the load on their engines
+  tokens()           the output token ids, until the engine finishes the request
+  close()            restore the load counts; cancel and abort what did not finish
+
+Failures: the client's (``ServeError`` 400: the engine refused the input, never
+retried), the deadline's (504), or the engine's (``LegFailure``, with the leg and
+the stage: retryable on other engines). In a PD attempt, a prefill failure before
+the decode leg's first token is the attempt's failure (D only waits for the KV);
+after it, the failure is moot.
+
+Load counts on each ``EngineEndpoint``: one in flight per leg from ``start`` to
+``close``; a single or prefill leg's prompt tokens are pending prefill until the
+engine reports the prefill done (its first timings) or the leg is closed.
+
+Invariants: every started leg is closed, whatever ends the attempt (closing
+``RequestRun.tokens`` on a client disconnect included); a closed leg that did not
+finish is cancelled and aborted through the ``Aborter``, except a prefill leg
+whose stream already ended, or whose decode leg finished: the KV moved, its
+"handoff" is on the way and it ends by itself (no Abort RPC on the hot path).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.api.engine_client import EngineClient
 from pdserve.api.proto import engine_pb2 as pb
 
 from .errors import ServeError
-from .instances import Instance, InstanceRegistry
+from .instances import EngineEndpoint, InstanceRegistry
+from .timings import RequestTimings
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0
@@ -25,26 +48,204 @@ ABORT_TIMEOUT_S = 2.0
 
 class LegFailure(Exception):
     """An engine failed a leg; ``stage`` is when ("before_first_token", "before_handoff",
-    "mid_stream"). Raised by the lifecycle's leg runners, handled by its retry loop."""
+    "mid_stream"). Raised by ``Leg.tokens``, handled by ``RequestRun``'s retry loop."""
 
-    def __init__(self, instance: Instance, leg: str, stage: str, message: str) -> None:
-        super().__init__(f"{leg} engine {instance.address}: {message}")
-        self.instance = instance
+    def __init__(self, engine: EngineEndpoint, leg: str, stage: str, message: str) -> None:
+        super().__init__(f"{leg} engine {engine.address}: {message}")
+        self.engine = engine
         self.leg = leg
         self.stage = stage
 
 
-def classify_rpc_error(exc: grpc.aio.AioRpcError, inst: Instance, leg: str, stage: str) -> Exception:
-    code = exc.code()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ServeError(400, exc.details() or "invalid request", code="invalid_request")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return ServeError(504, "the request's deadline passed before it finished", code="deadline")
-    return LegFailure(inst, leg, stage, f"{code.name}: {exc.details()}")
+class Leg:
+    """One Generate call; this class is the single leg, the subclasses a PD pair's halves."""
+
+    kind = "single"
+    END_REASONS: tuple[str, ...] = ("stop", "length")  # finish reasons that end it well
+    ENDED_EARLY = "stream ended without finishing"
+    PREFILLS_PROMPT = True  # its engine prefills the prompt: counted as pending prefill
+
+    def __init__(self, engine: EngineEndpoint, request: pb.GenerateRequest, client: EngineClient,
+                 timings: RequestTimings, aborter: Aborter) -> None:
+        self.engine = engine
+        self.request = request
+        self.has_token = False
+        self.finished = False
+        self.finish_reason: str | None = None
+        self._client = client
+        self._timings = timings
+        self._aborter = aborter
+        self._call = None
+        self._is_open = False
+        self._has_timings = False
+        self._num_pending = 0
+
+    def start(self, timeout_s: float) -> None:
+        """Called once, by ``RequestRun`` or ``PairedLegs.start``: sends the call with a
+        gRPC deadline of ``timeout_s`` (what is left of the request's), counts the load."""
+        self._call = self._client.generate(self.request, timeout_s=timeout_s)
+        self._is_open = True
+        self.engine.num_inflight += 1
+        if self.PREFILLS_PROMPT:
+            self._num_pending = len(self.request.prompt_token_ids)
+            self.engine.num_pending_prefill_tokens += self._num_pending
+
+    async def tokens(self, prefill: asyncio.Future | None = None) -> AsyncIterator[list[int]]:
+        """The token ids of each message, until a finish in ``END_REASONS``; raises the
+        leg's failure classified. ``prefill``: the pair's prefill task, whose failure
+        before this leg's first token is raised instead."""
+        stream = self._call.__aiter__()
+        while True:
+            try:
+                if prefill is None or prefill.done():
+                    msg = await stream.__anext__()
+                else:
+                    msg = await self._next_unless_prefill_fails(stream, prefill)
+            except StopAsyncIteration:
+                raise self._failure(self.ENDED_EARLY) from None
+            except grpc.aio.AioRpcError as exc:
+                raise self._rpc_failure(exc) from None
+            if msg.finished and msg.finish_reason not in self.END_REASONS:
+                raise self._failure(f"finished with {msg.finish_reason}: {msg.error}")
+            if not self._has_timings and msg.HasField("timings"):
+                self._has_timings = True
+                self._record_first(msg.timings)
+            if msg.token_ids:
+                self.has_token = True
+                yield list(msg.token_ids)
+            if msg.finished:
+                self.finished = True
+                self.finish_reason = msg.finish_reason
+                self._record_end(msg.timings)
+                return
+
+    async def _next_unless_prefill_fails(self, stream, prefill: asyncio.Future):
+        # Before its first token a decode leg only waits for P's KV: P's failure wins.
+        nxt = asyncio.ensure_future(stream.__anext__())
+        await asyncio.wait((nxt, prefill), return_when=asyncio.FIRST_COMPLETED)
+        if not self.has_token and prefill.done() and not prefill.cancelled() \
+                and prefill.exception() is not None:
+            if not nxt.done():
+                nxt.cancel()
+            raise prefill.exception()
+        return await nxt
+
+    def release(self) -> None:
+        """Restores the engine's load counts; idempotent. Called by ``close`` and by
+        ``PairedLegs`` for a prefill leg that ends by itself."""
+        if self._is_open:
+            self._is_open = False
+            self.engine.num_inflight -= 1
+            self._release_pending()
+
+    def close(self) -> None:
+        """Called once the attempt is over: ``release``, and unless the leg finished,
+        cancel its call and abort it on the engine (its KV freed even if the
+        cancellation is lost on the way)."""
+        was_open = self._is_open
+        self.release()
+        if was_open and not self.finished:
+            self._call.cancel()
+            self._aborter.abort_soon(self.engine, self.request.request_id)
+
+    def _release_pending(self) -> None:
+        self.engine.num_pending_prefill_tokens -= self._num_pending
+        self._num_pending = 0
+
+    def _stage(self) -> str:
+        return "mid_stream" if self.has_token else "before_first_token"
+
+    def _failure(self, message: str) -> LegFailure:
+        return LegFailure(self.engine, self.kind, self._stage(), message)
+
+    def _rpc_failure(self, exc: grpc.aio.AioRpcError) -> Exception:
+        code = exc.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ServeError(400, exc.details() or "invalid request", code="invalid_request")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return ServeError(504, "the request's deadline passed before it finished", code="deadline")
+        return self._failure(f"{code.name}: {exc.details()}")
+
+    def _record_first(self, t: pb.Timings) -> None:
+        """The engine's first timings: its prefill is done."""
+        self._timings.observe("prefill_queue", t.queue_s)
+        self._timings.observe("prefill_compute", t.prefill_s)
+        self.engine.observe_prefill(len(self.request.prompt_token_ids), t.prefill_s)
+        self._release_pending()
+
+    def _record_end(self, t: pb.Timings) -> None:
+        pass
 
 
-def finish_failure(msg: pb.GenerateResponse, inst: Instance, leg: str, stage: str) -> LegFailure:
-    return LegFailure(inst, leg, stage, f"finished with {msg.finish_reason}: {msg.error}")
+class PrefillLeg(Leg):
+    kind = "prefill"
+    END_REASONS = ("handoff",)
+    ENDED_EARLY = "stream ended without handoff"
+
+    async def until_handoff(self) -> None:
+        """The pair's prefill task: the prefill engine's stream to its handoff."""
+        async for _ in self.tokens():
+            pass
+
+    def _stage(self) -> str:
+        return "before_handoff"
+
+    def _record_end(self, t: pb.Timings) -> None:
+        self._timings.observe("kv_transfer", t.kv_transfer_s)
+
+
+class DecodeLeg(Leg):
+    kind = "decode"
+    PREFILLS_PROMPT = False
+
+    def _record_first(self, t: pb.Timings) -> None:
+        """The decode engine's first token: how long it waited for the KV, then for a step."""
+        self._timings.observe("decode_wait", t.kv_wait_s)
+        self._timings.observe("decode_queue", t.decode_queue_s)
+
+
+class PairedLegs:
+    """A PD attempt: D is streamed, P runs in a task beside it (D's first token needs
+    P's KV, so P's failure before it ends the attempt)."""
+
+    def __init__(self, prefill: PrefillLeg, decode: DecodeLeg) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self._prefill_task: asyncio.Future | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.decode.finish_reason
+
+    def start(self, timeout_s: float) -> None:
+        self.decode.start(timeout_s)
+        self.prefill.start(timeout_s)
+        self._prefill_task = asyncio.ensure_future(self.prefill.until_handoff())
+
+    def tokens(self) -> AsyncIterator[list[int]]:
+        return self.decode.tokens(self._prefill_task)
+
+    def close(self) -> None:
+        self.decode.close()
+        task = self._prefill_task
+        if task is None:
+            self.prefill.close()
+        elif task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: a P failure after D's first token is moot
+            self.prefill.release()
+        elif self.decode.finished:
+            self.prefill.release()
+            task.add_done_callback(_retrieve)
+        else:
+            task.cancel()
+            self.prefill.close()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Done callback of a prefill leg left to end by itself: its outcome no longer matters."""
+    if not task.cancelled():
+        task.exception()
 
 
 class Aborter:
@@ -54,9 +255,9 @@ class Aborter:
         self.registry = registry
         self._tasks: set[asyncio.Task] = set()
 
-    def abort_soon(self, inst: Instance, request_id: str) -> None:
-        """Called by the lifecycle when a leg ended without finishing."""
-        task = asyncio.get_running_loop().create_task(self._abort(inst.address, request_id))
+    def abort_soon(self, engine: EngineEndpoint, request_id: str) -> None:
+        """Called by ``Leg.close`` when a leg ended without finishing."""
+        task = asyncio.get_running_loop().create_task(self._abort(engine.address, request_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

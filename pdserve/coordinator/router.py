@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .conditional import decide
 from .errors import ServeError
-from .instances import Instance, InstanceRegistry, Pools
+from .instances import EngineEndpoint, InstanceRegistry, Pools
 from .metrics import CoordinatorMetrics
 from .policies import RouteContext, build_policy
 from .prefix_index import PrefixIndex
@@ -33,9 +33,9 @@ from .settings import CoordinatorSettings
 @dataclass
 class Plan:
     kind: str  # "pd" | "single"
-    prefill: Instance | None = None
-    decode: Instance | None = None
-    single: Instance | None = None
+    prefill: EngineEndpoint | None = None
+    decode: EngineEndpoint | None = None
+    single: EngineEndpoint | None = None
     fallback: str | None = None  # reason label when this is a fallback
 
 
@@ -94,7 +94,7 @@ class Router:
         return bool(instances) and all(i.role in ("hybrid", "unknown") for i in instances)
 
     @staticmethod
-    def compatible(pools: Pools) -> tuple[list[Instance], list[Instance], str]:
+    def compatible(pools: Pools) -> tuple[list[EngineEndpoint], list[EngineEndpoint], str]:
         """The P and D candidates that can pair (equal kv_compat_hash), or a reason label."""
         if not pools.prefill and not pools.decode:
             return [], [], "no_prefill_or_decode_engine"

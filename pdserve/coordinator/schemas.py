@@ -2,9 +2,13 @@
 
 Requests are validated here, before any routing: ``n`` must be 1, ``stop`` holds at
 most four strings, token-id prompts are non-negative integers. Unknown fields are
-ignored, as OpenAI's SDK sends fields this server does not use. Response models
-exist for the OpenAPI document (the contract schemathesis checks); the hot path
-builds plain dicts with the same shape.
+ignored, as OpenAI's SDK sends fields this server does not use.
+
+Response models exist for the OpenAPI document (the contract schemathesis checks).
+The hot path does not validate what it sends: ``ResponseBuilder`` builds the same
+shapes as plain dicts (and the stream's chunks, which OpenAPI documents as text),
+the one place they are written; a unit test checks them against these models and
+OpenAI's SDK types.
 """
 
 from __future__ import annotations
@@ -85,22 +89,15 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
-    text: str
     finish_reason: Literal["stop", "length"] | None
     logprobs: None = None
     token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    pdserve_timings: dict[str, float | int | str | None] | None = None
+class CompletionChoice(_Choice):
+    text: str
 
 
 class AssistantMessage(BaseModel):
@@ -108,22 +105,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
-    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class _Response(BaseModel):
     id: str
-    object: Literal["chat.completion"]
     created: int
     model: str
-    choices: list[ChatChoice]
     usage: Usage | None = None
     pdserve_timings: dict[str, float | int | str | None] | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
 
 
 class ModelCard(BaseModel):
@@ -152,3 +153,58 @@ class ErrorResponse(BaseModel):
 class HealthStatus(BaseModel):
     status: str
     detail: dict[str, int | str | bool] = Field(default_factory=dict)
+
+
+class ResponseBuilder:
+    """One response's bodies as dicts: the whole response (``CompletionResponse`` or
+    ``ChatCompletionResponse``) or the chunks of its stream. Built once per request
+    by serving; ``chunk`` runs per streamed message, so it only fills in dicts."""
+
+    __slots__ = ("is_chat", "_head", "_chunk_head")
+
+    def __init__(self, request_id: str, model: str, created: int, is_chat: bool) -> None:
+        self.is_chat = is_chat
+        self._head = {"id": request_id, "object": "chat.completion" if is_chat else "text_completion",
+                      "created": created, "model": model}
+        self._chunk_head = {**self._head, "object": "chat.completion.chunk" if is_chat
+                            else "text_completion"}
+
+    def response(self, text: str, finish_reason: str | None, usage: dict,
+                 token_ids: list[int] | None = None, timings: dict | None = None) -> dict:
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        body = {**self._head, "choices": [choice], "usage": usage}
+        if timings is not None:
+            body["pdserve_timings"] = timings
+        return body
+
+    def chunk(self, text: str, is_first: bool = False, finish_reason: str | None = None,
+              token_ids: list[int] | None = None, timings: dict | None = None) -> dict:
+        """A chunk of new text (the first one names the chat role), or the last one
+        (``finish_reason`` set, no text)."""
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if not self.is_chat:
+            choice["text"] = text
+        elif is_first:
+            choice["delta"] = {"role": "assistant", "content": text}
+        else:
+            choice["delta"] = {"content": text} if text or finish_reason is None else {}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        body = {**self._chunk_head, "choices": [choice]}
+        if timings is not None:
+            body["pdserve_timings"] = timings
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._chunk_head, "choices": [], "usage": usage}
+
+
+def build_usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}

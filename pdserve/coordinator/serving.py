@@ -23,11 +23,15 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from pdserve.api.detokenizer import Detokenizer
+
 from .admission import Admission
 from .errors import ServeError
-from .lifecycle import Deps, RequestRun, Sampling
+from .lifecycle import Deps, GenerationParams, RequestRun
+from .metrics import CoordinatorMetrics
 from .prompts import PromptBuilder
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, ResponseBuilder, build_usage
+from .settings import CoordinatorSettings
 
 TIMINGS_HEADER = "x-pdserve-timings"
 
@@ -37,6 +41,23 @@ def new_request_id(request: Request) -> str:
     if 0 < len(given) <= 128 and given.replace("-", "").replace("_", "").replace(".", "").isalnum():
         return given
     return f"cmpl-{uuid.uuid4().hex}"
+
+
+def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
+                            settings: CoordinatorSettings) -> GenerationParams:
+    """The request's sampling and limits, from its OpenAI body; called once by ``handle``."""
+    max_tokens = body.max_tokens or getattr(body, "max_completion_tokens", None) \
+        or settings.max_tokens_default
+    # A sampled request without a seed gets one here, so that a stream continued
+    # on another engine after a failure keeps drawing the same random numbers.
+    seed = body.seed
+    if seed is None and body.temperature:
+        seed = random.getrandbits(62)
+    if body.min_tokens > max_tokens:
+        raise ServeError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens "
+                         f"({max_tokens})", param="min_tokens")
+    return GenerationParams(max_tokens, body.temperature, body.top_p, seed, body.stop_list(),
+                            body.ignore_eos, body.min_tokens)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -70,23 +91,13 @@ class Completions:
             raise ServeError(404, f"model {body.model!r} does not exist; this server serves "
                              f"{settings.model_name!r}", code="model_not_found", param="model")
         prompt_ids = self._prompt_ids(body)
-        max_tokens = body.max_tokens or getattr(body, "max_completion_tokens", None) \
-            or settings.max_tokens_default
-        # A sampled request without a seed gets one here, so that a stream continued
-        # on another engine after a failure keeps drawing the same random numbers.
-        seed = body.seed
-        if seed is None and body.temperature:
-            seed = random.getrandbits(62)
-        if body.min_tokens > max_tokens:
-            raise ServeError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens "
-                             f"({max_tokens})", param="min_tokens")
-        sampling = Sampling(max_tokens, body.temperature, body.top_p, seed, body.stop_list(),
-                            body.ignore_eos, body.min_tokens)
+        params = build_generation_params(body, settings)
         deadline = arrival + settings.request_timeout_s
         slot = await self.admission.acquire(deadline)
         rid = new_request_id(request)
-        run = RequestRun(self.deps, rid, prompt_ids, sampling, deadline, arrival)
-        out = _Output(self, run, body, endpoint, arrival, request.headers.get(TIMINGS_HEADER) == "1")
+        run = RequestRun(self.deps, rid, prompt_ids, params, deadline, arrival)
+        out = _Output(run, body, endpoint, self.prompts.detokenizer(params.stop), self.deps.metrics,
+                      self.admission, request.headers.get(TIMINGS_HEADER) == "1")
         headers = {"x-request-id": rid}
         try:
             if body.stream:
@@ -126,21 +137,23 @@ class Completions:
 
 
 class _Output:
-    """Accumulates one request's output and renders it as OpenAI JSON or SSE chunks."""
+    """Accumulates one request's output and renders it as OpenAI JSON or SSE chunks.
+    Built by ``Completions.handle``; runs on the event loop, within the request."""
 
-    def __init__(self, owner: Completions, run: RequestRun, body, endpoint: str,
-                 arrival: float, want_timings: bool) -> None:
-        self.owner, self.run, self.body, self.endpoint = owner, run, body, endpoint
-        self.arrival = arrival
+    def __init__(self, run: RequestRun, body: CompletionRequest | ChatCompletionRequest,
+                 endpoint: str, detok: Detokenizer, metrics: CoordinatorMetrics,
+                 admission: Admission, want_timings: bool) -> None:
+        self.run, self.body, self.endpoint, self.detok = run, body, endpoint, detok
+        self.metrics = metrics
+        self.admission = admission
         self.want_timings = want_timings
-        self.is_chat = endpoint == "chat"
-        self.detok = owner.prompts.detokenizer(run.sampling.stop)
+        self.shape = ResponseBuilder(run.request_id, body.model, int(time.time()), endpoint == "chat")
         self.text: list[str] = []
-        self.created = int(time.time())
         self.first_s: float | None = None
         self.last_s: float | None = None
         self.finish_reason: str | None = None
         self._tokens = run.tokens()
+        self._has_first_decode = False
         self._counted = False
 
     async def next_event(self) -> tuple[list[int], str] | None:
@@ -157,16 +170,16 @@ class _Output:
         if self.first_s is None:
             self.first_s = now
         else:
-            if "first_decode_s" not in self.run.timings:
-                self.run.timings["first_decode_s"] = now - self.first_s
-                self.owner.deps.metrics.observe_stage("first_decode", now - self.first_s)
-            self.owner.deps.metrics.itl.observe(now - self.last_s)
+            if not self._has_first_decode:
+                self._has_first_decode = True
+                self.run.timings.observe("first_decode", now - self.first_s)
+            self.metrics.itl.observe(now - self.last_s)
         self.last_s = now
         new_text, hit_stop = self.detok.append(ids)
         if hit_stop:
             self.finish_reason = "stop"
             await self.close()
-            self.owner.deps.metrics.aborts.labels("stop_string").inc()
+            self.metrics.aborts.labels("stop_string").inc()
         return ids, new_text
 
     async def collect(self) -> None:
@@ -177,83 +190,60 @@ class _Output:
         await self._tokens.aclose()
 
     def usage(self) -> dict:
-        n_prompt, n_out = len(self.run.prompt_ids), len(self.detok.token_ids)
-        return {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                "total_tokens": n_prompt + n_out}
+        return build_usage(len(self.run.prompt_ids), len(self.detok.token_ids))
 
     def done(self, code: int) -> None:
         """Counts the request once and observes its latency histograms."""
         if self._counted:
             return
         self._counted = True
-        m = self.owner.deps.metrics
+        m = self.metrics
         m.requests.labels(self.endpoint, str(code)).inc()
         end = time.monotonic()
-        self.owner.admission.observe_duration(end - self.arrival)
-        t = self.run.timings
-        t["e2e_s"] = end - self.arrival
+        arrival = self.run.arrival_s
+        self.admission.observe_duration(end - arrival)
+        t = self.run.timings.report
+        t["e2e_s"] = end - arrival
         if code != 200:
             return
         n_out = len(self.detok.token_ids)
         m.prompt_tokens.inc(len(self.run.prompt_ids))
         m.generation_tokens.inc(n_out)
-        m.e2e.observe(end - self.arrival)
+        m.e2e.observe(end - arrival)
         if self.first_s is not None:
-            t["ttft_s"] = self.first_s - self.arrival
+            t["ttft_s"] = self.first_s - arrival
             m.ttft.observe(t["ttft_s"])
             if n_out > 1:
                 t["tpot_s"] = (self.last_s - self.first_s) / (n_out - 1)
                 m.tpot.observe(t["tpot_s"])
 
-    def _choice(self, text: str, finish: str | None, delta: bool, first: bool = False) -> dict:
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if not self.is_chat:
-            choice["text"] = text
-        elif delta:
-            choice["delta"] = {"role": "assistant", "content": text} if first else (
-                {"content": text} if text or finish is None else {})
-        else:
-            choice["message"] = {"role": "assistant", "content": text}
-        return choice
+    def _timings(self) -> dict | None:
+        return self.run.timings.report if self.want_timings else None
 
     def full_body(self) -> dict:
-        choice = self._choice("".join(self.text), self.finish_reason, delta=False)
-        if self.body.return_token_ids:
-            choice["token_ids"] = list(self.detok.token_ids)
-        body = {"id": self.run.request_id,
-                "object": "chat.completion" if self.is_chat else "text_completion",
-                "created": self.created, "model": self.body.model, "choices": [choice],
-                "usage": self.usage()}
-        if self.want_timings:
-            body["pdserve_timings"] = self.run.timings
-        return body
-
-    def _chunk(self, choices: list[dict], **extra) -> bytes:
-        body = {"id": self.run.request_id,
-                "object": "chat.completion.chunk" if self.is_chat else "text_completion",
-                "created": self.created, "model": self.body.model, "choices": choices, **extra}
-        return b"data: " + orjson.dumps(body) + b"\n\n"
+        token_ids = list(self.detok.token_ids) if self.body.return_token_ids else None
+        return self.shape.response("".join(self.text), self.finish_reason, self.usage(),
+                                   token_ids, self._timings())
 
     async def sse(self, first, slot):
         """The SSE body; ``first`` is the event awaited before the response started."""
         code = 200
+        with_ids = self.body.return_token_ids
         try:
             event, is_first = first, True
             while event is not None:
                 ids, text = event
-                if text or is_first or (self.body.return_token_ids and ids):
-                    choice = self._choice(text, None, delta=True, first=is_first)
-                    if self.body.return_token_ids:
-                        choice["token_ids"] = ids
-                    yield self._chunk([choice])
+                if text or is_first or (with_ids and ids):
+                    chunk = self.shape.chunk(text, is_first, token_ids=ids if with_ids else None)
+                    yield _sse(chunk)
                     is_first = False
                 event = await self.next_event()
             self.done(200)
-            extra = {"pdserve_timings": self.run.timings} if self.want_timings else {}
-            yield self._chunk([self._choice("", self.finish_reason, delta=True)], **extra)
+            yield _sse(self.shape.chunk("", finish_reason=self.finish_reason,
+                                        timings=self._timings()))
             options = self.body.stream_options
             if options is not None and options.include_usage:
-                yield self._chunk([], usage=self.usage())
+                yield _sse(self.shape.usage_chunk(self.usage()))
         except ServeError as exc:
             code = exc.status
             yield b"data: " + exc.json_bytes() + b"\n\n"
@@ -265,3 +255,7 @@ class _Output:
             slot.release()
             await self.close()
         yield b"data: [DONE]\n\n"
+
+
+def _sse(body: dict) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"

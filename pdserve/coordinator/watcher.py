@@ -21,7 +21,7 @@ from pdserve.api.proto import controller_pb2 as cpb
 from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
 from pdserve.api.security import SecuritySettings, create_channel
 
-from .instances import Instance, InstanceRegistry
+from .instances import EngineEndpoint, InstanceRegistry
 
 log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 0.1
@@ -29,10 +29,10 @@ BACKOFF_MAX_S = 1.0  # a handover takes a few seconds: look again at least every
 SILENT_AFTER_S = 5.0  # the leader sends the view at least every second; a silent stream is dead
 
 
-def instances_from_view(view: cpb.ClusterView) -> list[Instance]:
+def instances_from_view(view: cpb.ClusterView) -> list[EngineEndpoint]:
     out = []
     for iv in view.instances:
-        out.append(Instance(
+        out.append(EngineEndpoint(
             instance_id=iv.instance_id, address=iv.engine_address, role=iv.role,
             kv_endpoint=iv.kv_endpoint, kv_compat_hash=iv.kv_compat_hash,
             healthy=iv.health == "READY", draining=iv.health == "DRAINING",

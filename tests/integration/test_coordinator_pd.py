@@ -8,6 +8,7 @@ on them. The last test kills a decode engine, so it runs last.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 import time
@@ -21,8 +22,8 @@ from pdserve.api.engine_client import EngineClient, build_generate_request
 from pdserve.api.tokenizer import ByteTokenizer
 from pdserve.coordinator.app import create_app
 from pdserve.coordinator.settings import CoordinatorSettings
-from pdserve.coordinator.stub_engine import StubEngine, start_stub
 from tests.procs import PDSERVE, Proc
+from tests.stub_engine import StubEngine, start_stub
 from tests.unit.coordinator.harness import ALWAYS_PD, AppServer, LoopThread
 
 ENGINE_ARGS = ["--model", "tiny", "--port", "0", "--kv-transport", "tcp", "--num-kv-blocks", "256",
@@ -219,40 +220,41 @@ def test_queue_fallback_waits_for_a_decode_engine(engines, loop):
         engine_call(addrs["D1"], lambda c: c.drain(resume=True))
 
 
-def test_prefill_failure_before_handoff_retries_on_another_prefill(engines, loop):
-    _, addrs = engines
-    health = engine_call(addrs["P1"], lambda c: c.health())
-    server, bad = loop.run(start_stub(StubEngine(role="prefill", behavior="fail",
+@contextlib.contextmanager
+def failing_stub_like(loop, addrs, name: str):
+    """A stub engine with ``name``'s role and compat hash that fails every leg; yields
+    ``addrs`` with it added as "BAD"."""
+    health = engine_call(addrs[name], lambda c: c.health())
+    server, bad = loop.run(start_stub(StubEngine(role=health.role, behavior="fail",
                                                  kv_compat_hash=health.kv_compat_hash)))
-    addrs = {**addrs, "BAD": bad}
     try:
-        with serve(loop, addrs, ["BAD", "P1", "D1"], prefill_policy="round_robin", kv_mode="push") as app:
-            for k in range(2):  # round robin: one of the two meets the failing P first
-                r = httpx.post(app.url + "/v1/completions", timeout=30, json={
-                    "model": "tiny", "prompt": f"retry {k}", "max_tokens": 8, "temperature": 0})
-                assert r.json()["choices"][0]["text"] == TOK.decode(reference(addrs, f"retry {k}", 8))
-            assert metric(app, "pdserve_coordinator_retries_total", leg="prefill", stage="before_handoff") == 1
+        yield {**addrs, "BAD": bad}
     finally:
         loop.run(server.stop(grace=None))
+
+
+def test_prefill_failure_before_handoff_retries_on_another_prefill(engines, loop):
+    _, addrs = engines
+    with failing_stub_like(loop, addrs, "P1") as addrs, \
+            serve(loop, addrs, ["BAD", "P1", "D1"], prefill_policy="round_robin", kv_mode="push") as app:
+        for k in range(2):  # round robin: one of the two meets the failing P first
+            r = httpx.post(app.url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": f"retry {k}", "max_tokens": 8, "temperature": 0})
+            assert r.json()["choices"][0]["text"] == TOK.decode(reference(addrs, f"retry {k}", 8))
+        assert metric(app, "pdserve_coordinator_retries_total", leg="prefill", stage="before_handoff") == 1
     assert_all_free(addrs, "P1", "D1")
 
 
 def test_decode_failure_before_first_token_redispatches(engines, loop):
     _, addrs = engines
-    health = engine_call(addrs["D1"], lambda c: c.health())
-    server, bad = loop.run(start_stub(StubEngine(role="decode", behavior="fail",
-                                                 kv_compat_hash=health.kv_compat_hash)))
-    addrs = {**addrs, "BAD": bad}
-    try:
-        with serve(loop, addrs, ["P1", "BAD", "D1"], decode_policy="round_robin", kv_mode="layerwise") as app:
-            for k in range(2):
-                r = httpx.post(app.url + "/v1/completions", timeout=30, json={
-                    "model": "tiny", "prompt": f"redispatch {k}", "max_tokens": 8, "temperature": 0})
-                assert r.json()["choices"][0]["text"] == TOK.decode(reference(addrs, f"redispatch {k}", 8))
-            assert metric(app, "pdserve_coordinator_retries_total", leg="decode",
-                          stage="before_first_token") == 1
-    finally:
-        loop.run(server.stop(grace=None))
+    with failing_stub_like(loop, addrs, "D1") as addrs, \
+            serve(loop, addrs, ["P1", "BAD", "D1"], decode_policy="round_robin", kv_mode="layerwise") as app:
+        for k in range(2):
+            r = httpx.post(app.url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": f"redispatch {k}", "max_tokens": 8, "temperature": 0})
+            assert r.json()["choices"][0]["text"] == TOK.decode(reference(addrs, f"redispatch {k}", 8))
+        assert metric(app, "pdserve_coordinator_retries_total", leg="decode",
+                      stage="before_first_token") == 1
     assert_all_free(addrs, "P1", "D1")
 
 

@@ -13,7 +13,7 @@ from schemathesis.checks import positive_data_acceptance  # noqa: I001
 
 from pdserve.coordinator.app import create_app
 from pdserve.coordinator.settings import CoordinatorSettings
-from pdserve.coordinator.stub_engine import StubEngine, start_stub
+from tests.stub_engine import StubEngine, start_stub
 from tests.unit.coordinator.harness import AppServer, LoopThread
 
 

@@ -1,6 +1,6 @@
 """What every routing policy sees: the candidates of one pool and the request's context.
 
-A policy is a small object with ``choose(candidates, ctx) -> Instance``; it may keep
+A policy is a small object with ``choose(candidates, ctx) -> EngineEndpoint``; it may keep
 state (a cursor, an index) but never blocks and never calls the network. The
 router calls ``choose`` with a non-empty list of routable instances.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pdserve.api.block_hash import hash_chain
 
-from ..instances import Instance
+from ..instances import EngineEndpoint
 
 
 @dataclass
@@ -35,11 +35,11 @@ class RouteContext:
 class Policy:
     name = "base"
 
-    def choose(self, candidates: list[Instance], ctx: RouteContext) -> Instance:
+    def choose(self, candidates: list[EngineEndpoint], ctx: RouteContext) -> EngineEndpoint:
         raise NotImplementedError
 
 
-def least_queue(candidates: list[Instance], start: int = 0) -> Instance:
+def least_queue(candidates: list[EngineEndpoint], start: int = 0) -> EngineEndpoint:
     """Smallest queue depth, then KV usage; ties broken from ``start`` (rotating)."""
     n = len(candidates)
     best = candidates[start % n]

@@ -11,7 +11,7 @@ Cost: O(N) over the pool's N candidates. No thresholds.
 
 from __future__ import annotations
 
-from ..instances import Instance
+from ..instances import EngineEndpoint
 from .base import Policy, RouteContext, least_queue
 
 
@@ -21,7 +21,7 @@ class LeastLoaded(Policy):
     def __init__(self) -> None:
         self._tick = 0
 
-    def choose(self, candidates: list[Instance], ctx: RouteContext) -> Instance:
+    def choose(self, candidates: list[EngineEndpoint], ctx: RouteContext) -> EngineEndpoint:
         self._tick += 1
         ordered = sorted(candidates, key=lambda i: i.instance_id)
         return least_queue(ordered, self._tick)

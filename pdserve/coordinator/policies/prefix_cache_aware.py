@@ -17,7 +17,7 @@ The index is the Coordinator's estimate (see ``prefix_index``), not engine event
 
 from __future__ import annotations
 
-from ..instances import Instance
+from ..instances import EngineEndpoint
 from ..prefix_index import PrefixIndex
 from .base import Policy, RouteContext, least_queue
 
@@ -33,7 +33,7 @@ class PrefixCacheAware(Policy):
         self.index = index
         self._tick = 0
 
-    def choose(self, candidates: list[Instance], ctx: RouteContext) -> Instance:
+    def choose(self, candidates: list[EngineEndpoint], ctx: RouteContext) -> EngineEndpoint:
         self._tick += 1
         ordered = sorted(candidates, key=lambda i: i.instance_id)
         depths = [i.queue_depth for i in ordered]

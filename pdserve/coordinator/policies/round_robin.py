@@ -6,7 +6,7 @@ Cost: O(1). No thresholds. Ignores load and cache: the baseline.
 
 from __future__ import annotations
 
-from ..instances import Instance
+from ..instances import EngineEndpoint
 from .base import Policy, RouteContext
 
 
@@ -16,7 +16,7 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._cursor = 0
 
-    def choose(self, candidates: list[Instance], ctx: RouteContext) -> Instance:
+    def choose(self, candidates: list[EngineEndpoint], ctx: RouteContext) -> EngineEndpoint:
         # Sorted by id so the rotation is stable while views are replaced.
         ordered = sorted(candidates, key=lambda i: i.instance_id)
         inst = ordered[self._cursor % len(ordered)]

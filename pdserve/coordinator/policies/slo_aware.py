@@ -20,7 +20,7 @@ Cost: O(N * B) for N candidates and B prompt blocks.
 
 from __future__ import annotations
 
-from ..instances import Instance
+from ..instances import EngineEndpoint
 from ..prefix_index import PrefixIndex
 from .base import Policy, RouteContext, least_queue
 
@@ -28,7 +28,7 @@ DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
 TRANSFER_S_PER_TOKEN = 2e-6
 
 
-def estimate_ttft_s(inst: Instance, ctx: RouteContext, index: PrefixIndex | None) -> float:
+def estimate_ttft_s(inst: EngineEndpoint, ctx: RouteContext, index: PrefixIndex | None) -> float:
     cached = index.match(inst.instance_id, ctx.hashes) * ctx.block_size if index else 0
     uncached = max(1, ctx.num_tokens - cached)
     rate = inst.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
@@ -44,7 +44,7 @@ class SLOAware(Policy):
         self._tick = 0
         self.last_estimate_s = 0.0
 
-    def choose(self, candidates: list[Instance], ctx: RouteContext) -> Instance:
+    def choose(self, candidates: list[EngineEndpoint], ctx: RouteContext) -> EngineEndpoint:
         self._tick += 1
         ordered = sorted(candidates, key=lambda i: i.instance_id)
         if self.pool != "prefill":

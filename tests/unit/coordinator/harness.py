@@ -9,7 +9,7 @@ import threading
 
 import uvicorn
 
-from pdserve.coordinator.instances import Instance
+from pdserve.coordinator.instances import EngineEndpoint
 
 # Tests of the PD path turn conditional disaggregation off, so short prompts still
 # take both legs; tests of conditional disaggregation set it themselves.
@@ -17,8 +17,8 @@ ALWAYS_PD = {"local_prefill_max_tokens": 0, "load_aware_local_prefill": False}
 ALWAYS_PD_ARGS = ["--local-prefill-max-tokens", "0", "--no-load-aware-local-prefill"]
 
 
-def inst(iid: str, role: str, h: str = "h", **load) -> Instance:
-    return Instance(instance_id=iid, address=f"{iid}:1", role=role, kv_endpoint=f"{iid}:2",
+def inst(iid: str, role: str, h: str = "h", **load) -> EngineEndpoint:
+    return EngineEndpoint(instance_id=iid, address=f"{iid}:1", role=role, kv_endpoint=f"{iid}:2",
                     kv_compat_hash=h, **load)
 
 

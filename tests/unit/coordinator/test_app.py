@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.coordinator.app import create_app
 from pdserve.coordinator.settings import CoordinatorSettings
-from pdserve.coordinator.stub_engine import StubEngine, start_stub
+from tests.stub_engine import StubEngine, start_stub
 from tests.unit.coordinator.harness import ALWAYS_PD, AppServer, LoopThread
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}

@@ -1,4 +1,4 @@
-"""A stand-in engine for the Coordinator's benchmark and tests: the Engine gRPC service
+"""A stand-in engine for the Coordinator's tests and benchmark: the Engine gRPC service
 answering at once, with no model behind it.
 
 ``behavior``: "ok" answers each Generate with ``num_tokens`` tokens, ``token_delay_s``
