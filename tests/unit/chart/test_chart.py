@@ -1,31 +1,39 @@
-"""The Helm chart, checked without helm: values, schema, templates, RBAC, CRDs.
+"""The Helm chart through the real helm: lint, the values schema, the CRDs, RBAC, NOTES.
 
-No helm binary runs here, so templates are kept to value substitution and
-simple if/range/with/toYaml, and these tests check what can be checked from
-the files: every ``.Values`` path a template reads exists in values.yaml and
-in values.schema.json; values.yaml validates against the schema; each template
-parses as YAML once every ``{{ ... }}`` is replaced by a placeholder.
+What the files alone can tell is checked from the files (every ``.Values`` path a
+template reads is in values.yaml and in values.schema.json; the CRDs are the
+generated ones); everything else from what ``helm template`` / ``helm install
+--dry-run=client`` print (fixture ``helm``). Rendering with many value sets and
+checking each object is in test_render.py; schema validity in test_objects_valid.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 
 from pdserve.api.crd import render_crd_files
+from pdserve.operator import builders as b
 
-CHART = Path(__file__).resolve().parents[3] / "charts" / "pdserve"
+from .cluster_objects import EXAMPLES, MINIMAL, chart_settings, load_example, operator_objects
+from .helm import CHART, NAMESPACE, HelmError
+from .value_sets import VALUE_SETS
+
 TEMPLATES = sorted(CHART.glob("templates/*"))
 YAML_TEMPLATES = [p for p in TEMPLATES if p.suffix == ".yaml"]
 VALUES_PATH = re.compile(r"\$?\.Values((?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
-CONTROL = re.compile(r"^\s*\{\{-?\s*((if|else|end|range|with|define)\b|\$\w+\s*:=).*\}\}\s*$")
-INDENTED = re.compile(r"^\s*\{\{-?[^}]*\|\s*n?indent\s+(\d+)\s*-?\}\}\s*$")
-ANY_ACTION = re.compile(r"\{\{-?.*?-?\}\}")
+# (values over values.yaml, what helm's schema check says about them)
+BAD_VALUES = [
+    ({"operator": {"replicas": 2}}, "at '/operator/replicas': maximum: got 2, want 1"),
+    ({"etcd": {"enabled": False, "endpoints": []}}, "at '/etcd/endpoints': minItems: got 0, want 1"),
+    ({"operatr": {}}, "additional properties 'operatr' not allowed"),
+    ({"image": {"repository": "x", "tag": "1", "pullPolicy": "Sometimes"}},
+     "at '/image/pullPolicy': value must be one of"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,38 +46,18 @@ def values_schema() -> dict:
     return json.loads((CHART / "values.schema.json").read_text())
 
 
-def substitute(text: str) -> str:
-    """A template with control lines dropped and every action made a placeholder."""
-    lines = []
-    for line in text.splitlines():
-        if CONTROL.match(line):
-            continue
-        indented = INDENTED.match(line)
-        if indented:
-            lines.append(" " * int(indented.group(1)) + "placeholder: PLACEHOLDER")
-            continue
-        lines.append(ANY_ACTION.sub("PLACEHOLDER", line))
-    return "\n".join(lines)
-
-
-def rendered(name: str) -> list[dict]:
-    docs = yaml.safe_load_all(substitute((CHART / "templates" / name).read_text()))
-    return [d for d in docs if d]
-
-
 def schema_has_path(schema: dict, parts: list[str]) -> bool:
     node = schema
     for part in parts:
         if "$ref" in node:
-            node = node_at(node["$ref"])
+            node = node_at(schema, node["$ref"])
         node = node.get("properties", {}).get(part)
         if node is None:
             return False
     return True
 
 
-def node_at(ref: str) -> dict:
-    root = json.loads((CHART / "values.schema.json").read_text())
+def node_at(root: dict, ref: str) -> dict:
     for part in ref.removeprefix("#/").split("/"):
         root = root[part]
     return root
@@ -81,21 +69,33 @@ def test_chart_metadata():
     assert (CHART / "dashboards").is_dir()
 
 
+def test_helm_lint_passes_strict(helm):
+    out = helm.lint()
+    assert "1 chart(s) linted, 0 chart(s) failed" in out
+    assert "[WARNING]" not in out and "[ERROR]" not in out
+
+
 def test_values_validate_against_schema(values, values_schema):
     jsonschema.Draft7Validator.check_schema(values_schema)
     jsonschema.validate(values, values_schema)
 
 
-@pytest.mark.parametrize("bad", [
-    {"operator": {"replicas": 2}},
-    {"etcd": {"enabled": False, "endpoints": []}},
-    {"operatr": {}},
-    {"image": {"repository": "x", "tag": "1", "pullPolicy": "Sometimes"}},
-])
+@pytest.mark.parametrize("bad", [v for v, _ in BAD_VALUES])
 def test_schema_rejects_bad_values(values, values_schema, bad):
     merged = {**values, **{k: {**values.get(k, {}), **v} for k, v in bad.items()}}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(merged, values_schema)
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_VALUES)
+def test_helm_refuses_bad_values_naming_the_field(helm, bad, message):
+    with pytest.raises(HelmError) as template:
+        helm.template(bad)
+    assert "values don't meet the specifications of the schema" in template.value.output
+    assert message in template.value.output
+    with pytest.raises(HelmError) as lint:
+        helm.lint(bad)
+    assert message in lint.value.output and "1 chart(s) failed" in lint.value.output
 
 
 def test_every_values_path_in_templates_exists(values, values_schema):
@@ -110,26 +110,32 @@ def test_every_values_path_in_templates_exists(values, values_schema):
 
 
 @pytest.mark.parametrize("path", YAML_TEMPLATES, ids=lambda p: p.name)
-def test_template_parses_as_yaml_after_substitution(path):
-    docs = rendered(path.name)
+def test_every_template_renders_objects(helm, path):
+    """Some value set renders objects from each template, and each is a Kubernetes object."""
+    source = f"templates/{path.name}"
+    docs = [d for v in VALUE_SETS.values() for d in helm.template(v).from_source(source)]
     assert docs, f"{path.name} renders nothing"
     for doc in docs:
         assert {"apiVersion", "kind", "metadata"} <= doc.keys(), doc
 
 
-def test_operator_runs_pdserve_operator_as_non_root():
-    deployment = next(d for d in rendered("operator.yaml") if d["kind"] == "Deployment")
+def test_operator_runs_pdserve_operator_as_non_root(helm):
+    deployment = helm.template().get("Deployment", "r-pdserve-operator")
     pod = deployment["spec"]["template"]["spec"]
     assert pod["containers"][0]["args"] == ["operator"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 
 
-def test_operator_rbac_is_least_privilege():
-    role = next(d for d in rendered("rbac.yaml") if d["metadata"]["name"].endswith("-operator")
-                and d["kind"] == "ClusterRole")
-    grants = {(g, r): set(rule["verbs"]) for rule in role["rules"]
-              for g in rule["apiGroups"] for r in rule["resources"]}
+def _grants(role: dict) -> dict[tuple[str, str], set[str]]:
+    return {(g, r): set(rule["verbs"]) for rule in role["rules"]
+            for g in rule["apiGroups"] for r in rule["resources"]}
+
+
+def test_operator_rbac_is_least_privilege(helm):
+    role = helm.template().get("ClusterRole", "r-pdserve-operator")
+    grants = _grants(role)
     assert {"watch", "patch"} <= grants[("pdserve.io", "pdclusters")]
     assert {"patch"} <= grants[("pdserve.io", "pdclusters/status")]
     assert grants[("pdserve.io", "pdinstances/finalizers")] == {"update"}
@@ -141,12 +147,35 @@ def test_operator_rbac_is_least_privilege():
     assert not any("*" in key for g_r in grants for key in g_r)
 
 
-def test_dashboards_are_labelled_configmaps_from_files():
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_operator_may_do_what_it_does(helm, example):
+    """The operator's ClusterRole grants every write reconcile makes for a cluster, and
+    the RoleBinding it creates binds a ClusterRole of the release it may ``bind``."""
+    rendered = helm.template()
+    role = rendered.get("ClusterRole", "r-pdserve-operator")
+    grants = _grants(role)
+    crud = {"get", "list", "watch", "create", "patch", "delete"}
+    objects = operator_objects(load_example(example), chart_settings(rendered, NAMESPACE))
+    for obj in objects:
+        group = obj["apiVersion"].rpartition("/")[0]
+        assert crud <= grants[(group, obj["kind"].lower() + "s")], obj["kind"]
+    [binding] = [o for o in objects if o["kind"] == "RoleBinding"]
+    [bind_rule] = [r for r in role["rules"] if "bind" in r["verbs"]]
+    assert binding["roleRef"]["name"] in bind_rule["resourceNames"]
+    assert ("ClusterRole", binding["roleRef"]["name"]) in rendered.names
+
+
+def test_dashboards_are_labelled_configmaps_from_files(helm):
     text = (CHART / "templates" / "dashboards.yaml").read_text()
     assert '.Files.Glob "dashboards/*.json"' in text
-    [configmap] = rendered("dashboards.yaml")
-    assert configmap["kind"] == "ConfigMap"
-    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = sorted(CHART.glob("dashboards/*.json"))
+    configmaps = helm.template().from_source("templates/dashboards.yaml")
+    assert len(configmaps) == len(files) > 0
+    for path, configmap in zip(files, configmaps, strict=True):
+        assert configmap["kind"] == "ConfigMap"
+        assert configmap["metadata"]["name"] == f"r-pdserve-dashboard-{path.stem}"
+        assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert json.loads(configmap["data"][path.name]) == json.loads(path.read_text())
 
 
 def test_chart_crds_are_the_generated_ones():
@@ -154,15 +183,21 @@ def test_chart_crds_are_the_generated_ones():
         assert (CHART / "crds" / name).read_text() == text
 
 
-def test_notes_tell_the_next_commands():
-    notes = (CHART / "templates" / "NOTES.txt").read_text()
-    for command in ("kubectl apply -f examples/", "kubectl get pdc", "port-forward",
-                    "/v1/completions"):
+@pytest.mark.parametrize("values", [{}, VALUE_SETS["namespaced"]], ids=["all-namespaces", "namespaced"])
+def test_notes_tell_the_next_commands(helm, values):
+    notes = helm.notes(values)
+    for command in ("kubectl apply", "kubectl get pdc", "port-forward", "/v1/completions"):
         assert command in notes
-
-
-@pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
-def test_template_blocks_are_balanced(path):
-    actions = re.findall(r"\{\{-?\s*(\w+)", path.read_text())
-    openers = sum(a in ("if", "range", "with", "define") for a in actions)
-    assert openers == actions.count("end"), f"{path.name}: {openers} blocks, {actions.count('end')} ends"
+    # the cluster to create is in the notes (a chart cannot point at the repository's files)
+    heredoc = re.search(r"kubectl apply(?P<ns> -n \S+)? -f - <<'EOF'\n(?P<doc>.*?)\nEOF\n", notes, re.S)
+    assert heredoc, notes
+    assert yaml.safe_load(heredoc["doc"]) == yaml.safe_load(MINIMAL.read_text())
+    watched = values.get("operator", {}).get("watchNamespace")
+    assert heredoc["ns"] == (f" -n {watched}" if watched else None)
+    # the names the commands use are the operator's for that cluster
+    cluster = load_example(MINIMAL, watched or "default")
+    [coordinator] = [s for s in b.build_services(cluster)
+                     if s["metadata"]["labels"][b.COMPONENT_LABEL] == "coordinator"]
+    port = coordinator["spec"]["ports"][0]["port"]
+    assert f"svc/{coordinator['metadata']['name']} {port}:{port}" in notes
+    assert f"-l {b.CLUSTER_LABEL}={cluster.metadata.name}" in notes
