@@ -176,7 +176,7 @@ def run_engine(rounds: int) -> None:
     from pdserve.engine import runner as runner_mod
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     new_build, new_attention = runner_mod.build_decode_buckets, model_mod.paged_attention
 

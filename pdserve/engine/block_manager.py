@@ -85,7 +85,8 @@ class BlockManager:
     ) -> bool:
         """Make ``request``'s block table cover its computed tokens plus ``num_new_tokens``.
 
-        Called by the scheduler each step for each scheduled request. ``cached_blocks``
+        Called by the scheduler each step for each scheduled request, and by the KV
+        connector's decode side to reserve a request's destination blocks. ``cached_blocks``
         (first admission only) are prefix-cache hits to share. All or nothing: on
         False nothing changed and the caller may preempt someone and retry.
         """
@@ -129,7 +130,8 @@ class BlockManager:
                 self._block_hash[block_id] = block_hash
 
     def free(self, request: Request) -> None:
-        """Release every block of ``request``; called once when it finishes or is preempted.
+        """Release every block of ``request``. Called only by the scheduler, once when the
+        request is preempted, ends, or its blocks come back from the KV connector.
 
         Tail blocks go to the free list first so that, under LRU, a shared prefix
         outlives the request-specific suffix.

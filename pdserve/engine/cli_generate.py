@@ -41,7 +41,7 @@ def _parse_ids(text: str | None) -> list[int] | None:
 
 def _run_local(args, ids):
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
     config.kv_transport = "none"  # one process, nothing to transfer

@@ -7,7 +7,7 @@ sink. A failing step never kills the loop: every request in it ends with an erro
 and the engine goes on with new ones.
 
 A busy engine is not a dead one: after every step and every drained command the
-loop publishes ``snapshot`` (an ``EngineStats``, replaced whole, never mutated), so
+loop publishes ``snapshot`` (a ``StatsResponse``, replaced whole, never mutated), so
 Health, Stats and metrics scrapes are answered at once from it instead of queueing
 behind a step that may run for seconds. A request's arrival time is stamped in
 ``submit`` (on receipt), so time spent waiting for a running step counts as queue.
@@ -22,14 +22,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from pdserve.engine.llm_engine import (
-    EngineInputError,
-    EngineStats,
-    EngineUnavailable,
-    LLMEngine,
-    RequestOutput,
-)
-from pdserve.engine.sampling import SamplingParams
+from pdserve.api.proto.engine_pb2 import StatsResponse
+from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +39,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.snapshot: EngineStats = engine.stats()
+        self.snapshot: StatsResponse = engine.stats()
 
     def _publish(self) -> None:
         # One attribute store: readers on other threads see the old or the new one whole.

@@ -36,7 +36,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class StatsCollector:
-    """Renders the last ``EngineStats`` snapshot; ``snapshot`` is set before each scrape."""
+    """Renders the last ``StatsResponse`` snapshot; ``snapshot`` is set before each scrape."""
 
     def __init__(self) -> None:
         self.snapshot = None
@@ -46,7 +46,7 @@ class StatsCollector:
         if s is None:
             return
         p, role = "pdserve_engine_", [s.role]
-        transport = s.extra.get("kv_transport", "none")
+        transport = s.kv_transport
         info = GaugeMetricFamily(p + "info", "The engine's role, model and KV transport (1).",
                                  labels=["role", "model", "transport"])
         info.add_metric([s.role, s.model, transport], 1.0)
@@ -56,8 +56,7 @@ class StatsCollector:
             ("waiting_requests", "Requests waiting to be scheduled.", s.num_waiting),
             ("kv_cache_used_blocks", "KV cache blocks in use.", s.num_kv_blocks_used),
             ("kv_cache_free_blocks", "KV cache blocks free.", s.num_kv_blocks_free),
-            ("kv_transfers_active", "KV transfers in flight.",
-             s.extra.get("num_kv_transfers_active", 0)),
+            ("kv_transfers_active", "KV transfers in flight.", s.num_kv_transfers_active),
         ):
             g = GaugeMetricFamily(p + name, doc, labels=["role"])
             g.add_metric(role, float(value))
@@ -131,7 +130,7 @@ def attach_metrics(engine) -> EngineMetrics:
     """Called once by the server before the engine thread starts: builds the metrics and
     subscribes ``observe_transfer`` to every finished KV transfer."""
     connector = engine.connector
-    metrics = EngineMetrics(connector.worker.transport.name if connector else "none")
+    metrics = EngineMetrics(connector.transport_name if connector else "none")
     if connector is not None:
         connector.add_observer(metrics.observe_transfer)
     return metrics

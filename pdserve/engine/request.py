@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -1,8 +1,8 @@
 """Token sampling (torch): greedy, temperature, top-k, top-p, seeded.
 
-Randomness is counter-based (see ``sampling.py``): output token ``i`` of a request is
-drawn with a generator seeded from ``(seed, i)`` using the exponential-race trick
-(argmax of p / Exp(1) noise samples exactly from p). The same request therefore
+Randomness is counter-based (see ``sampling_params.py``): output token ``i`` of a
+request is drawn with a generator seeded from ``(seed, i)`` using the exponential-race
+trick (argmax of p / Exp(1) noise samples exactly from p). The same request therefore
 draws the same tokens whatever batch it shares and whichever engine runs the step.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
 

@@ -25,16 +25,34 @@ Policy, in order:
 
 Thresholds: ``prefill_chunk_tokens`` (engine setting, 512 by default) and
 ``max_num_batched_tokens`` (2048). Cost: one sort of the prefilling requests per step.
+
+After the step, ``postprocess`` does the token bookkeeping (computed tokens, prefix
+cache, counters) and decides stop or length; ``apply_kv_events`` applies what the KV
+connector raised. The scheduler is the one owner of a request's blocks: it frees
+them on preemption and when a request ends, unless the connector says (once, from
+``request_finished``) that a write may still land; those come back as a
+``released`` event, freed here too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_transfer.base import ConnectorEvents, KVConnector
+
+# The output processor's detokenizer: takes the newest token, True on a stop string.
+Detokenize = Callable[[Request, int], bool]
+# A request whose output changed this step, with the tokens it gained.
+Change = tuple[Request, list[int]]
 
 
 @dataclass
@@ -57,14 +75,22 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         prefill_chunk_tokens: int | None = None,
+        max_request_tokens: int | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
+        """``max_request_tokens``: most tokens one request may hold (model length and the
+        whole KV cache); ``connector``: the engine's KV connector, if it has one."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens or max_num_batched_tokens
+        self.max_request_tokens = max_request_tokens or block_manager.num_blocks * block_manager.block_size
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_total = 0  # prefilled, recomputation after preemption excluded
+        self.num_generation_tokens_total = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -152,34 +178,102 @@ class Scheduler:
             request.first_scheduled_s = time.monotonic()
         self.running.append(request)
 
-    def detach(self, request: Request) -> None:
-        """Take a request out of scheduling, keeping its blocks (prefill role, handing off)."""
-        if request in self.running:
-            self.running.remove(request)
-
     def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request)
+        self._free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(
-        self, request: Request, status: RequestStatus, error: str | None = None,
-        free_blocks: bool = True,
-    ) -> bool:
-        """End ``request`` wherever it is and free its blocks (unless the KV connector
-        owns them: ``free_blocks=False``). Idempotent."""
+    # -- after the step ----------------------------------------------------------------
+
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[str, int],
+                    detokenize: Detokenize) -> list[Change]:
+        """Called by the engine after the runner executed ``batch``: advance every request's
+        computed tokens, publish full blocks, append each sampled token and end the
+        requests that stopped or reached their length. Returns who gained a token."""
+        now = time.monotonic()
+        changes = []
+        for request, num_new in batch.items:
+            request.num_computed_tokens += num_new
+            if request.num_preemptions == 0 and request.num_computed_tokens <= request.num_prompt_tokens:
+                self.num_prompt_tokens_total += num_new
+            self.block_manager.cache_full_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            if request.first_token_s is None:
+                request.first_token_s = now
+            changes.append(self._append_token(request, token, detokenize))
+        return changes
+
+    def apply_kv_events(self, events: ConnectorEvents, detokenize: Detokenize) -> list[Change]:
+        """Called by the engine at the start of a step with what the connector raised; a
+        request that ended meanwhile is skipped (its blocks went when it ended)."""
+        changes = []
+        for request in events.ready:  # P: destination reserved, prefill may start
+            if not request.is_finished:
+                self.add(request)
+        for request, token, seed in events.exposed:  # D: every layer arrived
+            if not request.is_finished:
+                changes.append(self._expose(request, token, seed, detokenize))
+        for request in events.handed_off:
+            if self.finish(request, RequestStatus.FINISHED_HANDOFF):
+                changes.append((request, []))
+        for request, reason in events.failed:
+            if self.finish(request, RequestStatus.FINISHED_ERROR, reason):
+                changes.append((request, []))
+        for request in events.released:  # kept at the end; no write can land any more
+            self._free(request)
+        return changes
+
+    def _expose(self, request: Request, token: int, seed: int | None,
+                detokenize: Detokenize) -> Change:
+        """D: the prompt's KV is in the blocks; run the request with P's first token."""
+        if seed is not None:  # continue P's random stream
+            request.sampling_params = dataclasses.replace(request.sampling_params, seed=seed)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.block_manager.cache_full_blocks(request)
+        self.add_running(request)
+        request.first_token_s = request.kv_exposed_s = time.monotonic()
+        return self._append_token(request, token, detokenize)
+
+    def _append_token(self, request: Request, token: int, detokenize: Detokenize) -> Change:
+        request.output_token_ids.append(token)
+        self.num_generation_tokens_total += 1
+        hit_stop = detokenize(request, token)
+        if request.pinned:  # prefill leg: hand the KV off instead of decoding on
+            if request in self.running:
+                self.running.remove(request)
+            self.connector.prefill_done(request, token)
+            return request, [token]
+        params = request.sampling_params
+        if hit_stop or token in params.stop_token_ids or token in request.eos_token_ids:
+            self.finish(request, RequestStatus.FINISHED_STOPPED)
+        elif (len(request.output_token_ids) >= params.max_tokens
+              or request.num_tokens >= self.max_request_tokens):
+            self.finish(request, RequestStatus.FINISHED_LENGTH)
+        return request, [token]
+
+    # -- the end -------------------------------------------------------------------------
+
+    def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> bool:
+        """End ``request`` wherever it is and free its blocks, unless the KV connector keeps
+        them until no write can land (``request_finished``). Idempotent."""
         if not request.finish(status, error):
             return False
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if free_blocks:
-            self.block_manager.free(request)
+        if self.connector is None or not self.connector.request_finished(request):
+            self._free(request)
         return True
+
+    def _free(self, request: Request) -> None:
+        """The only place blocks go back to the pool."""
+        self.block_manager.free(request)
 
 
 def _remaining(request: Request) -> int:

@@ -19,10 +19,11 @@ from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
 from pdserve.api.security import SecuritySettings, add_port, server_interceptors
 from pdserve.engine.kv_transfer.params import KVTransferParams
-from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine, RequestOutput
+from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.metrics import attach_metrics, start_metrics_server
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.output import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +106,10 @@ class EngineService(pb_grpc.EngineServicer):
 
     async def Health(self, request, context) -> pb.HealthResponse:
         engine = self.loop.engine
-        kv = engine.connector
+        kv = engine.connector.describe() if engine.connector is not None else {"kv_transport": "none"}
         return pb.HealthResponse(
             serving=True, role=engine.config.role, model=engine.model_config.name,
-            device=engine.config.device,
-            kv_transport=kv.worker.transport.name if kv else "none",
-            kv_endpoint=kv.worker.endpoint if kv else "",
-            kv_compat_hash=kv.worker.layout.compat_hash if kv else "",
-            draining=engine.draining,
+            device=engine.config.device, draining=engine.draining, **kv,
         )
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
@@ -133,10 +130,7 @@ class EngineService(pb_grpc.EngineServicer):
         return pb.SetRoleResponse(role=self.loop.engine.config.role)
 
     async def Stats(self, request, context) -> pb.StatsResponse:
-        stats = self.loop.snapshot  # never queued behind a step: a busy engine answers
-        flat = {**stats.__dict__, **stats.extra}
-        fields = {k: v for k, v in flat.items() if k in pb.StatsResponse.DESCRIPTOR.fields_by_name}
-        return pb.StatsResponse(**fields)
+        return self.loop.snapshot  # never queued behind a step: a busy engine answers
 
 
 async def serve(

@@ -12,7 +12,7 @@ import pytest
 from pdserve.api.engine_client import EngineClient, build_generate_request
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from tests.procs import PDSERVE, REPO, start_engine
 
 PROMPTS = [[1, 2, 3], [50, 60, 70, 80, 90] * 7, list(range(100, 140))]

@@ -1,4 +1,4 @@
-"""Builds an engine's KV connector from its configuration: transport, layout, both halves.
+"""Builds an engine's KV connector from its configuration: transport, layout, worker, sides.
 
 Called once by ``LLMEngine`` at start-up. For the shm transport the KV cache itself
 must live in shared memory, so this module also supplies the runner's allocator.
@@ -10,7 +10,9 @@ import atexit
 import hashlib
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.kv_transfer.connector import ConnectorTimeouts, KVConnector
+from pdserve.engine.kv_transfer.base import KVConnector
+from pdserve.engine.kv_transfer.common import ConnectorTimeouts
+from pdserve.engine.kv_transfer.dispatch import DispatchConnector
 from pdserve.engine.kv_transfer.layout import KVLayout
 from pdserve.engine.kv_transfer.transport import create_transport
 from pdserve.engine.kv_transfer.worker import ConnectorWorker
@@ -40,8 +42,10 @@ def model_identity(config: EngineConfig, model_config: ModelConfig) -> str:
     return f"{config.model}:{hashlib.sha256(arch.encode()).hexdigest()[:12]}"
 
 
-def build_connector(config: EngineConfig, model_config: ModelConfig, runner, block_manager,
-                    on_transfer_done=None) -> KVConnector | None:
+def build_connector(config: EngineConfig, model_config: ModelConfig, runner,
+                    block_manager) -> KVConnector | None:
+    """The engine's connector (None with ``kv_transport=none``); its KV region is registered
+    with the transport here."""
     if config.kv_transport == "none":
         return None
     options = dict(host=config.kv_host, port=config.kv_port, auth_token=config.kv_auth_token,
@@ -66,4 +70,4 @@ def build_connector(config: EngineConfig, model_config: ModelConfig, runner, blo
         lease_s=config.kv_lease_s, abort_ack_s=config.kv_abort_ack_timeout_s,
     )
     worker = ConnectorWorker(transport, layout, fault_send_delay_s=config.fault_kv_send_delay_s)
-    return KVConnector(worker, block_manager, timeouts, config.decode_allocation, on_transfer_done)
+    return DispatchConnector(worker, block_manager, timeouts, config.decode_allocation)

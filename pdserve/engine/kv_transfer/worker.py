@@ -1,12 +1,13 @@
 """Worker half of the KV connector: memory registration, handshakes, moving bytes.
 
-Called by the scheduler half (``connector.py``) on the engine thread, except the
-layer-wise sender thread, which turns "layer i is computed" into write batches off
-the compute thread. The worker knows byte ranges and peers; it never decides when
-a request's blocks may be freed.
+Called by the prefill and decode sides (``prefill.py``, ``decode.py``) on the engine
+thread, except the layer-wise sender thread, which turns "layer i is computed" into
+write batches off the compute thread. The worker knows byte ranges and peers; it
+never decides when a request's blocks may be freed, and only the connector reaches
+it (the engine and the server go through ``base.KVConnector``).
 
-Invariant: a write job counts in ``Transfer.num_jobs_queued`` from the moment it is
-queued until its batch has been submitted, so the scheduler half can tell "every
+Invariant: a write job counts in ``PrefillTransfer.num_jobs_queued`` from the moment
+it is queued until its batch has been submitted, so the prefill side can tell "every
 write issued and settled" from "some still to come".
 """
 

@@ -24,9 +24,9 @@ def submit_pair(p: LLMEngine, d: LLMEngine, rid: str, prompt, params, mode: str)
     """What the Coordinator does: the same request to D and P with one transfer id."""
     xid = f"x-{rid}"
     d.add_request(f"d-{rid}", prompt, params,
-                  kv_transfer=KVTransferParams("decode", mode, xid, p.connector.worker.endpoint))
+                  kv_transfer=KVTransferParams("decode", mode, xid, p.connector.endpoint))
     p.add_request(f"p-{rid}", prompt, params,
-                  kv_transfer=KVTransferParams("prefill", mode, xid, d.connector.worker.endpoint))
+                  kv_transfer=KVTransferParams("prefill", mode, xid, d.connector.endpoint))
 
 
 def run_until_idle(*engines: LLMEngine, timeout_s: float = 20.0, on_outputs=None) -> dict:

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.llm_engine import EngineInputError, LLMEngine
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 GOOD_PROMPT = [10, 20, 30, 40, 50]
 

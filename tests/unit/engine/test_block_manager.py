@@ -11,7 +11,7 @@ import pytest
 from pdserve.api.block_hash import hash_chain
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 BS = 4
 

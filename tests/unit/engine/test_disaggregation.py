@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.pd_harness import (
     assert_all_free,
     make_engine,
@@ -81,9 +81,9 @@ def test_disaggregated_output_equals_hybrid(pair, hybrid, transport, mode, sampl
         torch.testing.assert_close(exposed_kv[rid], hybrid_prompt_kv(hybrid, prompt),
                                    atol=1e-5, rtol=1e-5)
     assert_all_free(p, d)
-    stats = p.stats().extra if mode != "pull" else d.stats().extra
-    assert stats["kv_transport"] == transport
-    assert stats["kv_transfer_bytes"] > 0
+    stats = p.stats() if mode != "pull" else d.stats()
+    assert stats.kv_transport == transport
+    assert stats.kv_transfer_bytes > 0
 
 
 def hybrid_prompt_kv(engine, prompt):

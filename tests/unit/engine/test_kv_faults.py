@@ -14,7 +14,7 @@ from pdserve.engine.kv_transfer.layout import KVLayout
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.kv_transfer.transport.grants import WriteGrants
 from pdserve.engine.kv_transfer.transport.tcp import TcpTransport
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.pd_harness import assert_all_free, make_engine, run_until_idle, submit_pair
 
 PROMPT = list(range(1, 30))
@@ -31,7 +31,7 @@ def test_incompatible_layouts_are_refused_before_any_byte_moves():
             last = outs[rid][-1]
             assert last.finish_reason == "error"
             assert "incompatible KV layout" in last.error and "block_size" in last.error
-        assert p.stats().extra["kv_transfer_bytes"] == 0
+        assert p.stats().kv_transfer_bytes == 0
         assert_all_free(p, d)
     finally:
         p.close()
@@ -62,10 +62,10 @@ class FakeDecode:
 
 
 def run_prefill_against(fake: FakeDecode, p, reserve_blocks, expect: str, hello_layout=None):
-    fake.send(p.connector.worker.endpoint, "HELLO", layout=(hello_layout or fake.layout).to_dict())
+    fake.send(p.connector.endpoint, "HELLO", layout=(hello_layout or fake.layout).to_dict())
     p.add_request("p-bad", PROMPT, PARAMS, kv_transfer=KVTransferParams(
         "prefill", "push", "x-bad", fake.transport.endpoint))
-    fake.send(p.connector.worker.endpoint, "RESERVE", x="x-bad", blocks=reserve_blocks)
+    fake.send(p.connector.endpoint, "RESERVE", x="x-bad", blocks=reserve_blocks)
     outs = run_until_idle(p)
     last = outs["p-bad"][-1]
     assert last.finish_reason == "error" and expect in last.error, last.error
@@ -75,7 +75,7 @@ def run_prefill_against(fake: FakeDecode, p, reserve_blocks, expect: str, hello_
 
 def test_reserve_naming_memory_outside_the_peer_is_refused():
     p = make_engine("prefill", block_size=8)
-    fake = FakeDecode(p.connector.worker.layout)
+    fake = FakeDecode(p.connector.layout)
     try:
         # 29 tokens need 4 blocks; block 1000 lies far outside the fake D's region.
         run_prefill_against(fake, p, [0, 1, 2, 1000], "outside the peer registered memory")
@@ -87,7 +87,7 @@ def test_reserve_naming_memory_outside_the_peer_is_refused():
 
 def test_reserve_with_the_wrong_number_of_blocks_is_refused():
     p = make_engine("prefill", block_size=8)
-    fake = FakeDecode(p.connector.worker.layout)
+    fake = FakeDecode(p.connector.layout)
     try:
         run_prefill_against(fake, p, [0, 1], "RESERVE names 2 blocks, 4 needed")
         assert fake.received("FAILED")["x"] == "x-bad"
@@ -98,10 +98,10 @@ def test_reserve_with_the_wrong_number_of_blocks_is_refused():
 
 def test_wrong_compatibility_hash_is_refused():
     p = make_engine("prefill", block_size=8)
-    fake = FakeDecode(p.connector.worker.layout)
+    fake = FakeDecode(p.connector.layout)
     forged = dataclasses.replace(fake.layout, dtype="bfloat16")
     try:
-        fake.send(p.connector.worker.endpoint, "HELLO",
+        fake.send(p.connector.endpoint, "HELLO",
                   layout={**forged.to_dict(), "compat_hash": fake.layout.compat_hash})
         run_prefill_against(fake, p, [0, 1, 2, 3], "incompatible KV layout",
                             hello_layout=forged)

@@ -9,7 +9,7 @@ from pdserve.engine.attention import AttentionMetadata, PrefillChunk
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.hf_models import build_hf_model, save_hf_model, save_word_tokenizer
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True)]

@@ -10,7 +10,7 @@ import time
 
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.loop import EngineLoop
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server import EngineService
 from tests.unit.engine.pd_harness import assert_all_free, make_engine, run_until_idle, tokens
 from tests.unit.engine.test_scheduler_engine import (
@@ -129,9 +129,9 @@ def test_decode_sends_its_first_token_without_running_a_step_first():
         prompt = make_prompt(20, seed=7)
         xid = "x-1"
         d.add_request("d-1", prompt, greedy(4),
-                      kv_transfer=KVTransferParams("decode", "layerwise", xid, p.connector.worker.endpoint))
+                      kv_transfer=KVTransferParams("decode", "layerwise", xid, p.connector.endpoint))
         p.add_request("p-1", prompt, greedy(4),
-                      kv_transfer=KVTransferParams("prefill", "layerwise", xid, d.connector.worker.endpoint))
+                      kv_transfer=KVTransferParams("prefill", "layerwise", xid, d.connector.endpoint))
         seen: dict = {}
 
         def on_outputs(engine, out):

@@ -13,7 +13,7 @@ from pdserve.api.detokenizer import Detokenizer
 from pdserve.api.tokenizer import ByteTokenizer
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT = list(b"Sampling on the tiny preset")
 OTHERS = [list(b"a"), list(b"another prompt of some length"), list(range(60, 110))]

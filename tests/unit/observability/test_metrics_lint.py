@@ -10,8 +10,8 @@ import shutil
 import subprocess
 from types import SimpleNamespace
 
+from pdserve.api.proto.engine_pb2 import StatsResponse
 from pdserve.coordinator.metrics import CoordinatorMetrics
-from pdserve.engine.llm_engine import EngineStats
 from pdserve.engine.metrics import EngineMetrics
 
 PROMTOOL = shutil.which("promtool")
@@ -32,13 +32,13 @@ def check(text: str, component: str) -> None:
     assert promtool(text) == ""
 
 
-def engine_stats(role: str = "prefill") -> EngineStats:
-    return EngineStats(
+def engine_stats(role: str = "prefill") -> StatsResponse:
+    return StatsResponse(
         num_running=2, num_waiting=1, num_kv_blocks_total=100, num_kv_blocks_used=30,
         num_kv_blocks_free=70, kv_cache_bytes=1 << 20, block_size=16,
         prefix_cache_query_tokens=64, prefix_cache_hit_tokens=16, num_preemptions=0,
         num_prompt_tokens_total=64, num_generation_tokens_total=1, role=role, model="tiny",
-        extra={"kv_transport": "tcp", "num_kv_transfers_active": 1})
+        kv_transport="tcp", num_kv_transfers_active=1)
 
 
 def transfer(role: str, mode: str = "layerwise", num_bytes: int = 4096, done_s: float | None = None):
