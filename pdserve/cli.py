@@ -3,6 +3,12 @@
 Subcommand modules are imported only when chosen, so ``pdserve crds`` does not pay
 for importing torch. Each module named in ``COMMANDS`` exposes
 ``add_arguments(parser)`` and ``run(args) -> int``.
+
+Global options come before the subcommand: ``--version``, and ``--debug``
+(also accepted after it). A spec pdserve cannot use (``ManifestError``) is printed
+as ``error: ...`` naming each bad field, exit status 2; Ctrl-C during start-up exits
+quietly (130); ``--debug`` shows the traceback of either instead. Every
+subcommand's ``--help`` shows the defaults.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from pdserve import __version__
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -25,22 +33,59 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: ...)`` after every option that takes a value and has a help
+    text and a default worth reading (not None, not an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if action.nargs == 0 or default is None or default == [] or default == argparse.SUPPRESS \
+                or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
+                                     usage="pdserve [--debug] [--version] COMMAND ...")
+    parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] not in COMMANDS:
-        parser.parse_args(argv)  # prints usage / error for unknown commands
+    at = next((i for i, arg in enumerate(argv) if arg in COMMANDS), len(argv))
+    if at == len(argv) or any(not arg.startswith("-") for arg in argv[:at]):
+        parser.parse_args(argv)  # --version, --help, usage errors for unknown commands
         parser.print_help()
         return 2
-    name = argv[0]
+    is_debug = parser.parse_args(argv[:at]).debug
+    name = argv[at]
     module = importlib.import_module(COMMANDS[name][0])
-    sub_parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=COMMANDS[name][1])
+    sub_parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=COMMANDS[name][1],
+                                         formatter_class=HelpFormatter)
     module.add_arguments(sub_parser)
-    args = sub_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    sub_parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    args = sub_parser.parse_args(argv[at + 1:])
+    return run_command(module, args, is_debug or args.debug)
+
+
+def run_command(module, args: argparse.Namespace, is_debug: bool) -> int:
+    """``module.run(args)``; a bad spec becomes one message and Ctrl-C before a component
+    took over its signals a quiet exit (130); ``--debug`` shows their tracebacks."""
+    from pdserve.api.manifest import ManifestError
+
+    try:
+        return int(module.run(args) or 0)
+    except ManifestError as exc:
+        if is_debug:
+            raise
+        print(f"error: {exc.explain()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if is_debug:
+            raise
+        return 130
 
 
 if __name__ == "__main__":

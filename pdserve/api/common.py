@@ -2,7 +2,9 @@
 
 Owns the base model (camelCase on the wire, snake_case in Python, unknown fields
 rejected), the Kubernetes value types the specs embed (resource quantities,
-resource requirements, tolerations, object metadata) and ``parse_quantity``.
+resource requirements, tolerations, object metadata), ``parse_quantity`` and
+``parse_bytes`` / ``bytes_arg`` (sizes such as ``20Gi`` in specs and on every CLI flag
+that takes bytes).
 
 Invariants: every model here serialises to what the generated CRD accepts
 (``to_manifest`` drops ``None`` so optional fields are omitted, never null), and
@@ -11,6 +13,7 @@ a quantity that passes validation is one ``parse_quantity`` can read.
 
 from __future__ import annotations
 
+import argparse
 import re
 from decimal import Decimal
 from typing import Annotated, Literal
@@ -63,6 +66,30 @@ def parse_quantity(value: int | str) -> Decimal:
     assert match is not None  # the pattern above guarantees it
     number, suffix = match.groups()
     return Decimal(number) * _SUFFIXES[suffix]
+
+
+def parse_bytes(value: int | str) -> int:
+    """A byte count written as a quantity: ``parse_bytes("20Gi") == 20 * 2**30``;
+    ``512Mi``, ``1.5G`` and plain ``4096`` too. Raises ``ValueError`` saying what is
+    allowed. Called through ``bytes_arg`` for every CLI flag that takes bytes (the
+    spec's ``kvCacheBytes`` uses the same syntax: ``parse_quantity``)."""
+    text = value.strip() if isinstance(value, str) else value
+    try:
+        size = parse_quantity(text)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a size: write bytes as a number with an optional "
+                         "suffix Ki, Mi, Gi, Ti (powers of 1024) or k, M, G, T, e.g. 20Gi or 512Mi") from None
+    if size < 0 or size != size.to_integral_value():
+        raise ValueError(f"{value!r} is not a whole, non-negative number of bytes")
+    return int(size)
+
+
+def bytes_arg(text: str) -> int:
+    """``argparse`` type of a flag that takes bytes: ``--kv-cache-bytes 20Gi``."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class ApiModel(BaseModel):

@@ -29,9 +29,10 @@ from pdserve.controller.store import open_store
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--cluster-file", help="PDCluster YAML (default: the built-in cluster)")
     p.add_argument("--store", default="memory://", help="memory:// or etcd://HOST:PORT")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="0.0.0.0", help="gRPC and HTTP listen address")
     p.add_argument("--port", type=int, default=50050, help="gRPC port; 0 picks a free one")
-    p.add_argument("--http-port", type=int, default=0, help="/metrics, /healthz, /readyz, /leaderz")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="/metrics, /healthz, /readyz, /leaderz (0: a free port)")
     p.add_argument("--advertise", help="HOST:PORT peers reach this replica on (the leader key value)")
     p.add_argument("--leader-ttl", type=int, default=5, help="seconds; a dead leader is replaced after this")
     p.add_argument("--lease-ttl", type=int, default=30, help="seconds an instance record outlives its agent")
@@ -41,12 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hysteresis", type=float, help="overrides spec.fallback.hysteresisSeconds")
     p.add_argument("--startup-grace", type=float, default=60.0,
                    help="seconds before an incomplete cluster may enter fallback")
-    p.add_argument("--replace-after-failures", type=int, default=3)
+    p.add_argument("--replace-after-failures", type=int, default=3,
+                   help="failures within --replace-window before the operator replaces an instance's Pod")
     p.add_argument("--replace-window", type=float, default=600.0, help="seconds")
     p.add_argument("--rebalance-window", type=float, default=30.0, help="seconds of imbalance before a role switch")
     p.add_argument("--rebalance-min-interval", type=float, default=120.0, help="seconds between role switches")
-    p.add_argument("--no-rebalance", action="store_true")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--no-rebalance", action="store_true", help="never switch roles")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
 def build_settings(args: argparse.Namespace, cluster: PDCluster, identity: str) -> ControllerSettings:

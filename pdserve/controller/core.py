@@ -13,7 +13,8 @@ Invariants: a standby never answers heartbeats (``NotLeader``) and never writes
 state; a new leader loads the last leader's state before it answers anything;
 what the view shows was written to the store first (write, then publish), so a
 leader killed at any moment hands over exactly the view its clients last saw;
-every view change wakes every watcher (one ``asyncio.Condition``).
+every view change wakes every watcher (one ``asyncio.Condition``); ``stop`` ends
+every watch stream first, so the gRPC server never has a stream to cancel.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Controller:
         self._commit_soon = asyncio.Event()       # set by a heartbeat that changed a record
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
+        self._is_stopping = False
         self.num_leader_changes = 0
         self.num_failovers = 0          # counted by earlier terms of this replica
         self.num_role_switches = 0
@@ -74,7 +76,11 @@ class Controller:
         self._tasks = [asyncio.create_task(self.election.run()), asyncio.create_task(self._commit_loop())]
 
     async def stop(self) -> None:
-        """Called on shutdown: stop the loops, write what is dirty, hand leadership over."""
+        """Called on shutdown, before the gRPC server stops: end the watch streams (each
+        client sees the stream end and tries the next replica), stop the loops, write
+        what is dirty, hand leadership over."""
+        self._is_stopping = True
+        await self._notify()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -162,8 +168,9 @@ class Controller:
         return self._view
 
     async def watch(self):
-        """Yields the view now, on every change, and every ``view_refresh_s``."""
-        while True:
+        """Yields the view now, on every change, and every ``view_refresh_s``; returns
+        when the Controller stops."""
+        while not self._is_stopping:
             view = self.view()
             yield view
             async with self._changed:
@@ -171,7 +178,7 @@ class Controller:
                     await asyncio.wait_for(self._wait_version(view.version), self.settings.view_refresh_s)
 
     async def _wait_version(self, version: int) -> None:
-        while self._view is not None and self._view.version == version:
+        while not self._is_stopping and self._view is not None and self._view.version == version:
             await self._changed.wait()
 
     # --- the operator's requests ------------------------------------------------

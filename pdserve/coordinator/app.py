@@ -4,7 +4,10 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON or SSE), GET /v1/mod
 /health (the process serves), /ready (some route exists: a compatible PD pair or,
 under the hybrid fallback, a hybrid engine), /metrics (Prometheus text from this
 app's own registry). Every error body is OpenAI's error JSON; pydantic validation
-failures are 400 (OpenAI's code for them), not FastAPI's 422.
+failures are 400 (OpenAI's code for them), not FastAPI's 422. Every error answer,
+refusals before routing included (auth, body size, validation, unknown model or
+path), is logged on one line with its status and reason and counted once in
+``pdserve_coordinator_requests_total`` (``Rejections``).
 
 The app owns, through its lifespan, the instance view source (static poller or
 Controller watcher), the engine clients and the background aborts.
@@ -22,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from pdserve import __version__
 from pdserve.api.logs import RequestLogMiddleware
 from pdserve.api.security import SecuritySettings
 
@@ -64,6 +68,32 @@ def _error_response(err: ServeError) -> Response:
                     media_type="application/json")
 
 
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+"""The ``endpoint`` label of a path; every other path counts as ``other``."""
+
+
+class Rejections:
+    """Logs each error answer on one line (INFO for 4xx, WARNING for 5xx, never a
+    traceback) and counts those not counted yet by status. Called by the app's error
+    handlers and by ``GuardMiddleware``, on the event loop, before the answer is sent."""
+
+    def __init__(self, metrics: CoordinatorMetrics) -> None:
+        self.metrics = metrics
+
+    def record(self, method: str, path: str, err: ServeError) -> None:
+        rid = err.headers.get("x-request-id")
+        verb = "failed" if err.status >= 500 else "rejected"
+        log.log(logging.WARNING if err.status >= 500 else logging.INFO, "%s %s %s %s: %d %s: %s",
+                verb, rid or "-", method, path, err.status, err.code or "-", err.message,
+                extra={"request_id": rid})
+        if not err.is_counted:
+            err.is_counted = True
+            self.metrics.requests.labels(ENDPOINTS.get(path, "other"), str(err.status)).inc()
+
+    def on_guard_refusal(self, scope: dict, err: ServeError) -> None:
+        self.record(scope["method"], scope["path"], err)
+
+
 def read_api_key(path: str | None) -> str | None:
     if not path:
         return None
@@ -86,6 +116,7 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
     admission = Admission(settings.max_concurrency, settings.max_queue, metrics)
     completions = Completions(deps, PromptBuilder(settings.model), admission)
     created = int(time.time())
+    rejections = Rejections(metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -104,33 +135,38 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
             await deps.aborter.close()
             await registry.close()
 
-    app = FastAPI(title="pdserve Coordinator", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="pdserve Coordinator", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.deps = deps
     app.state.admission = admission
     app.add_middleware(RequestLogMiddleware)  # one line per request, with its request id
     app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes,
-                       api_key=read_api_key(settings.api_key_file))
+                       api_key=read_api_key(settings.api_key_file),
+                       on_refuse=rejections.on_guard_refusal)
+
+    def answer(request: Request, err: ServeError) -> Response:
+        rejections.record(request.method, request.url.path, err)
+        return _error_response(err)
 
     @app.exception_handler(ServeError)
     async def serve_error(request: Request, exc: ServeError):
-        return _error_response(exc)
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
-        return _error_response(ServeError(400, message, code="invalid_request", param=where))
+        return answer(request, ServeError(400, message, code="invalid_request", param=where))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        return _error_response(ServeError(exc.status_code, str(exc.detail), headers=exc.headers))
+        return answer(request, ServeError(exc.status_code, str(exc.detail), headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return _error_response(ServeError(500, "internal error", code="internal_error"))
+        log.exception("unhandled error on %s", request.url.path)  # a bug: its traceback is wanted
+        return answer(request, ServeError(500, "internal error", code="internal_error"))
 
     @app.post("/v1/completions", response_model=None,
               responses=_completion_responses(CompletionResponse))

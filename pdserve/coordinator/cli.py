@@ -17,6 +17,7 @@ import sys
 from pydantic import ValidationError
 
 from pdserve.api.cluster import FallbackPolicy, RoutingPolicy, TransferMode
+from pdserve.api.common import bytes_arg
 from pdserve.api.logs import configure_logging
 
 from .settings import CoordinatorSettings
@@ -28,38 +29,53 @@ _FALLBACKS = FallbackPolicy.__args__
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = CoordinatorSettings()
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="REST listen address")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--model", default=d.model, help="preset (tiny, small) or checkpoint dir, for the tokenizer")
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--served-model-name", default=None,
+                        help="name clients send as model (default: --model)")
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
                      help="static engine address (repeat); roles are read from each engine")
     src.add_argument("--controller", default=None, metavar="HOST:PORT[,HOST:PORT]",
                      help="the Controller's gRPC address; several replicas comma-separated")
-    parser.add_argument("--coordinator-id", default=socket.gethostname())
-    parser.add_argument("--prefill-policy", default=d.prefill_policy, choices=_POLICIES)
-    parser.add_argument("--decode-policy", default=d.decode_policy, choices=_POLICIES)
-    parser.add_argument("--kv-mode", default=d.kv_mode, choices=_MODES)
+    parser.add_argument("--coordinator-id", default=socket.gethostname(),
+                        help="name in the Controller's view watch")
+    parser.add_argument("--prefill-policy", default=d.prefill_policy, choices=_POLICIES,
+                        help="how a prefill engine is picked")
+    parser.add_argument("--decode-policy", default=d.decode_policy, choices=_POLICIES,
+                        help="how a decode engine is picked")
+    parser.add_argument("--kv-mode", default=d.kv_mode, choices=_MODES, help="KV transfer mode")
     parser.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
                         help="conditional disaggregation threshold in uncached tokens (0: off)")
-    parser.add_argument("--fallback-policy", default=d.fallback_policy, choices=_FALLBACKS)
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--ttft-slo-s", type=float, default=None)
+    parser.add_argument("--fallback-policy", default=d.fallback_policy, choices=_FALLBACKS,
+                        help="what to do when a pool has no ready engine")
+    parser.add_argument("--block-size", type=int, default=d.block_size,
+                        help="engines' KV block size in tokens, for prefix hashing")
+    parser.add_argument("--ttft-slo-s", type=float, default=None, help="TTFT target, seconds")
     parser.add_argument("--tpot-slo-s", type=float, default=None,
                         help="TPOT target: bounds how long a prefill on D may stall its streams")
     parser.add_argument("--no-load-aware-local-prefill", dest="load_aware_local_prefill",
                         action="store_false",
                         help="prefill on D only by --local-prefill-max-tokens, never by P's load")
-    parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
-    parser.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
-    parser.add_argument("--max-queue", type=int, default=d.max_queue)
-    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    parser.add_argument("--max-retries", type=int, default=d.max_retries)
-    parser.add_argument("--poll-interval-s", type=float, default=d.poll_interval_s)
-    parser.add_argument("--max-tokens-default", type=int, default=d.max_tokens_default)
+    parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
+                        help="one deadline per request, both legs and retries included")
+    parser.add_argument("--max-concurrency", type=int, default=d.max_concurrency,
+                        help="requests served at once")
+    parser.add_argument("--max-queue", type=int, default=d.max_queue,
+                        help="requests waiting for a slot; beyond: 429")
+    parser.add_argument("--max-body-bytes", type=bytes_arg, default=d.max_body_bytes, metavar="SIZE",
+                        help="largest request body, e.g. 1Mi; beyond: 413")
+    parser.add_argument("--max-retries", type=int, default=d.max_retries,
+                        help="retries of a failed leg")
+    parser.add_argument("--poll-interval-s", type=float, default=d.poll_interval_s,
+                        help="static engines: seconds between Health and Stats reads")
+    parser.add_argument("--max-tokens-default", type=int, default=d.max_tokens_default,
+                        help="max_tokens of a request that gives none")
     parser.add_argument("--api-key-file", default=None, help="file holding the API key (bearer token)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--cluster-name", default=None,
+                        help="the PDCluster this Coordinator serves, shown on the status page")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
 def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
@@ -74,7 +90,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         max_concurrency=args.max_concurrency, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
         poll_interval_s=args.poll_interval_s, max_tokens_default=args.max_tokens_default,
-        api_key_file=args.api_key_file,
+        api_key_file=args.api_key_file, cluster_name=args.cluster_name,
     )
 
 

@@ -1,7 +1,8 @@
 """Errors a client sees, in OpenAI's JSON shape: ``{"error": {message, type, param, code}}``.
 
 Every refusal of the Coordinator is a ``ServeError`` carrying its HTTP status; the
-app turns it into the JSON body (or a final SSE event once a stream has begun).
+app turns it into the JSON body (or a final SSE event once a stream has begun),
+logs it and counts it (``app.Rejections``) unless the request was counted already.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class ServeError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        self.is_counted = False
+        """Set once the request was counted (``serving._Output.done``): the app's error
+        handler then logs it without counting it again."""
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),

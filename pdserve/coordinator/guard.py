@@ -11,15 +11,20 @@ under ``/v1/`` need ``Authorization: Bearer <key>`` (compared in constant time);
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from .errors import ServeError
 
 
 class GuardMiddleware:
-    def __init__(self, app, max_body_bytes: int, api_key: str | None) -> None:
+    def __init__(self, app, max_body_bytes: int, api_key: str | None,
+                 on_refuse: Callable[[dict, ServeError], None] | None = None) -> None:
+        """``on_refuse(scope, error)`` is called for every request refused here (the
+        app logs and counts it), before the answer is sent."""
         self.app = app
         self.max_body_bytes = max_body_bytes
         self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._on_refuse = on_refuse
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -27,14 +32,14 @@ class GuardMiddleware:
         if self._key is not None and scope["path"].startswith("/v1/"):
             presented = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(presented, self._key):
-                return await _refuse(send, ServeError(
+                return await self._refuse(scope, send, ServeError(
                     401, "missing or wrong API key: send Authorization: Bearer <key>",
                     code="invalid_api_key"))
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_body_bytes:
-                return await _refuse(send, self._too_large())
+                return await self._refuse(scope, send, self._too_large())
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -43,7 +48,7 @@ class GuardMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return await _refuse(send, self._too_large())
+                return await self._refuse(scope, send, self._too_large())
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -58,12 +63,17 @@ class GuardMiddleware:
 
         await self.app(scope, replay_receive, send)
 
+    async def _refuse(self, scope, send, err: ServeError) -> None:
+        if self._on_refuse is not None:
+            self._on_refuse(scope, err)
+        await _send_error(send, err)
+
     def _too_large(self) -> ServeError:
         return ServeError(413, f"request body larger than {self.max_body_bytes} bytes",
                           code="body_too_large")
 
 
-async def _refuse(send, err: ServeError) -> None:
+async def _send_error(send, err: ServeError) -> None:
     body = err.json_bytes()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]

@@ -7,8 +7,9 @@ starts, so errors before it (no route, bad prompt) get their real HTTP status;
 errors after it end the stream with an OpenAI error event and ``data: [DONE]``.
 
 Invariants: the admission slot is released and the request counted exactly once,
-whatever ends the request; a client that goes away (stream or not) closes the
-run, which cancels and aborts both legs.
+whatever ends the request (a refusal before it was admitted, a ``ServeError`` not
+``is_counted``, is counted by the app's error handler); a client that goes away
+(stream or not) closes the run, which cancels and aborts both legs.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class Completions:
             await out.close()
             if isinstance(exc, ServeError):
                 exc.headers.setdefault("x-request-id", rid)
+                exc.is_counted = True
             raise
 
     async def _race_disconnect(self, request: Request, coro):

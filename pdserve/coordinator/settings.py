@@ -25,6 +25,8 @@ class CoordinatorSettings(BaseModel):
     controller: str | None = None
     """Controller gRPC address; its WatchView stream is the instance view."""
     coordinator_id: str = "coordinator"
+    cluster_name: str | None = None
+    """The PDCluster served, for the status page; None when started by hand."""
 
     prefill_policy: RoutingPolicy = "prefix_cache_aware"
     decode_policy: RoutingPolicy = "least_loaded"

@@ -1,18 +1,25 @@
 """The status page: ``/ui`` (plain HTML + JS, no build step), ``/ui/state`` (its JSON), ``/``.
 
-``StatusBoard`` builds the state from what the Coordinator already has: the
-instance registry (role, health, load, view mode), its own metrics (request,
-TTFT and TPOT histograms, read as deltas over a short window so the page shows
-live values, not lifetime means), the engines' Stats (KV transfer totals, turned
-into rates) and, with a Controller, its view's ``recent_events`` (failovers, role
-switches). Engine and Controller reads happen at most once per ``refresh_s``
-whatever the number of open pages, each with a short timeout: a slow engine
-leaves its row stale, never the page blank.
+``StatusBoard`` builds the state from what the Coordinator already has: its
+settings (model, cluster, routing, fallback and KV mode), the instance registry
+(role, health, load, view mode), its own metrics (request, TTFT and TPOT
+histograms, read as deltas over a short window so the page shows live values, not
+lifetime means), the engines' Stats (KV transfer totals, turned into rates; the KV
+transport) and, with a Controller, its view's ``recent_events`` (failovers, role
+switches), from which the instances that do not serve (starting, suspect, failed,
+with the reason) are read. Engine and Controller reads happen at most once per
+``refresh_s`` whatever the number of open pages, each with a short timeout: a slow
+engine leaves its row stale, never the page blank.
+
+Invariant: each KV transfer counts once. Both of its engines count it in their
+Stats, so transfers, bytes, failures and exposed time are read from the prefill
+side only (it also measures the exposed time: prefill end to the last write).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import deque
 from pathlib import Path
@@ -21,6 +28,7 @@ import grpc
 from fastapi import FastAPI
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse
 
+from pdserve import __version__
 from pdserve.api.security import SecuritySettings
 
 from .lifecycle import Deps
@@ -31,6 +39,12 @@ REFRESH_S = 1.0  # engine Stats and the Controller view are read at most this of
 READ_TIMEOUT_S = 1.0
 NUM_EVENTS = 20
 MIN_SAMPLE_GAP_S = 0.5
+# The Controller's event lines (controller/cluster.py record_event, health.set_health):
+# "HH:MM:SS <instance>: <OLD> -> <NEW> (<reason>)", "... <instance>: registered (<pool> pool, ...)",
+# "... <instance>: forgotten (...)".
+EVENT_RE = re.compile(r"^(?P<time>\S+) (?P<instance>[^\s:]+): (?P<what>.*)$")
+HEALTH_RE = re.compile(r"^(?P<old>[A-Z]+) -> (?P<new>[A-Z]+) \((?P<reason>.*)\)$")
+REGISTERED_RE = re.compile(r"^registered \((?P<pool>\w+) pool")
 
 
 def _hist(metric, **labels) -> tuple[float, float]:
@@ -47,6 +61,38 @@ def _hist(metric, **labels) -> tuple[float, float]:
     return count, total
 
 
+class InstanceHistory:
+    """What the Controller's events say about each instance: its pool and its last
+    health state with the reason. Fed every view's ``recent_events`` (a sliding
+    window, oldest first, so replaying it is harmless); read by the status page for
+    the instances not in the routable view."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, str] = {}
+        self.health: dict[str, tuple[str, str, str]] = {}  # instance -> (state, reason, time)
+
+    def apply(self, events: list[str]) -> None:
+        for event in events:
+            m = EVENT_RE.match(event)
+            if m is None:
+                continue
+            instance, what = m["instance"], m["what"]
+            if h := HEALTH_RE.match(what):
+                self.health[instance] = (h["new"], h["reason"], m["time"])
+            elif r := REGISTERED_RE.match(what):
+                self.pools[instance] = r["pool"]
+            elif what.startswith("forgotten"):
+                self.pools.pop(instance, None)
+                self.health.pop(instance, None)
+
+    def not_serving(self, serving: set[str]) -> list[dict]:
+        """Instances whose last known state is not READY and that are not in ``serving``."""
+        return [{"id": iid, "pool": self.pools.get(iid, ""), "state": state.lower(),
+                 "reason": reason, "since": since}
+                for iid, (state, reason, since) in sorted(self.health.items())
+                if state != "READY" and iid not in serving]
+
+
 class StatusBoard:
     def __init__(self, deps: Deps, security: SecuritySettings | None = None) -> None:
         self.deps = deps
@@ -54,6 +100,7 @@ class StatusBoard:
         self._samples: deque[tuple[float, dict]] = deque()
         self._engine_stats: dict[str, object] = {}
         self._events: list[str] = []
+        self.history = InstanceHistory()
         self._read_s = 0.0
         self._lock = asyncio.Lock()
 
@@ -63,7 +110,7 @@ class StatusBoard:
                "kv_stage": _hist(m.stage, stage="kv_transfer")}
         out["requests"] = sum(s.value for f in m.requests.collect() for s in f.samples
                               if s.name.endswith("_total"))
-        stats = list(self._engine_stats.values())
+        stats = [s for s in self._engine_stats.values() if s.role == "prefill"]  # one side only
         out["kv_bytes"] = float(sum(s.kv_transfer_bytes for s in stats))
         out["kv_ok"] = float(sum(s.kv_transfers_ok for s in stats))
         out["kv_failed"] = float(sum(s.kv_transfers_failed for s in stats))
@@ -92,6 +139,7 @@ class StatusBoard:
                 del self._engine_stats[gone]
             # Events come with the Controller's view stream, from whichever replica leads.
             self._events = list(registry.recent_events)[-NUM_EVENTS:]
+            self.history.apply(list(registry.recent_events))
 
     def _rates(self, now: float, counters: dict) -> dict:
         if not self._samples or now - self._samples[-1][0] >= MIN_SAMPLE_GAP_S:
@@ -131,11 +179,24 @@ class StatusBoard:
                          "state": state, "running": inst.num_running, "waiting": inst.num_waiting,
                          "inflight": inst.num_inflight, "kv_usage": round(inst.kv_usage, 4)})
         counters = self._counters()
-        return {"mode": registry.mode, "fallback_reason": registry.fallback_reason,
+        return {"cluster": self._cluster(), "mode": registry.mode,
+                "fallback_reason": registry.fallback_reason,
                 "view_version": registry.version, "instances": rows,
+                "not_serving": self.history.not_serving({r["id"] for r in rows}),
                 "requests_total": counters["requests"],
                 "live": self._rates(time.monotonic(), counters), "events": self._events,
                 "source": "controller" if self.deps.settings.controller else "static"}
+
+    def _cluster(self) -> dict:
+        """What this Coordinator serves and how it routes: its settings, plus the KV
+        transport its engines report."""
+        s = self.deps.settings
+        transports = sorted({st.kv_transport for st in self._engine_stats.values()
+                             if st.kv_transport and st.kv_transport != "none"})
+        return {"name": s.cluster_name, "model": s.model, "served_model_name": s.model_name,
+                "version": __version__, "prefill_policy": s.prefill_policy,
+                "decode_policy": s.decode_policy, "fallback_policy": s.fallback_policy,
+                "kv_mode": s.kv_mode, "kv_transport": ", ".join(transports)}
 
 
 def register_ui(app: FastAPI) -> None:

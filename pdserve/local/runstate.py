@@ -7,7 +7,9 @@ process group. Each child runs in its own session (group id = its pid), so one
 
 Invariants: a group is killed only if its leader still runs a ``pdserve`` command
 (a recycled pid is left alone); the file is rewritten after every spawn and
-removed on a clean stop; a live owner means another ``pdserve up`` is running.
+removed on a clean stop; a live owner means another ``pdserve up`` is running. A
+clean stop goes group by group (``stop_in_order``); leftovers of a crashed run are
+stopped all at once (``stop_groups``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,20 @@ def stop_groups(pgids, timeout_s: float = 10.0) -> None:
     while time.monotonic() < deadline and any(is_group_alive(g) for g in pgids):
         time.sleep(0.1)
     for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def stop_in_order(pgids, timeout_s: float = 20.0) -> None:
+    """One group after the other: SIGTERM to its leader only, which stops its own
+    children (the NodeAgent its engines, within 15 s) and exits; after ``timeout_s``
+    whatever is left of the group is killed. Called by ``pdserve up`` on a clean stop."""
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and is_group_alive(pgid):
+            time.sleep(0.05)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
 

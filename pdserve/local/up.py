@@ -4,42 +4,68 @@ Starts the Controller (in-memory store), one NodeAgent with every instance of
 the prefill, decode and hybrid pools (it launches the engines, pinned to each
 pool's ``cpuAffinity`` cores) and, when this build has one, the Coordinator on
 ``--host``/``--port`` with the spec's settings (``component_args.coordinator_argv``,
-the operator's mapping too). Shows progress from the Controller's view while models
-load, prints the URL, and on SIGINT/SIGTERM stops every process group it started
-(reaped). A start after a crash first stops what the crashed run left behind
+the operator's mapping too). ``--model`` and ``--kv-cache-bytes`` change the spec
+before anything starts, so every component runs the same changed spec.
+
+While models load it shows progress from the Controller's view and polls the
+NodeAgent's ``/status``: an engine that cannot start (it exited twice in a row
+with the same error, ``failing_to_start``) stops the whole run at once with that
+error, instead of waiting out ``--ready-timeout``. Then it prints the URL, and on
+SIGINT/SIGTERM stops what it started in reverse order (Coordinator, NodeAgent with
+its engines, Controller), each given time to exit cleanly before its process group
+is killed. A start after a crash first stops what the crashed run left behind
 (``runstate``). Reads ``pdserve.api`` only; talks to the components over the network.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import json
+import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
 
 from pdserve.api import PDCluster
+from pdserve.api.cluster import ModelSpec
+from pdserve.api.common import bytes_arg
 from pdserve.api.component_args import coordinator_argv
 from pdserve.api.instance import instance_name
 from pdserve.api.manifest import default_cluster, dump_manifest
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.api.security import SecuritySettings, create_channel
-from pdserve.local.runstate import RunState, default_run_dir, stop_groups
+from pdserve.local.runstate import RunState, default_run_dir, stop_in_order
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 POOLS = ("prefill", "decode", "hybrid")
+STATUS_TIMEOUT_S = 1.0
+
+
+class StartError(RuntimeError):
+    """The cluster cannot come up; the message says why (printed as ``error: ...``)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--file", help="PDCluster YAML (default: tiny model, 1 prefill + 1 decode)")
-    p.add_argument("--host", default="127.0.0.1", help="Coordinator REST listen address")
+    p.add_argument("--model", metavar="PATH_OR_PRESET",
+                   help="serve this model instead of the spec's: a checkpoint directory or a preset name")
+    p.add_argument("--kv-cache-bytes", type=bytes_arg, metavar="SIZE",
+                   help="KV cache per engine, e.g. 2Gi or 512Mi; overrides spec.engine.kvCacheBytes "
+                        "(spec.engine.numKvBlocks still wins when set)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="Coordinator REST listen address (an address of this machine)")
     p.add_argument("--port", type=int, default=8000, help="Coordinator REST port")
     p.add_argument("--run-dir", type=Path, help="logs and the process list (default: per cluster)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for engines")
@@ -49,48 +75,91 @@ def has_coordinator() -> bool:
     return "coordinator" in importlib.import_module("pdserve.cli").COMMANDS
 
 
-def is_port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
+def why_cannot_listen(host: str, port: int) -> str | None:
+    """Why the Coordinator could not listen on ``host:port``, or None when it can."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        return f"--host {host}: no such host ({exc.strerror})"
+    with socket.socket(family, kind) as s:
         try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+            s.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"--host {host}: not an address of this machine"
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is in use; pick another with --port"
+            return f"cannot listen on {host}:{port}: {exc.strerror}"
+    return None
+
+
+def with_overrides(cluster: PDCluster, model: str | None, kv_cache_bytes: int | None) -> PDCluster:
+    """``cluster`` with ``--model`` and ``--kv-cache-bytes`` applied (validated)."""
+    spec = cluster.spec
+    if model is not None:
+        spec = spec.model_copy(update={"model": model_spec(model, spec.model.served_name)})
+    if kv_cache_bytes is not None:
+        spec = spec.model_copy(update={"engine": spec.engine.model_copy(
+            update={"kv_cache_bytes": kv_cache_bytes})})
+    return cluster.model_copy(update={"spec": spec})
+
+
+def model_spec(value: str, served_name: str | None) -> ModelSpec:
+    """``--model``: an existing directory is a checkpoint (made absolute, since the
+    engines may run elsewhere); a bare name is a preset; a path that does not exist
+    is an error now, before anything starts."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return ModelSpec(path=str(path.resolve()), served_name=served_name)
+    if os.sep in value or value.startswith((".", "~")):
+        raise StartError(f"--model {value}: no such directory (give a checkpoint directory "
+                         "holding config.json, or a preset name such as tiny)")
+    return ModelSpec(preset=value, served_name=served_name)
 
 
 class Launcher:
-    def __init__(self, state: RunState) -> None:
+    """The processes of one run; called from the main thread only."""
+
+    def __init__(self, state: RunState, stop: threading.Event) -> None:
         self.state = state
+        self.stop_requested = stop
         self.procs: dict[str, subprocess.Popen] = {}
 
+    def log_path(self, name: str) -> Path:
+        return self.state.run_dir / f"{name}.log"
+
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.state.run_dir / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
+        log = open(self.log_path(name), "w")  # noqa: SIM115 - the child owns it
         proc = subprocess.Popen([*PDSERVE, *args], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**__import__("os").environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
         self.procs[name] = proc
         self.state.add(name, proc.pid)
         return proc
 
-    def wait_line(self, name: str, marker: str, timeout_s: float) -> str:
-        path = self.state.run_dir / f"{name}.log"
+    def wait_line(self, name: str, marker: str, timeout_s: float) -> str | None:
+        """The first line of ``name``'s log holding ``marker``; None if stopped meanwhile."""
+        path = self.log_path(name)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
             for line in path.read_text(errors="replace").splitlines():
                 if marker in line:
                     return line
             if self.procs[name].poll() is not None:
                 break
             time.sleep(0.1)
-        raise RuntimeError(f"{name} did not start; see {path}:\n{tail(path)}")
+        if self.stop_requested.is_set():
+            return None
+        raise StartError(f"{name} did not start; see {path}:\n{tail(path)}")
 
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]
 
     def stop(self) -> None:
-        stop_groups([p.pid for p in reversed(self.procs.values())])
+        """Newest first, each in turn: a component stops its own children (the NodeAgent
+        its engines) before the one it talks to (the Controller) goes away."""
+        stop_in_order([p.pid for p in reversed(self.procs.values())])
         for proc in self.procs.values():
             proc.wait()
         self.state.clear()
@@ -117,8 +186,30 @@ def get_view(address: str, security: SecuritySettings) -> pb.ClusterView | None:
         return None
 
 
+def get_engine_status(http_port: int) -> list[dict]:
+    """The NodeAgent's ``/status`` engines; [] while it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status",
+                                    timeout=STATUS_TIMEOUT_S) as reply:
+            return json.load(reply)["engines"]
+    except (OSError, urllib.error.URLError, ValueError, KeyError):
+        return []
+
+
+def describe_start_failure(engine: dict) -> str:
+    """Why an engine cannot start, with the lines of its output that say so."""
+    lines = engine["error_lines"] or [engine["last_exit"]]
+    return (f"engine {engine['instance_id']} cannot start: it exited twice in a row with code "
+            f"{engine['last_exit_code']} and the same error:\n" + "\n".join(f"  {ln}" for ln in lines))
+
+
 def run(args: argparse.Namespace) -> int:
     cluster = PDCluster.from_file(args.file) if args.file else default_cluster()
+    try:
+        cluster = with_overrides(cluster, args.model, args.kv_cache_bytes)
+    except StartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     name = cluster.metadata.name
     state = RunState(args.run_dir or default_run_dir(name))
     if owner := state.live_owner():
@@ -126,9 +217,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if stale := state.kill_stale():
         print(f"stopped leftovers of an earlier run: {', '.join(stale)}")
-    if has_coordinator() and not is_port_free(args.host, args.port):
-        print(f"{args.host}:{args.port} is in use or not local; pick another with --host/--port",
-              file=sys.stderr)
+    if has_coordinator() and (why := why_cannot_listen(args.host, args.port)):
+        print(f"error: {why}", file=sys.stderr)
         return 1
     state.run_dir.mkdir(parents=True, exist_ok=True)
     spec_file = state.run_dir / "cluster.yaml"
@@ -136,11 +226,11 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    launcher = Launcher(state)
+    launcher = Launcher(state, stop)
     try:
         return _run(cluster, spec_file, launcher, args, stop)
-    except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except StartError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         print("stopping ...", flush=True)
@@ -168,22 +258,35 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     transfer = (f"{spec.kv_transfer.mode} over {spec.kv_transfer.transport}"
                 if sizes["prefill"] or sizes["decode"] else "colocated")
     print(f"starting cluster {name!r}: model {spec.model.preset or spec.model.path}, "
-          f"{describe_pools(sizes)}, {transfer} (logs in {launcher.state.run_dir})")
+          f"{describe_pools(sizes)}, {transfer} (logs in {launcher.state.run_dir})", flush=True)
     launcher.spawn("controller", ["controller", "-f", str(spec_file), "--store", "memory://",
                                   "--host", "127.0.0.1", "--port", "0"])
-    line = launcher.wait_line("controller", "controller serving on", 60)
+    if (line := launcher.wait_line("controller", "controller serving on", 60)) is None:
+        return 0
     controller = line.split("serving on ")[1].split()[0]
     instances = instance_args(cluster)
     launcher.spawn("nodeagent", ["nodeagent", "-f", str(spec_file), "--controller", controller,
                                  "--host", "127.0.0.1", "--agent-id", f"{name}-local", "--pin-cpus",
                                  *instances])
+    if (line := launcher.wait_line("nodeagent", "supervising", 60)) is None:
+        return 0
+    agent_http_port = int(re.search(r"http port (\d+)", line).group(1))
     if has_coordinator():
         launcher.spawn("coordinator", coordinator_argv(cluster, args.host, args.port, controller))
     security = SecuritySettings.from_env()
     started, last, is_up = time.monotonic(), "", False
+    reported: set[str] = set()  # engines whose start failure was shown (after the cluster was up)
     while not stop.is_set():
         if dead := launcher.dead():
-            raise RuntimeError(f"{dead[0]} exited:\n{tail(launcher.state.run_dir / (dead[0] + '.log'))}")
+            raise StartError(f"{dead[0]} exited:\n{tail(launcher.log_path(dead[0]))}")
+        failing = [e for e in get_engine_status(agent_http_port) if e["failing_to_start"]]
+        if failing and not is_up:
+            raise StartError("\n".join(map(describe_start_failure, failing))
+                             + f"\n(whole output: {launcher.log_path('nodeagent')})")
+        for engine in failing:
+            if engine["instance_id"] not in reported:
+                print(f"warning: {describe_start_failure(engine)}", flush=True)
+        reported = {e["instance_id"] for e in failing}
         view = get_view(controller, security)
         progress = describe(view, sizes)
         if progress != last:
@@ -195,7 +298,7 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
                      else f"controller {controller} (no coordinator in this build)")
             print(f"pdserve is up: {where}  (Ctrl-C stops everything)", flush=True)
         if not is_up and time.monotonic() - started > args.ready_timeout:
-            raise RuntimeError(f"engines not ready after {args.ready_timeout:g}s")
+            raise StartError(f"engines not ready after {args.ready_timeout:g}s")
         stop.wait(0.5)
     return 0
 

@@ -108,6 +108,8 @@ class Agent:
         for inst in self.instances.values():
             if inst.process.state != "running":
                 inst.num_probe_ok, inst.health = 0, None
+            if inst.process.state == "exited":
+                inst.last_error = ""  # report why it died (``process.last_exit``), not the last probe
         self._wake.set()
 
     async def start(self) -> None:

@@ -17,6 +17,7 @@ import os
 import socket
 
 from pdserve.api import PDCluster
+from pdserve.api.common import bytes_arg
 from pdserve.api.http_runtime import run_component
 from pdserve.api.instance import instance_ordinal
 from pdserve.api.logs import configure_logging
@@ -35,10 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Controller HOST:PORT; comma-separated replicas are tried in turn")
     p.add_argument("--instance", action="append", required=True, metavar="ID=ROLE",
                    help="an instance to run (role: prefill, decode, hybrid); repeatable")
-    p.add_argument("-f", "--cluster-file", help="PDCluster YAML for engine settings")
+    p.add_argument("-f", "--cluster-file", help="PDCluster YAML for engine settings "
+                   "(default: the built-in cluster)")
+    p.add_argument("--kv-cache-bytes", type=bytes_arg, metavar="SIZE",
+                   help="KV cache per engine, e.g. 20Gi or 512Mi; overrides spec.engine.kvCacheBytes "
+                        "(spec.engine.numKvBlocks still wins when set)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
-                   help="extra engine flag, e.g. --engine-arg=--num-kv-blocks=64; repeatable")
-    p.add_argument("--agent-id", default=socket.gethostname())
+                   help="extra engine flag, e.g. --engine-arg=--num-kv-blocks=64; repeatable; last, so it wins")
+    p.add_argument("--agent-id", default=socket.gethostname(), help="name in heartbeats")
     p.add_argument("--heartbeat-interval", type=float, help="overrides spec.heartbeat.intervalSeconds")
     p.add_argument("--probe-timeout", type=float, default=1.0, help="seconds")
     p.add_argument("--restart-backoff", type=float, default=0.5, help="first restart delay, seconds")
@@ -46,11 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-stable-after", type=float, default=30.0,
                    help="a run this long resets the backoff, seconds")
     p.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
-    p.add_argument("--http-port", type=int, default=0, help="/healthz, /readyz, /metrics")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="/healthz, /readyz, /metrics, /status (0: a free port)")
     p.add_argument("--quiet-engines", action="store_true", help="do not echo engine output")
     p.add_argument("--pin-cpus", action="store_true",
                    help="pin engines to their pool's spec cpuAffinity cores (local mode)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
 def parse_instance(text: str) -> tuple[str, str]:
@@ -83,7 +89,9 @@ async def serve(args: argparse.Namespace) -> int:
         interval_s=args.heartbeat_interval or cluster.spec.heartbeat.interval_seconds,
         probe_timeout_s=args.probe_timeout, echo_engine_output=not args.quiet_engines,
         backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after))
-    instances = [SupervisedEngine(iid, pool, pool, build_engine_argv(cluster, pool, args.engine_arg),
+    extra = [f"--kv-cache-bytes={args.kv_cache_bytes}"] if args.kv_cache_bytes is not None else []
+    extra += args.engine_arg
+    instances = [SupervisedEngine(iid, pool, pool, build_engine_argv(cluster, pool, extra),
                                   cpus=engine_cpus(cluster, iid, pool) if args.pin_cpus else ())
                  for iid, pool in map(parse_instance, args.instance)]
     agent = Agent(settings, instances, SecuritySettings.from_env())

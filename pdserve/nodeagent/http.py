@@ -2,8 +2,12 @@
 
 ``/healthz``: the agent's loop runs (200). ``/readyz``: every engine answers its
 probe and has its KV transport registered (Health.kv_endpoint set), else 503
-with the instances that are not. ``/metrics``: ``pdserve_nodeagent_*``, read from
-the agent at scrape time.
+with the instances that are not (and the last exit of those that died).
+``/metrics``: ``pdserve_nodeagent_*``, read from the agent at scrape time.
+``/status``: JSON, one entry per engine: process state, restarts, readiness, the
+last exit (code, the error line, the lines around it) and ``failing_to_start``
+(see ``process.EngineProcess``); ``pdserve up`` polls it to stop on an engine
+that cannot start and show why.
 """
 
 from __future__ import annotations
@@ -39,12 +43,31 @@ class AgentCollector:
         yield failed
 
 
+def engine_status(agent: Agent) -> dict:
+    """The ``/status`` document; read on the event loop, no I/O."""
+    engines = []
+    for inst in agent.instances.values():
+        p = inst.process
+        engines.append({
+            "instance_id": inst.instance_id, "pool": inst.pool, "role": inst.role,
+            "state": p.state, "pid": p.pid, "is_ready": inst.is_ready, "num_restarts": p.num_restarts,
+            "last_exit": p.last_exit, "last_exit_code": p.last_exit_code, "error_lines": p.error_lines,
+            "failing_to_start": p.is_failing_to_start})
+    return {"agent_id": agent.settings.agent_id, "engines": engines}
+
+
 def create_http_app(agent: Agent) -> web.Application:
     def readyz() -> tuple[bool, str]:
-        not_ready = [i.instance_id for i in agent.instances.values() if not i.is_ready]
+        not_ready = [i for i in agent.instances.values() if not i.is_ready]
         if not_ready:
-            return False, "not ready: " + ", ".join(not_ready) + "\n"
+            return False, "not ready: " + ", ".join(
+                i.instance_id + (f" ({i.process.last_exit})" if i.process.last_exit else "")
+                for i in not_ready) + "\n"
         return True, "ready\n"
 
-    return create_side_app(registry_of(AgentCollector(agent)),
-                           {"/healthz": alive, "/readyz": readyz})
+    async def status(_):
+        return web.json_response(engine_status(agent))
+
+    app = create_side_app(registry_of(AgentCollector(agent)), {"/healthz": alive, "/readyz": readyz})
+    app.router.add_get("/status", status)
+    return app

@@ -1,6 +1,8 @@
 """``pdserve up -f spec.yaml`` runs the whole spec, the user's way: a colocated cluster
 (one hybrid engine, pinned to one core, one thread) served under the spec's model
-name with the spec's routing policy, then Ctrl-C stops everything."""
+name with the spec's routing policy, then Ctrl-C stops everything. A spec that cannot
+run says why at once: a typo names the field to write, an engine that cannot start
+shows its error; SIGTERM stops a PD cluster in order, leaving nothing behind."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from pdserve.local.runstate import is_group_alive
@@ -79,3 +83,82 @@ def test_up_runs_a_colocated_spec_with_its_model_name_policy_and_cores(tmp_path)
         assert not any(is_group_alive(g) for g in groups.values())
     finally:
         up.stop()
+
+
+def write_yaml(path: Path, spec: dict, name: str = "up-spec") -> Path:
+    path.write_text(yaml.safe_dump({"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                                    "metadata": {"name": name}, "spec": spec}))
+    return path
+
+
+def logs_of(run_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("*.log")))
+
+
+@pytest.mark.parametrize("model", [{"preset": "nosuch"}, {"path": "/nonexistent/checkpoint"}],
+                         ids=["preset", "path"])
+def test_an_engine_that_cannot_start_stops_up_at_once_with_its_error(tmp_path, model):
+    spec = write_yaml(tmp_path / "cluster.yaml", {
+        "model": model, "engine": {"dtype": "float32", "kvCacheBytes": "16Mi"},
+        "prefill": {"replicas": 0}, "decode": {"replicas": 0}, "hybrid": {"replicas": 1, "threads": 1}})
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    up = Proc([*PDSERVE, "up", "-f", str(spec), "--port", str(free_port()), "--run-dir", str(run_dir)])
+    try:
+        assert up.popen.wait(60) == 1
+    finally:
+        up.stop()
+    assert time.monotonic() - started < 60
+    wanted = next(iter(model.values()))
+    assert re.search(r"error: engine up-spec-hybrid-0 cannot start: it exited twice in a row with code 2 "
+                     r"and the same error:\n  error: model '" + re.escape(wanted) + "' is neither a preset",
+                     up.output), up.output
+    assert "Traceback" not in up.output + logs_of(run_dir)
+
+
+def test_a_typo_in_the_spec_says_what_to_write_and_starts_nothing(tmp_path):
+    spec = write_yaml(tmp_path / "cluster.yaml", {"model": {"preset": "tiny"}, "prefill": {"replicass": 1}})
+    up = Proc([*PDSERVE, "up", "-f", str(spec), "--run-dir", str(tmp_path / "run")])
+    assert up.popen.wait(30) == 2
+    up.stop()
+    assert "spec.prefill.replicass" in up.output and "did you mean 'replicas'?" in up.output
+    assert "Traceback" not in up.output and not (tmp_path / "run").exists()
+
+
+def shm_segments(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"pdserve-kv-{pid}-")]
+
+
+def test_sigterm_stops_a_pd_cluster_in_order_leaving_no_traceback_and_no_shared_memory(tmp_path):
+    """The spec's model is overridden by ``--model`` and its KV budget by ``--kv-cache-bytes``."""
+    spec = write_yaml(tmp_path / "cluster.yaml", {
+        "model": {"preset": "nosuch", "servedName": "m"}, "engine": {"dtype": "float32"},
+        "prefill": {"replicas": 1, "threads": 1}, "decode": {"replicas": 1, "threads": 1},
+        "kvTransfer": {"transport": "shm"}})
+    port, run_dir = free_port(), tmp_path / "run"
+    up = Proc([*PDSERVE, "up", "-f", str(spec), "--model", "tiny", "--kv-cache-bytes", "16Mi",
+               "--port", str(port), "--run-dir", str(run_dir)])
+    try:
+        up.wait_for(r"starting cluster 'up-spec': model tiny, 1 prefill \+ 1 decode, layerwise over shm",
+                    timeout_s=30)
+        up.wait_for(r"pdserve is up", timeout_s=120)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "m", "prompt": "Hello", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        groups = json.loads((run_dir / "processes.json").read_text())["groups"]
+        pids = engine_pids(groups["nodeagent"])
+        assert len(pids) == 2 and all(shm_segments(pid) for pid in pids)
+        for pid in pids:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert argv[argv.index(b"--kv-cache-bytes") + 1] == b"16777216"
+
+        up.popen.send_signal(signal.SIGTERM)
+        assert up.popen.wait(60) == 0
+    finally:
+        up.stop()
+    assert not any(is_group_alive(g) for g in groups.values())
+    assert not any(shm_segments(pid) for pid in pids)
+    logs = logs_of(run_dir)
+    assert "Traceback" not in up.output + logs, logs
+    # In order: the Coordinator and the NodeAgent were gone before the Controller stopped.
+    assert "heartbeat to" not in logs and "Controller watch on" not in logs, logs

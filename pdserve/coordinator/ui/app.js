@@ -16,7 +16,36 @@ function cell(row, text, cls) {
   if (cls) td.className = cls;
 }
 
+function renderCluster(c) {
+  set("cluster", c.name || "");
+  set("model", c.served_model_name === c.model ? c.model
+    : c.model + " (served as " + c.served_model_name + ")");
+  set("prefill-policy", c.prefill_policy);
+  set("decode-policy", c.decode_policy);
+  set("fallback-policy", c.fallback_policy);
+  set("kv", c.kv_mode + (c.kv_transport ? " over " + c.kv_transport : ""));
+  set("version", c.version);
+}
+
+function renderNotServing(list) {
+  const body = document.getElementById("not-serving");
+  body.replaceChildren();
+  for (const i of list) {
+    const row = body.insertRow();
+    row.dataset.instance = i.id;
+    cell(row, i.id);
+    cell(row, i.pool);
+    cell(row, i.state, i.state);
+    cell(row, i.since);
+    cell(row, i.reason);
+  }
+  document.getElementById("not-serving-table").hidden = list.length === 0;
+  document.getElementById("all-serving").hidden = list.length > 0;
+}
+
 function render(s) {
+  renderCluster(s.cluster);
+  renderNotServing(s.not_serving);
   const mode = document.getElementById("mode");
   mode.textContent = s.mode;
   mode.className = "mode " + s.mode;

@@ -1,7 +1,9 @@
-"""The app over real HTTP with stub engines: errors, auth, limits, admission, retries."""
+"""The app over real HTTP with stub engines: errors (logged and counted), auth, limits,
+admission, retries."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import httpx
@@ -121,3 +123,38 @@ def test_fail_fallback_is_503_with_reason(loop, stubs):
         assert httpx.get(app.url + "/ready").status_code == 503
         assert metric(app, "pdserve_coordinator_fallbacks_total", policy="fail",
                       reason="no_decode_engine") == 1
+
+
+def test_refusals_and_failures_are_logged_once_each_and_counted_by_status(loop, stubs, caplog, tmp_path):
+    """Refusals before admission (auth, body size, validation, unknown model or path) and
+    failures after it: one log line each with status and reason, no traceback, and one
+    count by status (a failure counted by the request is not counted again)."""
+    key = tmp_path / "key"
+    key.write_text("k")
+    auth = {"Authorization": "Bearer k"}
+    caplog.set_level(logging.INFO, logger="pdserve.coordinator")
+    with serve(loop, [stubs(role="prefill")], fallback_policy="fail", api_key_file=str(key)) as app:
+        def post(body, headers=auth):
+            return httpx.post(app.url + "/v1/completions", json=body, headers=headers, timeout=10)
+
+        assert post({**BODY, "model": "other"}).status_code == 404
+        assert post({**BODY, "temperature": 7}).status_code == 400
+        assert post(BODY, headers={}).status_code == 401
+        assert post({**BODY, "prompt": "x" * 2_000_000}).status_code == 413
+        assert post(BODY).status_code == 503  # admitted, then no decode engine (policy fail)
+        assert httpx.get(app.url + "/v1/nothing", headers=auth).status_code == 404
+        counts = {(e, c): metric(app, "pdserve_coordinator_requests_total", endpoint=e, code=str(c))
+                  for e, c in (("completions", 404), ("completions", 400), ("completions", 401),
+                               ("completions", 413), ("completions", 503), ("other", 404))}
+    assert set(counts.values()) == {1.0}, counts
+    lines = [r for r in caplog.records if r.name == "pdserve.coordinator.app"]
+    messages = [r.getMessage() for r in lines]
+    assert len(messages) == 6, messages
+    assert "rejected - POST /v1/completions: 404 model_not_found: model 'other' does not exist" in messages[0]
+    assert messages[1].startswith("rejected - POST /v1/completions: 400 invalid_request: temperature")
+    assert messages[2].startswith("rejected - POST /v1/completions: 401 invalid_api_key")
+    assert messages[3].startswith("rejected - POST /v1/completions: 413 body_too_large")
+    assert messages[4].startswith("failed cmpl-") and ": 503 " in messages[4]
+    assert messages[5].startswith("rejected - GET /v1/nothing: 404 -: Not Found")
+    assert [r.levelno for r in lines] == [logging.INFO] * 4 + [logging.WARNING, logging.INFO]
+    assert not any(r.exc_info for r in caplog.records)
