@@ -1,9 +1,9 @@
 """The ``PDCluster`` resource: what a user applies to get a PD-disaggregated service.
 
 Owns the spec (model, engine settings, the prefill, decode and hybrid pools, KV
-transfer, routing, fallback, SLOs, control plane, heartbeats) and the status
-(conditions, counts, mode). The same models load local-mode YAML and define the
-CRD. A cluster whose only replicas are hybrid is the colocated baseline: every
+transfer, routing, fallback, SLOs, control plane, heartbeats, the Secrets the
+operator mounts) and the status (conditions, counts, mode). The same models load
+local-mode YAML and define the CRD. A cluster whose only replicas are hybrid is the colocated baseline: every
 engine serves whole requests, nothing is disaggregated.
 
 Invariants: every cross-field rule exists twice, as a CEL rule in ``RULES`` (for
@@ -133,6 +133,16 @@ class ParallelismSpec(ApiModel):
     """GPUs one engine shards its weights over."""
 
 
+class TopologySpreadSpec(ApiModel):
+    """One topology spread rule for a pool's engine Pods (Kubernetes only)."""
+
+    topology_key: str = Field(min_length=1)
+    """Node label whose values are the domains, e.g. ``topology.kubernetes.io/zone``."""
+    max_skew: int = Field(default=1, ge=1)
+    """Most engines of the pool one domain may have beyond the emptiest one."""
+    when_unsatisfiable: Literal["ScheduleAnyway", "DoNotSchedule"] = "ScheduleAnyway"
+
+
 class PoolSpec(ApiModel):
     """A pool of engines with one role; each replica is one PDInstance and one Pod."""
 
@@ -145,6 +155,13 @@ class PoolSpec(ApiModel):
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    anti_affinity: Literal["preferred", "required"] | None = None
+    """Keep the pool's engines on different nodes (Kubernetes only): ``preferred`` asks
+    the scheduler to, ``required`` allows one engine of the pool per node (a Pod stays
+    Pending while no such node is free). Unset: no rule."""
+    topology_spread: list[TopologySpreadSpec] = Field(default_factory=list, max_length=8)
+    """Spread the pool's engines over topology domains (Kubernetes only), e.g.
+    ``[{topologyKey: topology.kubernetes.io/zone}]``."""
     threads: int | None = Field(default=None, ge=1, le=1024)
     """torch CPU threads per engine (the engine's ``--threads``), locally and on
     Kubernetes. Unset: torch's default."""
@@ -241,6 +258,28 @@ class HeartbeatSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": HEA
         return self
 
 
+class SecretKeySelector(ApiModel):
+    """One key of a Secret in the PDCluster's namespace."""
+
+    name: str = Field(min_length=1)
+    key: str = Field(default="api-key", min_length=1)
+
+
+class SecuritySpec(ApiModel):
+    """Secrets the operator mounts into the cluster's Pods (Kubernetes only; ``pdserve
+    up`` ignores them). The cluster token needs no field: the operator creates the
+    Secret ``<cluster>-token`` and every component presents and checks it."""
+
+    tls_secret: str | None = Field(default=None, min_length=1)
+    """Secret with ``tls.crt``, ``tls.key`` and ``ca.crt`` (a cert-manager Certificate's
+    Secret): every component's gRPC then uses mutual TLS. The certificate must name
+    ``<cluster>-controller``, ``<cluster>-controller.<namespace>.svc`` and
+    ``*.<cluster>-engines.<namespace>.svc``; the operator's own certificate (chart value
+    ``operator.tlsSecret``) must be signed by the same CA."""
+    api_key_secret: SecretKeySelector | None = None
+    """The Coordinator's API key: clients send ``Authorization: Bearer <key>``."""
+
+
 class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": SPEC_RULES}):
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -255,6 +294,7 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": SPE
     coordinator: ComponentSpec = Field(default_factory=ComponentSpec)
     controller: ComponentSpec = Field(default_factory=ComponentSpec)
     heartbeat: HeartbeatSpec = Field(default_factory=HeartbeatSpec)
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
     image: str | None = None
     """pdserve image for every pod of this cluster; defaults to the operator's."""
 

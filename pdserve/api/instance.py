@@ -2,12 +2,13 @@
 
 Owns the spec (role, cluster, pool, ordinal) and status (phase, pod, endpoints,
 health, last heartbeat). The operator creates one PDInstance per pool replica and
-one Pod per PDInstance; the Controller may change ``spec.role`` at run time (role
-switching), so ``pool`` records where the instance came from and ``role`` what it
-does now.
+one Pod per PDInstance; the Controller may switch an engine's role at run time
+(prefill <-> decode), which ``status.role`` shows; ``pool`` (and ``spec.role``)
+record where the instance came from.
 
-Invariants: ``(cluster, pool, ordinal)`` names one instance; the status is written
-by the operator (phase, pod) and the Controller (health, heartbeat, role).
+Invariants: ``(cluster, pool, ordinal)`` names one instance; only the operator
+writes the status: phase and pod from the Pod, health, last heartbeat and role
+from the Controller's view (``pdserve.operator.status.build_instance_status``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ Health = Literal["Starting", "Ready", "Suspect", "Failed"]
 
 class PDInstanceSpec(ApiModel):
     role: Role
-    """What the engine does now; the Controller may switch prefill <-> decode."""
+    """The role the engine starts in (its pool's); ``status.role`` is the one it runs now."""
     cluster: str = Field(min_length=1)
     """Name of the owning PDCluster, same namespace."""
     pool: Pool
@@ -46,7 +47,7 @@ class PDInstanceStatus(StatusModel):
     endpoints: dict[str, str] = Field(default_factory=dict)
     """Addresses by purpose, e.g. ``engine: 10.0.0.5:50051``, ``kv: 10.0.0.5:17000``."""
     health: Health | None = None
-    """The Controller's health state: Starting, Ready, Suspect, Failed."""
+    """Starting, Ready, Suspect, Failed, as the operator reads them from the Controller."""
     last_heartbeat: datetime | None = None
     role: Role | None = None
     """Role the engine last reported (differs from spec.role during a switch)."""

@@ -1,17 +1,20 @@
 """Pure builders: the desired Kubernetes objects of a PDCluster, from its spec alone.
 
-Owns names, labels, owner references, the engine-settings hash, and the builders
-of the ConfigMap, Services, control-plane ServiceAccount/RoleBinding and
-PDInstances (Pods and Deployments are in ``pods.py`` and ``deployments.py``).
+Owns names, labels, owner references, the cluster file, and the builders of the
+cluster ConfigMap, the Services, the PodDisruptionBudgets, the token Secrets, the
+PDInstances, and the volumes every component Pod shares (cluster token, TLS, model
+weights). Engine Pods are in ``pods.py``, the Deployments in ``deployments.py``,
+the whole list reconcile applies in ``desired.py``.
 
 Invariants: every builder is a function of its arguments (no clock, no I/O, no
-randomness), so building twice gives equal dicts and reconcile can compare them
-with what it observes; every object carries the cluster label and an owner
-reference, so garbage collection removes it with its owner.
+randomness: a token is an argument), so building twice gives equal dicts and
+reconcile can compare them with what it observes; every object carries the cluster
+label and an owner reference, so garbage collection removes it with its owner.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 
@@ -19,6 +22,7 @@ import yaml
 
 from pdserve.api import PDCluster
 from pdserve.api.common import API_VERSION
+from pdserve.api.component_args import MODEL_DIR
 from pdserve.api.instance import Pool, instance_name
 
 GROUP_PREFIX = "pdserve.io"
@@ -32,6 +36,9 @@ DRAIN_ANNOTATION = f"{GROUP_PREFIX}/drain-started-at"
 
 CONFIG_DIR = "/etc/pdserve"
 CONFIG_FILE = f"{CONFIG_DIR}/cluster.yaml"
+TOKEN_DIR = "/etc/pdserve-token"
+TOKEN_KEY = "token"
+TLS_DIR = "/etc/pdserve-tls"
 CONTROLLER_GRPC_PORT = 50050
 CONTROLLER_HTTP_PORT = 8080
 COORDINATOR_PORT = 8000
@@ -40,31 +47,15 @@ ENGINE_METRICS_PORT = 9400  # one engine per Pod: a fixed port Prometheus can fi
 POOLS: tuple[Pool, ...] = ("prefill", "decode", "hybrid")
 PD_POOLS: tuple[Pool, ...] = ("prefill", "decode")
 
-# Spec fields that do not change what an engine computes or how it pairs: replica
-# counts (scaling), core pinning (local mode only: ignored here) and the
-# control-plane Deployments (rolled by their own hash).
-_NOT_ENGINE_SETTINGS = (*((pool, field) for pool in POOLS for field in ("replicas", "cpuAffinity")),
-                        ("coordinator",), ("controller",))
 
-
-def _hash(data: object) -> str:
+def spec_hash(data: object) -> str:
+    """Ten hex digits of SHA-256 over ``data`` as canonical JSON."""
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def engine_spec_hash(cluster: PDCluster) -> str:
-    """Hash of the engine settings: Pods of two hashes must never serve as a P/D pair."""
-    spec = cluster.spec.to_manifest()
-    for path in _NOT_ENGINE_SETTINGS:
-        parent = spec
-        for key in path[:-1]:
-            parent = parent.get(key, {})
-        parent.pop(path[-1], None)
-    return _hash(spec)
-
-
 def config_hash(cluster: PDCluster) -> str:
-    """Hash of the whole spec: the control-plane Deployments roll when it changes."""
-    return _hash(cluster.spec.to_manifest())
+    """Hash of the whole spec: annotates the cluster ConfigMap (what ``kubectl`` sees)."""
+    return spec_hash(cluster.spec.to_manifest())
 
 
 def labels(cluster: PDCluster, component: str, **extra: str) -> dict[str, str]:
@@ -72,6 +63,7 @@ def labels(cluster: PDCluster, component: str, **extra: str) -> dict[str, str]:
         "app.kubernetes.io/name": "pdserve",
         "app.kubernetes.io/instance": cluster.metadata.name,
         "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "pdserve",
         "app.kubernetes.io/managed-by": "pdserve-operator",
         CLUSTER_LABEL: cluster.metadata.name,
         COMPONENT_LABEL: component,
@@ -81,6 +73,11 @@ def labels(cluster: PDCluster, component: str, **extra: str) -> dict[str, str]:
 
 def selector(cluster: PDCluster, component: str) -> dict[str, str]:
     return {CLUSTER_LABEL: cluster.metadata.name, COMPONENT_LABEL: component}
+
+
+def pool_selector(cluster: PDCluster, pool: Pool) -> dict[str, str]:
+    """The engine Pods of one pool."""
+    return {**selector(cluster, "engine"), POOL_LABEL: pool}
 
 
 def owner_reference(api_version: str, kind: str, name: str, uid: str | None) -> dict:
@@ -106,21 +103,33 @@ def controller_service_name(cluster: PDCluster) -> str:
     return f"{cluster.metadata.name}-controller"
 
 
-def controlplane_account_name(cluster: PDCluster) -> str:
-    return f"{cluster.metadata.name}-controlplane"
+def controller_address(cluster: PDCluster) -> str:
+    """Where agents and Coordinators reach the leading Controller (its Service)."""
+    return f"{controller_service_name(cluster)}:{CONTROLLER_GRPC_PORT}"
 
 
-def build_cluster_yaml(cluster: PDCluster) -> str:
-    """The cluster file every component reads with ``-f``: the PDCluster spec as YAML."""
+def engines_service_name(cluster: PDCluster) -> str:
+    return f"{cluster.metadata.name}-engines"
+
+
+def token_secret_name(cluster_name: str) -> str:
+    return f"{cluster_name}-token"
+
+
+def build_cluster_yaml(cluster: PDCluster, spec: dict | None = None) -> str:
+    """A cluster file a component reads with ``-f``: the PDCluster with ``spec`` (the
+    whole spec by default; an engine's view of it for engine Pods)."""
     doc = {"apiVersion": API_VERSION, "kind": "PDCluster",
            "metadata": {"name": cluster.metadata.name, "namespace": cluster.metadata.namespace},
-           "spec": cluster.spec.to_manifest()}
+           "spec": cluster.spec.to_manifest() if spec is None else spec}
     return yaml.safe_dump(doc, sort_keys=False)
 
 
 def build_config_map(cluster: PDCluster) -> dict:
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": metadata(cluster, config_map_name(cluster), "config"),
+    """The whole spec as the Controller reads it (and ``kubectl get cm`` shows it)."""
+    meta = metadata(cluster, config_map_name(cluster), "config")
+    meta["annotations"] = {CONFIG_HASH_ANNOTATION: config_hash(cluster)}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
             "data": {"cluster.yaml": build_cluster_yaml(cluster)}}
 
 
@@ -140,27 +149,75 @@ def build_services(cluster: PDCluster) -> list[dict]:
         _service(cluster, controller_service_name(cluster), "controller",
                  [{"name": "grpc", "port": CONTROLLER_GRPC_PORT, "targetPort": "grpc"},
                   {"name": "http", "port": CONTROLLER_HTTP_PORT, "targetPort": "http"}]),
-        _service(cluster, f"{name}-engines", "engine",
+        _service(cluster, engines_service_name(cluster), "engine",
                  [{"name": "http", "port": AGENT_HTTP_PORT, "targetPort": "http"},
                   {"name": "metrics", "port": ENGINE_METRICS_PORT, "targetPort": "metrics"}],
                  clusterIP="None", publishNotReadyAddresses=True),
     ]
 
 
-def build_controlplane_rbac(cluster: PDCluster, clusterrole: str) -> list[dict]:
-    """The Controller's and Coordinator's ServiceAccount, bound to the chart's role."""
-    account = controlplane_account_name(cluster)
-    objects = [{"apiVersion": "v1", "kind": "ServiceAccount",
-                "metadata": metadata(cluster, account, "controlplane")}]
-    if clusterrole:
-        objects.append({
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": metadata(cluster, account, "controlplane"),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": clusterrole},
-            "subjects": [{"kind": "ServiceAccount", "name": account,
-                          "namespace": cluster.metadata.namespace}]})
-    return objects
+def build_disruption_budgets(cluster: PDCluster) -> list[dict]:
+    """One PodDisruptionBudget per pool with replicas: a node drain evicts at most one
+    engine of a pool at a time (the operator's own rollout deletes, it never evicts,
+    and keeps the same bound itself: ``rollout.py``)."""
+    return [{"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+             "metadata": metadata(cluster, f"{cluster.metadata.name}-{pool}", "engine",
+                                  **{POOL_LABEL: pool}),
+             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": pool_selector(cluster, pool)}}}
+            for pool in POOLS if getattr(cluster.spec, pool).replicas > 0]
+
+
+def _secret(meta: dict, data: dict[str, bytes]) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
+
+
+def build_token_secret(cluster: PDCluster, token: str) -> dict:
+    """The cluster token every component of ``cluster`` presents and checks."""
+    return _secret(metadata(cluster, token_secret_name(cluster.metadata.name), "token"),
+                   {TOKEN_KEY: token.encode()})
+
+
+def build_key_secret(namespace: str, name: str, key: bytes) -> dict:
+    """The operator's own key (cluster tokens are derived from it: ``tokens.py``)."""
+    meta = {"name": name, "namespace": namespace,
+            "labels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/part-of": "pdserve",
+                       "app.kubernetes.io/component": "operator-key"}}
+    return _secret(meta, {"key": key})
+
+
+def model_volume(cluster: PDCluster) -> dict | None:
+    """The volume holding a pvc or image model (mounted read-only at ``MODEL_DIR``)."""
+    model = cluster.spec.model
+    if model.pvc is not None:
+        return {"name": "model", "persistentVolumeClaim": {"claimName": model.pvc.claim_name,
+                                                           "readOnly": True}}
+    if model.image is not None:
+        return {"name": "model", "image": {"reference": model.image, "pullPolicy": "IfNotPresent"}}
+    return None
+
+
+def shared_mounts(cluster: PDCluster, *, with_model: bool) -> tuple[list[dict], list[dict], list[dict]]:
+    """(env, volumes, volumeMounts) every component container gets: the cluster token
+    (``PDSERVE_CLUSTER_TOKEN_FILE``), the TLS files when ``spec.security.tlsSecret`` is
+    set (``PDSERVE_TLS_*``, read by ``pdserve.api.security.SecuritySettings.from_env``),
+    and, ``with_model``, the pvc or image model at ``MODEL_DIR``."""
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "PDSERVE_CLUSTER_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"}]
+    volumes = [{"name": "cluster-token",
+                "secret": {"secretName": token_secret_name(cluster.metadata.name)}}]
+    mounts = [{"name": "cluster-token", "mountPath": TOKEN_DIR, "readOnly": True}]
+    tls = cluster.spec.security.tls_secret
+    if tls:
+        env += [{"name": f"PDSERVE_TLS_{var}", "value": f"{TLS_DIR}/{file}"}
+                for var, file in (("CERT", "tls.crt"), ("KEY", "tls.key"), ("CA", "ca.crt"))]
+        volumes.append({"name": "tls", "secret": {"secretName": tls}})
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+    model = model_volume(cluster) if with_model else None
+    if model is not None:
+        volumes.append(model)
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    return env, volumes, mounts
 
 
 def desired_instances(cluster: PDCluster) -> dict[str, tuple[Pool, int]]:

@@ -1,9 +1,12 @@
 """The operator's client of each cluster's Controller (gRPC, ``pdserve.api`` protos).
 
-Owns one channel per Controller address and the four calls the operator makes:
+Owns one channel per Controller address and the calls the operator makes:
 ``drain`` (before deleting a scaled-down instance), ``list_replacements`` /
-``ack_replacement`` (instances the Controller wants recreated) and ``forget``
-(on PDCluster deletion: nothing of the cluster stays in the store).
+``ack_replacement`` (instances the Controller wants recreated), ``view`` (mode, and
+the routable instances' role and last heartbeat, for the PDCluster and PDInstance
+status) and ``forget`` (on PDCluster deletion: nothing of the cluster stays in the
+store). Each call presents the cluster's own token (``tokens.py``); TLS material,
+when configured, is the operator's own (its environment).
 
 Invariants: every call has a deadline; every failure (unreachable, standby,
 refused) raises ``ControllerUnavailable``, which reconcile treats as "not now":
@@ -13,13 +16,13 @@ it never blocks the rest of a reconcile on the Controller.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.api.security import SecuritySettings, create_channel
+from pdserve.api.security import TOKEN_METADATA_KEY, SecuritySettings, create_channel
 
 CALL_TIMEOUT_S = 5.0
 
@@ -33,6 +36,20 @@ class DrainState:
     is_drained: bool
     num_running: int = 0
     num_waiting: int = 0
+
+
+@dataclass(frozen=True)
+class RoutableInstance:
+    """An instance in the Controller's routable view (its health is READY)."""
+
+    role: str
+    last_heartbeat_unix_s: float
+
+
+@dataclass(frozen=True)
+class ControllerView:
+    mode: str  # PD | FALLBACK | COLOCATED
+    routable: dict[str, RoutableInstance] = field(default_factory=dict)
 
 
 class ControllerClient:
@@ -65,9 +82,11 @@ class ControllerClient:
     async def forget(self) -> int:
         return (await self._call("ForgetCluster", pb.ForgetClusterRequest())).num_keys_deleted
 
-    async def mode(self) -> str:
-        """``PD``, ``FALLBACK`` or ``COLOCATED`` as the Controller sees it."""
-        return (await self._call("GetView", pb.WatchViewRequest(coordinator_id="operator"))).mode
+    async def view(self) -> ControllerView:
+        """The mode and the routable instances (the view lists READY ones only)."""
+        reply = await self._call("GetView", pb.WatchViewRequest(coordinator_id="operator"))
+        return ControllerView(reply.mode, {
+            i.instance_id: RoutableInstance(i.role, i.last_heartbeat_unix_s) for i in reply.instances})
 
 
 class ControllerClients:
@@ -81,12 +100,15 @@ class ControllerClients:
         self._factory = channel_factory or (lambda a: create_channel(a, self._security))
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def for_cluster(self, name: str, namespace: str) -> ControllerClient:
+    def for_cluster(self, name: str, namespace: str, token: str | None = None) -> ControllerClient:
+        """The client of cluster ``namespace/name``'s Controller, presenting ``token``
+        (the cluster's; default: the operator's own, from its environment)."""
         address = self._template.format(cluster=name, namespace=namespace, port=self._port)
         if address not in self._channels:
             self._channels[address] = self._factory(address)
         stub = pb_grpc.ControllerStub(self._channels[address])
-        return ControllerClient(stub, self._security.metadata(), address)
+        metadata = ((TOKEN_METADATA_KEY, token),) if token else self._security.metadata()
+        return ControllerClient(stub, metadata, address)
 
     async def close_cluster(self, name: str, namespace: str) -> None:
         """Called once a PDCluster is finalized: its Controller is going away."""

@@ -1,14 +1,19 @@
 """Pure builders of a cluster's control plane: the Controller and Coordinator Deployments.
 
-Owns their containers, probes and rollout strategy; the Coordinator's arguments
-come from ``pdserve.api.component_args.coordinator_argv``, which ``pdserve up``
-uses too, so local mode and Kubernetes run the same settings.
+Owns their containers, probes, volumes and rollout strategy. The Coordinator's
+arguments come from ``pdserve.api.component_args.coordinator_argv``, which ``pdserve
+up`` uses too, so local mode and Kubernetes run the same settings; it reads no
+cluster file, and mounts the model (its tokenizer) read-only where ``--model`` points.
+The Controller reads the cluster file (``-f``): its pod template carries the hash of
+``controller_settings``, the part of the spec it uses.
 
-Invariants: the Controller Service routes to the elected leader only (readiness is
-``/leaderz``), so agents and Coordinators need one address; the Controller rolls
-with ``Recreate`` (a standby is never Ready, a rolling update would wait forever);
-both pod templates carry the config hash, so a spec change restarts them with the
-new cluster file.
+Invariants: each pod template holds exactly what its component consumes, so a
+Deployment rolls when, and only when, its component's settings change (replica
+counts are the Deployment's, not the template's); the Controller Service routes to
+the elected leader only (readiness is ``/leaderz``), so agents and Coordinators need
+one address; the Controller rolls with ``Recreate`` (a standby is never Ready, a
+rolling update would wait forever); no control-plane Pod gets a Kubernetes API
+token (neither component calls the API).
 """
 
 from __future__ import annotations
@@ -18,12 +23,20 @@ from pdserve.api.component_args import coordinator_argv
 from pdserve.operator import builders as b
 from pdserve.operator.settings import OperatorSettings
 
+API_KEY_DIR = "/etc/pdserve-api-key"
+
 
 def _deployment(cluster: PDCluster, name: str, component: str, replicas: int, container: dict,
-                settings: OperatorSettings, strategy: str) -> dict:
-    container = {"image": cluster.spec.image or settings.image, **container,
-                 "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                 "volumeMounts": [{"name": "config", "mountPath": b.CONFIG_DIR, "readOnly": True}]}
+                settings: OperatorSettings, strategy: str, *, with_model: bool,
+                volumes: tuple[dict, ...] | list[dict] = (),
+                mounts: tuple[dict, ...] | list[dict] = (),
+                annotations: dict | None = None) -> dict:
+    env, shared_volumes, shared_mounts = b.shared_mounts(cluster, with_model=with_model)
+    container = {"image": cluster.spec.image or settings.image, **container, "env": env,
+                 "volumeMounts": [*mounts, *shared_mounts]}
+    template_meta = {"labels": b.labels(cluster, component)}
+    if annotations:
+        template_meta["annotations"] = annotations
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": b.metadata(cluster, name, component),
@@ -32,14 +45,9 @@ def _deployment(cluster: PDCluster, name: str, component: str, replicas: int, co
             "strategy": {"type": strategy},
             "selector": {"matchLabels": b.selector(cluster, component)},
             "template": {
-                "metadata": {"labels": b.labels(cluster, component),
-                             "annotations": {b.CONFIG_HASH_ANNOTATION: b.config_hash(cluster)}},
-                "spec": {
-                    "serviceAccountName": b.controlplane_account_name(cluster),
-                    "containers": [container],
-                    "volumes": [{"name": "config",
-                                 "configMap": {"name": b.config_map_name(cluster)}}],
-                },
+                "metadata": template_meta,
+                "spec": {"automountServiceAccountToken": False, "containers": [container],
+                         "volumes": [*volumes, *shared_volumes]},
             },
         },
     }
@@ -47,6 +55,15 @@ def _deployment(cluster: PDCluster, name: str, component: str, replicas: int, co
 
 def _http_probe(path: str, port: str, period_s: int) -> dict:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period_s}
+
+
+def controller_settings(cluster: PDCluster) -> dict:
+    """What ``pdserve controller`` reads from the cluster file (``controller/cli.py``
+    ``build_settings``): the cluster name, heartbeats, fallback, which pools exist."""
+    spec = cluster.spec
+    return {"name": cluster.metadata.name, "heartbeat": spec.heartbeat.to_manifest(),
+            "fallback": spec.fallback.to_manifest(),
+            "pools": [p for p in b.POOLS if getattr(spec, p).replicas > 0]}
 
 
 def build_controller_deployment(cluster: PDCluster, settings: OperatorSettings) -> dict:
@@ -65,21 +82,32 @@ def build_controller_deployment(cluster: PDCluster, settings: OperatorSettings) 
         "readinessProbe": _http_probe("/leaderz", "http", 2),
         "resources": component.resources.to_manifest(),
     }
-    return _deployment(cluster, b.controller_service_name(cluster), "controller", replicas,
-                       container, settings, "Recreate")
+    return _deployment(
+        cluster, b.controller_service_name(cluster), "controller", replicas, container, settings,
+        "Recreate", with_model=False,
+        volumes=[{"name": "config", "configMap": {"name": b.config_map_name(cluster)}}],
+        mounts=[{"name": "config", "mountPath": b.CONFIG_DIR, "readOnly": True}],
+        annotations={b.CONFIG_HASH_ANNOTATION: b.spec_hash(controller_settings(cluster))})
 
 
 def build_coordinator_deployment(cluster: PDCluster, settings: OperatorSettings) -> dict:
     component = cluster.spec.coordinator
+    args = coordinator_argv(cluster, "0.0.0.0", b.COORDINATOR_PORT, b.controller_address(cluster))
+    volumes, mounts = [], []
+    api_key = cluster.spec.security.api_key_secret
+    if api_key is not None:
+        args += ["--api-key-file", f"{API_KEY_DIR}/api-key"]
+        volumes.append({"name": "api-key", "secret": {
+            "secretName": api_key.name, "items": [{"key": api_key.key, "path": "api-key"}]}})
+        mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
     container = {
         "name": "coordinator",
-        "args": coordinator_argv(
-            cluster, "0.0.0.0", b.COORDINATOR_PORT,
-            f"{b.controller_service_name(cluster)}:{b.CONTROLLER_GRPC_PORT}"),
+        "args": args,
         "ports": [{"name": "http", "containerPort": b.COORDINATOR_PORT}],
         "livenessProbe": _http_probe("/health", "http", 10),
         "readinessProbe": _http_probe("/ready", "http", 5),
         "resources": component.resources.to_manifest(),
     }
     return _deployment(cluster, f"{cluster.metadata.name}-coordinator", "coordinator",
-                       component.replicas, container, settings, "RollingUpdate")
+                       component.replicas, container, settings, "RollingUpdate", with_model=True,
+                       volumes=volumes, mounts=mounts)

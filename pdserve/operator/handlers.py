@@ -8,7 +8,8 @@ mapping of errors onto kopf's retry semantics, events and metrics.
 Invariants: an invalid spec is a ``kopf.PermanentError`` on create/update (the
 status already says why; a later update is tried again); Kubernetes API failures
 and waits are ``kopf.TemporaryError`` with a delay; kopf keeps its progress in
-annotations (the CRD's status has no ``kopf`` field).
+annotations (the CRD's status has no ``kopf`` field); with one watched namespace
+kopf never reads cluster-scoped resources (the namespaced RBAC mode grants none).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, metrics: O
             prefix="pdserve.io", key="last-handled-configuration")
         settings.persistence.finalizer = "pdserve.io/finalizer"
         settings.posting.level = logging.WARNING  # our own events say what was done
+        # Watching one namespace the chart grants Roles there only: no CRD or namespace
+        # scanning (cluster-wide reads), the resources found at start-up are served.
+        settings.scanning.disabled = bool(reconciler.settings.namespace)
 
     if with_login:
         @kopf.on.login(registry=registry)

@@ -5,7 +5,7 @@ service-account credentials, a kubeconfig, or a test's emulator) and the error
 types reconcile reacts to. Everything else in the operator works on plain dicts.
 
 Invariants: writes are JSON merge patches (never PUT), so fields other writers own
-(the Controller's PDInstance status, the apiserver's defaults) are kept; a 404 on
+(the apiserver's defaults, kopf's annotations) are kept; a 404 on
 read or delete is an answer (``None`` / ``False``), not an error; every other
 failure raises ``KubeError`` with ``is_transient`` telling retry from give-up.
 """
@@ -26,9 +26,9 @@ KINDS: dict[str, tuple[str, str]] = {
     "Pod": ("api/v1", "pods"),
     "Service": ("api/v1", "services"),
     "ConfigMap": ("api/v1", "configmaps"),
-    "ServiceAccount": ("api/v1", "serviceaccounts"),
+    "Secret": ("api/v1", "secrets"),
     "Deployment": ("apis/apps/v1", "deployments"),
-    "RoleBinding": ("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "PodDisruptionBudget": ("apis/policy/v1", "poddisruptionbudgets"),
     "PDCluster": (f"apis/{API_VERSION}", "pdclusters"),
     "PDInstance": (f"apis/{API_VERSION}", "pdinstances"),
 }

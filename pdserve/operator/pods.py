@@ -1,97 +1,163 @@
-"""Pure builder of an engine Pod: one ``pdserve nodeagent`` supervising one engine.
+"""Pure builders of a pool's engines: the cluster file they read and their Pods (one
+``pdserve nodeagent`` supervising one engine each).
 
-Owns the Pod of a PDInstance: the agent's arguments (Controller address, the
-instance, the cluster file), probes, resources and GPUs, node placement, the
-config and model volumes. The Pod is named after its PDInstance and owned by it.
+Owns what an engine Pod of a pool consumes, and nothing else: ``engine_settings``
+(the part of the spec the agent reads from its cluster file: model, engine and KV
+transfer settings, the heartbeat interval, the pool's threads), the immutable
+ConfigMap holding it (named by its hash), and the Pod (agent arguments, probes,
+resources and GPUs, placement, the shared token/TLS/model volumes). The Pod is
+named after its PDInstance and owned by it.
+
+``engine_pod_hash`` hashes the Pod as built for a placeholder instance: the Pods of
+a pool run the same settings exactly when they carry the same hash
+(``SPEC_HASH_LABEL``). Routing, fallback, SLOs, heartbeat thresholds, replica counts
+and the Coordinator and Controller are not in it, so changing them never touches an
+engine; a change that is in it rolls the pool Pod by Pod (``rollout.py``).
 
 Where Pods are created: ``Reconciler._apply_engine_pods`` (``reconcile.py``) is
 the one caller of ``build_engine_pod`` and the one place that creates engine
 Pods (a missing Pod, a failed one, one the Controller asked to replace, and each
 Pod of a settings rollout); ``kube.KubeClient.create`` sends it.
 
-Invariants: the Pod carries the engine-settings hash (``SPEC_HASH_LABEL``); the
-operator never patches a Pod, it deletes and recreates it, so a running Pod's
-settings are exactly those of its hash. The agent runs the instance in its *pool*
-role; role switches at run time are the Controller's and do not change the Pod.
+Invariants: the operator never patches a Pod, it deletes and recreates it, and an
+engine ConfigMap's content never changes (its name is its hash), so a running
+Pod's settings are exactly those of its hash. The agent runs the instance in its
+*pool* role; role switches at run time are the Controller's and do not change the
+Pod.
 """
 
 from __future__ import annotations
 
 from pdserve.api import PDCluster
 from pdserve.api.common import API_VERSION
-from pdserve.api.component_args import MODEL_DIR
+from pdserve.api.instance import Pool
 from pdserve.operator import builders as b
 
+PLACEHOLDER_INSTANCE = "{instance}"
+"""Stands for the instance name in the Pod ``engine_pod_hash`` hashes."""
 
-def _resources(pool) -> dict:
-    requests = {k: str(v) for k, v in pool.resources.requests.items()}
-    limits = {k: str(v) for k, v in pool.resources.limits.items()}
-    if pool.gpus:  # device-plugin resources: the request must equal the limit
-        limits[pool.gpu_resource] = requests[pool.gpu_resource] = str(pool.gpus)
+
+def engine_settings(cluster: PDCluster, pool: Pool) -> dict:
+    """The spec as an engine Pod of ``pool`` reads it (``pdserve nodeagent -f``: see
+    ``pdserve.nodeagent.engine_args.build_engine_argv``). Replica counts are left out
+    (the agent reads none; the models' defaults keep the file a valid PDCluster), and
+    every pool's parallelism is kept (the spec's rule relates them)."""
+    spec = cluster.spec
+    model = spec.model.to_manifest()
+    model.pop("servedName", None)  # the Coordinator's
+    pools = {p: {"parallelism": getattr(spec, p).parallelism.to_manifest()} for p in b.POOLS}
+    if getattr(spec, pool).threads:
+        pools[pool]["threads"] = getattr(spec, pool).threads
+    return {"model": model, "engine": spec.engine.to_manifest(),
+            "kvTransfer": spec.kv_transfer.to_manifest(),
+            "heartbeat": {"intervalSeconds": spec.heartbeat.interval_seconds}, **pools}
+
+
+def engine_config_name(cluster: PDCluster, pool: Pool) -> str:
+    return f"{cluster.metadata.name}-{pool}-engine-{b.spec_hash(engine_settings(cluster, pool))}"
+
+
+def build_engine_config_map(cluster: PDCluster, pool: Pool) -> dict:
+    """The cluster file of ``pool``'s engine Pods; immutable, named by its content."""
+    meta = b.metadata(cluster, engine_config_name(cluster, pool), "engine-config",
+                      **{b.POOL_LABEL: pool})
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "immutable": True,
+            "data": {"cluster.yaml": b.build_cluster_yaml(cluster, engine_settings(cluster, pool))}}
+
+
+def _resources(pool_spec) -> dict:
+    requests = {k: str(v) for k, v in pool_spec.resources.requests.items()}
+    limits = {k: str(v) for k, v in pool_spec.resources.limits.items()}
+    if pool_spec.gpus:  # device-plugin resources: the request must equal the limit
+        limits[pool_spec.gpu_resource] = requests[pool_spec.gpu_resource] = str(pool_spec.gpus)
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
 
 
-def _model_volume(cluster: PDCluster) -> dict | None:
-    model = cluster.spec.model
-    if model.pvc is not None:
-        return {"name": "model", "persistentVolumeClaim": {"claimName": model.pvc.claim_name,
-                                                           "readOnly": True}}
-    if model.image is not None:
-        return {"name": "model", "image": {"reference": model.image, "pullPolicy": "IfNotPresent"}}
-    return None
+def engine_host(cluster: PDCluster, instance: str) -> str:
+    """The address an engine binds and announces: the Pod's IP, or with TLS its DNS
+    name under the headless Service (certificates can name it, not a Pod IP)."""
+    if cluster.spec.security.tls_secret:
+        return f"{instance}.{b.engines_service_name(cluster)}.{cluster.metadata.namespace}.svc"
+    return "$(POD_IP)"
 
 
-def agent_args(cluster: PDCluster, instance: str, pool: str) -> list[str]:
-    controller = f"{b.controller_service_name(cluster)}:{b.CONTROLLER_GRPC_PORT}"
-    args = ["nodeagent", "--controller", controller, "--instance", f"{instance}={pool}",
+def agent_args(cluster: PDCluster, instance: str, pool: Pool) -> list[str]:
+    args = ["nodeagent", "--controller", b.controller_address(cluster),
+            "--instance", f"{instance}={pool}",
             "-f", b.CONFIG_FILE, "--agent-id", instance, "--host", "0.0.0.0",
             "--http-port", str(b.AGENT_HTTP_PORT),
-            # peers reach the engine and its KV transport on the Pod's IP
-            "--engine-arg=--host=$(POD_IP)", "--engine-arg=--kv-host=$(POD_IP)",
+            # peers reach the engine and its KV transport on the Pod's address
+            f"--engine-arg=--host={engine_host(cluster, instance)}", "--engine-arg=--kv-host=$(POD_IP)",
             f"--engine-arg=--metrics-port={b.ENGINE_METRICS_PORT}"]
     if getattr(cluster.spec, pool).gpus:
         args.append("--engine-arg=--device=cuda")
     return args
 
 
-def build_engine_pod(cluster: PDCluster, instance: str, pool: str, instance_uid: str | None,
-                     image: str) -> dict:
-    """The Pod of PDInstance ``instance``. Called by ``Reconciler._apply_engine_pods``
-    when the Pod is missing (never there, deleted as failed, replaced or stale)."""
+def _placement(cluster: PDCluster, pool: Pool) -> dict:
+    """nodeSelector, tolerations, pod anti-affinity and topology spread of ``pool``."""
     spec = getattr(cluster.spec, pool)
-    mounts = [{"name": "config", "mountPath": b.CONFIG_DIR, "readOnly": True}]
-    volumes = [{"name": "config", "configMap": {"name": b.config_map_name(cluster)}}]
-    model = _model_volume(cluster)
-    if model is not None:
-        volumes.append(model)
-        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    out: dict = {}
+    if spec.node_selector:
+        out["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        out["tolerations"] = [t.to_manifest() for t in spec.tolerations]
+    same_pool = {"matchLabels": b.pool_selector(cluster, pool)}
+    if spec.anti_affinity:
+        term = {"labelSelector": same_pool, "topologyKey": "kubernetes.io/hostname"}
+        rule = ({"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+                if spec.anti_affinity == "required" else
+                {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]})
+        out["affinity"] = {"podAntiAffinity": rule}
+    if spec.topology_spread:
+        out["topologySpreadConstraints"] = [
+            {"maxSkew": t.max_skew, "topologyKey": t.topology_key,
+             "whenUnsatisfiable": t.when_unsatisfiable, "labelSelector": same_pool}
+            for t in spec.topology_spread]
+    return out
+
+
+def _pod_spec(cluster: PDCluster, instance: str, pool: Pool, image: str) -> dict:
+    env, volumes, mounts = b.shared_mounts(cluster, with_model=True)
     container = {
         "name": "nodeagent",
         "image": cluster.spec.image or image,
         "args": agent_args(cluster, instance, pool),
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "env": env,
         "ports": [{"name": "http", "containerPort": b.AGENT_HTTP_PORT},
                   {"name": "metrics", "containerPort": b.ENGINE_METRICS_PORT}],
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
                           "periodSeconds": 10, "failureThreshold": 3},
         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"},
                            "periodSeconds": 5, "failureThreshold": 2},
-        "resources": _resources(spec),
-        "volumeMounts": mounts,
+        "resources": _resources(getattr(cluster.spec, pool)),
+        "volumeMounts": [{"name": "config", "mountPath": b.CONFIG_DIR, "readOnly": True}, *mounts],
     }
-    pod_spec = {
+    return {
         "containers": [container],
-        "volumes": volumes,
+        "volumes": [{"name": "config", "configMap": {"name": engine_config_name(cluster, pool)}},
+                    *volumes],
         "hostname": instance,
-        "subdomain": f"{cluster.metadata.name}-engines",
+        "subdomain": b.engines_service_name(cluster),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": 30,
+        "automountServiceAccountToken": False,  # nothing in an engine Pod calls the API
+        **_placement(cluster, pool),
     }
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = [t.to_manifest() for t in spec.tolerations]
+
+
+def engine_pod_hash(cluster: PDCluster, pool: Pool, image: str) -> str:
+    """The settings hash of ``pool``'s engine Pods under the operator's default ``image``."""
+    return b.spec_hash(_pod_spec(cluster, PLACEHOLDER_INSTANCE, pool, image))
+
+
+def build_engine_pod(cluster: PDCluster, instance: str, pool: Pool, instance_uid: str | None,
+                     image: str) -> dict:
+    """The Pod of PDInstance ``instance``. Called by ``Reconciler._apply_engine_pods``
+    when the Pod is missing (never there, deleted as failed, replaced or stale)."""
     meta = b.metadata(cluster, instance, "engine", **{
-        b.POOL_LABEL: pool, b.INSTANCE_LABEL: instance, b.SPEC_HASH_LABEL: b.engine_spec_hash(cluster)})
+        b.POOL_LABEL: pool, b.INSTANCE_LABEL: instance,
+        b.SPEC_HASH_LABEL: engine_pod_hash(cluster, pool, image)})
     meta["ownerReferences"] = [b.owner_reference(API_VERSION, "PDInstance", instance, instance_uid)]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": _pod_spec(cluster, instance, pool, image)}

@@ -1,25 +1,31 @@
 """Reconcile one PDCluster: observe, build the desired objects, apply the difference,
 write status. Level-triggered: it reads everything each time and keeps no state
-between calls except per-cluster locks, so running it again changes nothing.
+between calls except per-cluster locks and the operator's key (read once), so
+running it again changes nothing.
 
-Order of a pass: cluster file, control-plane objects and Services
-(``_apply_static``); PDInstances (``_create_instances``; ``_scale_down``: drain
+Order of a pass: the cluster token Secret (``_create_token_secret``, create only);
+the static objects of ``desired.build_static_objects`` (cluster and engine files,
+Services, Controller and Coordinator Deployments, PodDisruptionBudgets:
+``_apply_static``); PDInstances (``_create_instances``; ``_scale_down``: drain
 surplus, then delete); the Controller's replacement requests
 (``_apply_replacements``: delete the Pod, acknowledge); engine Pods
 (``_apply_engine_pods``, the one place that creates Pods, built by
-``pods.build_engine_pod``: roll, recreate failed, create missing); PDInstance
-phases; PDCluster status.
+``pods.build_engine_pod``: recreate failed ones, roll stale ones, create missing
+ones); static objects no longer built (``_prune``); PDInstance status (from the
+Pods and the Controller's view); PDCluster status.
 
-Rollout of engine settings (why "recreate"): a P and a D with different engine
-settings must never be paired, so Pods of two settings hashes never run at the
-same time. When the hash changes every old Pod is deleted first, and no new Pod
-is created while any old Pod is still listed (terminating ones included). The
-price is a short outage of the engines; the PDInstances and the control plane stay.
+Rollout of engine settings: each pool's Pods carry the hash of what they run
+(``pods.engine_pod_hash``); a change of it replaces the pool's Pods one at a time,
+each after the previous new one is Ready, never the last serving Pod of two pools
+at once (``rollout.choose_replacements``). Settings no engine reads (routing,
+fallback, SLOs, heartbeat thresholds, the control plane) roll only the Deployments
+that read them.
 
-Invariants: only ``kube.KubeClient`` touches the API; a Controller that does not
-answer never stops the pass (drains wait for their deadline instead); an instance
-is deleted only after the Controller says it is drained, or its drain deadline
-passed, or its Pod is not running (nothing to drain).
+Invariants: only ``kube.KubeClient`` touches the API; the operator never reads a
+Secret but its own key (cluster tokens are derived from it: ``tokens.py``); a
+Controller that does not answer never stops the pass (drains wait for their
+deadline instead); an instance is deleted only after the Controller says it is
+drained, or its drain deadline passed, or its Pod is not running (nothing to drain).
 """
 
 from __future__ import annotations
@@ -36,18 +42,23 @@ from pdserve.operator.controller_client import (
     ControllerClient,
     ControllerClients,
     ControllerUnavailable,
+    ControllerView,
 )
-from pdserve.operator.deployments import build_controller_deployment, build_coordinator_deployment
+from pdserve.operator.desired import PRUNED, build_static_objects, engine_pod_hashes
 from pdserve.operator.kube import KubeClient, KubeError, is_subset
 from pdserve.operator.pods import build_engine_pod
+from pdserve.operator.rollout import EnginePod, choose_replacements
 from pdserve.operator.settings import OperatorSettings
 from pdserve.operator.status import (
     Observation,
+    build_instance_status,
     build_invalid_status,
     build_status,
-    instance_phase,
     is_available,
+    is_pod_serving,
+    is_unhealthy,
 )
+from pdserve.operator.tokens import derive_cluster_token, load_operator_key
 
 
 class InvalidSpec(Exception):
@@ -85,6 +96,7 @@ class Reconciler:
         self.kube, self.controllers, self.settings, self.clock = kube, controllers, settings, clock
         self._locks: dict[tuple[str, str], asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._queued: set[tuple[str, str]] = set()
+        self._key: bytes | None = None
 
     def parse(self, body: dict) -> PDCluster:
         meta = body["metadata"]
@@ -93,6 +105,13 @@ class Reconciler:
             return parse_manifest(raw, PDCluster, f"PDCluster {meta.get('namespace')}/{meta['name']}")
         except ManifestError as exc:
             raise InvalidSpec("; ".join(exc.problems)) from None
+
+    async def cluster_token(self, namespace: str, name: str, uid: str | None) -> str:
+        """The token of a PDCluster (loads the operator's key on first use)."""
+        if self._key is None:
+            self._key = await load_operator_key(self.kube, self.settings.operator_namespace,
+                                                self.settings.key_secret)
+        return derive_cluster_token(self._key, namespace, name, uid)
 
     async def reconcile(self, body: dict, coalesce: bool = False) -> list[Event]:
         """One pass for ``body`` (a PDCluster). Raises InvalidSpec, KubeError.
@@ -122,32 +141,44 @@ class Reconciler:
             raise
         events: list[Event] = []
         ns, name = cluster.metadata.namespace, cluster.metadata.name
-        obs = Observation()
-        obs.deployments = await self._apply_static(cluster, events)
+        token = await self.cluster_token(ns, name, cluster.metadata.uid)
+        await self._create_token_secret(cluster, token, events)
+        obs = Observation(pod_hashes=engine_pod_hashes(cluster, self.settings))
+        static = build_static_objects(cluster, self.settings)
+        obs.deployments = await self._apply_static(static, events)
         obs.instances = {_name(i): i for i in await self.kube.list("PDInstance", ns, {b.CLUSTER_LABEL: name})}
         obs.pods = {_name(p): p for p in await self.kube.list("Pod", ns, b.selector(cluster, "engine"))}
         # no call to a Controller that has no available replica (it would only time out)
-        ctrl = (self.controllers.for_cluster(name, ns)
+        ctrl = (self.controllers.for_cluster(name, ns, token)
                 if is_available(obs.deployments.get("controller")) else None)
         await self._create_instances(cluster, obs, events)
         await self._scale_down(cluster, obs, ctrl, events)
         await self._apply_replacements(cluster, obs, ctrl, events)
         await self._apply_engine_pods(cluster, obs, events)
+        await self._prune(cluster, obs, {_name(o) for o in static})
+        view: ControllerView | None = None
         try:
-            obs.controller_mode = await ctrl.mode() if ctrl else None
+            view = await ctrl.view() if ctrl else None
         except ControllerUnavailable:
-            obs.controller_mode = None
-        await self._write_instance_phases(obs)
+            view = None
+        obs.controller_mode = view.mode if view else None
+        await self._write_instance_statuses(cluster, obs, view)
         await self._write_status(body, build_status(cluster, generation, body.get("status"), obs,
                                                     self.clock()))
         return events
 
-    async def _apply_static(self, cluster: PDCluster, events: list[Event]) -> dict[str, dict | None]:
-        objects = [b.build_config_map(cluster),
-                   *b.build_controlplane_rbac(cluster, self.settings.controlplane_clusterrole),
-                   *b.build_services(cluster),
-                   build_controller_deployment(cluster, self.settings),
-                   build_coordinator_deployment(cluster, self.settings)]
+    async def _create_token_secret(self, cluster: PDCluster, token: str, events: list[Event]) -> None:
+        """Create ``<cluster>-token`` unless it exists (409): the operator may create and
+        delete Secrets, never read them."""
+        try:
+            await self.kube.create(b.build_token_secret(cluster, token))
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            return
+        events.append(Event("Normal", "CreatedToken", f"created Secret {b.token_secret_name(cluster.metadata.name)}"))
+
+    async def _apply_static(self, objects: list[dict], events: list[Event]) -> dict[str, dict | None]:
         deployments = {}
         for obj in objects:
             result, observed = await self.kube.apply(obj)
@@ -233,28 +264,44 @@ class Reconciler:
             except ControllerUnavailable:
                 return  # asked again next pass; the new Pod is left alone then (not yet Running)
 
+    def _rollout_view(self, cluster: PDCluster, obs: Observation) -> list[EnginePod]:
+        """The desired instances' Pods as ``rollout.choose_replacements`` sees them."""
+        pods = []
+        for name, (pool, ordinal) in b.desired_instances(cluster).items():
+            pod = obs.pods.get(name)
+            if pod is None:
+                continue
+            inst = obs.instances.get(name) or {}
+            pods.append(EnginePod(
+                name, pool, ordinal,
+                is_current=pod["metadata"]["labels"].get(b.SPEC_HASH_LABEL) == obs.pod_hashes[pool],
+                is_serving=is_pod_serving(pod) and not is_unhealthy(inst),
+                is_terminating=_is_deleting(pod)))
+        return pods
+
     async def _apply_engine_pods(self, cluster: PDCluster, obs: Observation, events: list[Event]) -> None:
-        """Engine Pods: with stale settings, delete them all and create none this pass;
-        else recreate failed ones and create each missing one from ``build_engine_pod``."""
-        ns, spec_hash = cluster.metadata.namespace, b.engine_spec_hash(cluster)
-        stale = [p for p in obs.pods.values() if p["metadata"]["labels"].get(b.SPEC_HASH_LABEL) != spec_hash]
-        obs.num_stale_pods = len(stale)
-        if stale:
-            doomed = [_name(p) for p in stale if not _is_deleting(p)]
-            for name in doomed:
-                await self.kube.delete("Pod", ns, name)
-            if doomed:
-                events.append(Event("Normal", "RollingEngines",
-                                    f"engine settings changed (now {spec_hash}): deleting "
-                                    + ", ".join(sorted(doomed)) + " before starting new Pods"))
-            return
-        for name, (pool, _) in b.desired_instances(cluster).items():
+        """Engine Pods: delete failed ones and the stale ones the rollout picks, then
+        create each missing one from ``build_engine_pod``."""
+        ns = cluster.metadata.namespace
+        desired = b.desired_instances(cluster)
+        for name in desired:
             pod = obs.pods.get(name)
             if pod is not None and _phase(pod) in ("Failed", "Succeeded") and not _is_deleting(pod):
                 await self.kube.delete("Pod", ns, name)
                 obs.pods.pop(name)
                 events.append(Event("Warning", "PodFailed", f"Pod {name} {_phase(pod)}; recreating it"))
-            elif pod is not None or name not in obs.instances:
+        pods = self._rollout_view(cluster, obs)
+        obs.num_stale_pods = sum(not p.is_current for p in pods)
+        replicas = {pool: getattr(cluster.spec, pool).replicas for pool in b.POOLS}
+        for name in choose_replacements(pods, replicas):
+            pool = desired[name][0]
+            old = obs.pods[name]["metadata"]["labels"].get(b.SPEC_HASH_LABEL)
+            await self.kube.delete("Pod", ns, name)
+            obs.pods.pop(name)
+            events.append(Event("Normal", "RollingEngines",
+                                f"replacing Pod {name}: {pool} settings {old} -> {obs.pod_hashes[pool]}"))
+        for name, (pool, _) in desired.items():
+            if name in obs.pods or name not in obs.instances:
                 continue
             body = build_engine_pod(cluster, name, pool, obs.instances[name]["metadata"].get("uid"),
                                     self.settings.image)
@@ -264,16 +311,36 @@ class Reconciler:
                 if exc.status != 409:  # 409: the old Pod is still terminating; next pass
                     raise
                 continue
-            events.append(Event("Normal", "CreatedPod", f"created Pod {name} ({pool}, settings {spec_hash})"))
+            events.append(Event("Normal", "CreatedPod",
+                                f"created Pod {name} ({pool}, settings {obs.pod_hashes[pool]})"))
 
-    async def _write_instance_phases(self, obs: Observation) -> None:
+    async def _prune(self, cluster: PDCluster, obs: Observation, built: set[str]) -> None:
+        """Delete static objects no longer built (``desired.PRUNED``): engine files no Pod
+        mounts any more, PodDisruptionBudgets of pools scaled to zero."""
+        mounted = {v["configMap"]["name"] for pod in obs.pods.values()
+                   for v in (pod.get("spec") or {}).get("volumes") or [] if "configMap" in v}
+        ns = cluster.metadata.namespace
+        for kind, component in PRUNED:
+            for obj in await self.kube.list(kind, ns, b.selector(cluster, component)):
+                if _name(obj) not in built and _name(obj) not in mounted and not _is_deleting(obj):
+                    await self.kube.delete(kind, ns, _name(obj))
+
+    async def _write_instance_statuses(self, cluster: PDCluster, obs: Observation,
+                                       view: ControllerView | None) -> None:
+        heartbeat = cluster.spec.heartbeat
+        thresholds = (heartbeat.interval_seconds * heartbeat.suspect_after_missed,
+                      heartbeat.interval_seconds * heartbeat.failed_after_missed)
+        now = self.clock()
         for name, inst in obs.instances.items():
-            pod = obs.pods.get(name)
-            want = {"phase": instance_phase(pod, name in obs.draining), "pod": name if pod else None}
             have = inst.get("status") or {}
-            if any(have.get(k) != v for k, v in want.items()):
-                await self.kube.patch("PDInstance", inst["metadata"]["namespace"], name,
-                                      {"status": want}, subresource="status")
+            want = build_instance_status(name, have, obs.pods.get(name), name in obs.draining,
+                                         view.routable if view else None, thresholds,
+                                         inst["metadata"].get("generation"), now)
+            if all(have.get(k) == v for k, v in want.items()):
+                continue
+            patched = await self.kube.patch("PDInstance", inst["metadata"]["namespace"], name,
+                                            {"status": want}, subresource="status")
+            obs.instances[name] = patched or {**inst, "status": {**have, **want}}
 
     async def _write_status(self, body: dict, status: dict) -> None:
         if is_subset(status, body.get("status") or {}):
@@ -284,7 +351,8 @@ class Reconciler:
 
     async def finalize(self, body: dict) -> list[Event]:
         """Called by the delete handler (the finalizer holds the PDCluster until it returns):
-        engines first, then the Controller forgets the cluster; the GC removes the rest."""
+        engines first, then the Controller forgets the cluster and the token Secret goes
+        (a cluster recreated under the name gets its own); the GC removes the rest."""
         meta = body["metadata"]
         ns, name = meta["namespace"], meta["name"]
         async with self._locks[(ns, name)]:
@@ -297,15 +365,18 @@ class Reconciler:
             left = await self.kube.list("Pod", ns, {b.CLUSTER_LABEL: name, b.COMPONENT_LABEL: "engine"})
             if left:
                 raise NotYet(f"waiting for {len(left)} engine Pods to terminate")
+            token = await self.cluster_token(ns, name, meta.get("uid"))
             try:
-                num_keys = await self.controllers.for_cluster(name, ns).forget()
+                num_keys = await self.controllers.for_cluster(name, ns, token).forget()
+                event = Event("Normal", "Finalized", f"engines deleted; Controller forgot {num_keys} keys")
             except ControllerUnavailable as exc:
                 since = datetime.fromisoformat(meta.get("deletionTimestamp") or self.clock().isoformat())
                 if (self.clock() - since).total_seconds() < self.settings.forget_deadline_s:
                     raise NotYet(f"the Controller did not forget the cluster yet: {exc}") from None
-                return [Event("Warning", "ControllerUnreachable",
-                              f"Controller state may remain under /pdserve/{name}/: {exc}")]
+                event = Event("Warning", "ControllerUnreachable",
+                              f"Controller state may remain under /pdserve/{name}/: {exc}")
             finally:
                 self._locks.pop((ns, name), None)
             await self.controllers.close_cluster(name, ns)
-            return [Event("Normal", "Finalized", f"engines deleted; Controller forgot {num_keys} keys")]
+            await self.kube.delete("Secret", ns, b.token_secret_name(name))
+            return [event]

@@ -26,8 +26,9 @@ class OperatorSettings:
     image: str = DEFAULT_IMAGE
     """Image for clusters that set no ``spec.image``."""
     etcd_endpoints: tuple[str, ...] = ()
-    controlplane_clusterrole: str = ""
-    """ClusterRole bound (per namespace) to each cluster's control-plane ServiceAccount."""
+    key_secret: str = "pdserve-operator-key"
+    """Secret in ``operator_namespace`` holding the key cluster tokens derive from
+    (``tokens.py``); the operator creates it on first use."""
     metrics_port: int = 8080
     log_level: str = "info"
     resync_s: float = 10.0
@@ -57,7 +58,7 @@ class OperatorSettings:
             operator_namespace=env.get("POD_NAMESPACE", "default"),
             image=env.get("PDSERVE_CLUSTER_IMAGE") or DEFAULT_IMAGE,
             etcd_endpoints=endpoints,
-            controlplane_clusterrole=env.get("PDSERVE_CONTROLPLANE_CLUSTERROLE", ""),
+            key_secret=env.get("PDSERVE_KEY_SECRET") or "pdserve-operator-key",
             metrics_port=int(env.get("PDSERVE_METRICS_PORT") or 8080),
             log_level=env.get("PDSERVE_LOG_LEVEL", "info"),
         )

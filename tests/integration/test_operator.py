@@ -17,14 +17,14 @@ from pdserve.operator.settings import OperatorSettings
 from tests.integration.test_operator_support import (
     NS,
     Kubernetes,
+    OperatorEmulator,
     OperatorThread,
     condition,
     eventually,
     start_fake_controller,
 )
-from tests.kmock_emulator import StrictEmulator
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.kmock(cls=StrictEmulator), pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.asyncio, pytest.mark.kmock(cls=OperatorEmulator), pytest.mark.timeout(120)]
 
 
 def manifest(name: str = "tiny", prefill: int = 1, decode: int = 1, **spec) -> dict:
@@ -34,10 +34,10 @@ def manifest(name: str = "tiny", prefill: int = 1, decode: int = 1, **spec) -> d
                      "prefill": {"replicas": prefill}, "decode": {"replicas": decode}, **spec}}
 
 
-@pytest_asyncio.fixture
-async def env(kmock):
+@pytest_asyncio.fixture(params=[""], ids=["all-namespaces"])
+async def env(kmock, request):
     fake, server, port = await start_fake_controller()
-    settings = OperatorSettings(namespace="", resync_s=0.5, drain_deadline_s=30.0,
+    settings = OperatorSettings(namespace=request.param, resync_s=0.5, drain_deadline_s=30.0,
                                 forget_deadline_s=5.0, metrics_port=-1, image="pdserve:test",
                                 controller_address=f"127.0.0.1:{port}")
     url = str(kmock.url).rstrip("/")
@@ -91,7 +91,9 @@ async def test_lifecycle_create_scale_roll_replace_delete(env):
         obj = await k8s.kube.get(kind, NS, name)
         assert obj["metadata"]["ownerReferences"][0]["uid"] == cluster["metadata"]["uid"], name
     instance = (await k8s.instances("tiny"))["tiny-decode-0"]
-    assert instance["status"] == {"phase": "Running", "pod": "tiny-decode-0"}
+    [routed] = instance["status"].pop("conditions")
+    assert instance["status"] == {"phase": "Running", "pod": "tiny-decode-0", "health": "Starting"}
+    assert (routed["type"], routed["status"]) == ("Ready", "False")  # the fake routes to nothing
 
     # scale up decode 1 -> 2
     await k8s.kube.patch("PDCluster", NS, "tiny", {"spec": {"decode": {"replicas": 2}}})
@@ -110,22 +112,34 @@ async def test_lifecycle_create_scale_roll_replace_delete(env):
     cluster = await ready_cluster(k8s, "tiny", 2)
     assert cluster["status"]["desiredDecode"] == 1
 
-    # spec change of engine settings: every old Pod goes before any new one starts
-    old_hash = pods["tiny-decode-0"]["metadata"]["labels"][b.SPEC_HASH_LABEL]
+    # spec change of engine settings: one Pod at a time, never both pools empty at once
+    old_hashes = {p["metadata"]["labels"][b.SPEC_HASH_LABEL] for p in pods.values()}
     await k8s.kube.patch("PDCluster", NS, "tiny", {"spec": {"engine": {"blockSize": 32}}})
-    seen_hashes: list[set[str]] = []
+    seen: list[dict[str, tuple[str, str | None]]] = []  # name -> (settings hash, phase)
 
     async def rolled():
         pods = await k8s.engine_pods("tiny")
-        seen_hashes.append({p["metadata"]["labels"][b.SPEC_HASH_LABEL] for p in pods.values()})
+        seen.append({n: (p["metadata"]["labels"][b.SPEC_HASH_LABEL], (p.get("status") or {}).get("phase"))
+                     for n, p in pods.items()})
         await k8s.kubelet("tiny")
-        return len(pods) == 2 and old_hash not in seen_hashes[-1]
+        return len(pods) == 2 and not old_hashes & {h for h, _ in seen[-1].values()}
     await eventually(rolled, what="Pods with the new engine settings")
-    assert all(len(h) <= 1 for h in seen_hashes), f"two settings ran together: {seen_hashes}"
+    assert all(any(phase == "Running" for _, phase in pods.values()) for pods in seen), \
+        f"no engine Pod ran at some point of the roll: {seen}"
+    assert any(len({h for h, _ in pods.values()}) == 2 for pods in seen), "the roll was not progressive"
     cluster = await ready_cluster(k8s, "tiny", 2)
     assert cluster["status"]["observedGeneration"] == cluster["metadata"]["generation"]
     config = await k8s.kube.get("ConfigMap", NS, "tiny-config")
     assert "blockSize: 32" in config["data"]["cluster.yaml"]
+    # each pool's engines read their own immutable file; the old settings' files are gone
+    engine_files = await k8s.kube.list("ConfigMap", NS, {b.CLUSTER_LABEL: "tiny",
+                                                         b.COMPONENT_LABEL: "engine-config"})
+    mounted = {v["configMap"]["name"] for p in (await k8s.engine_pods("tiny")).values()
+               for v in p["spec"]["volumes"] if "configMap" in v}
+    assert {c["metadata"]["name"] for c in engine_files} == mounted and len(mounted) == 2
+    assert all("blockSize: 32" in c["data"]["cluster.yaml"] for c in engine_files)
+    budgets = await k8s.kube.list("PodDisruptionBudget", NS, {b.CLUSTER_LABEL: "tiny"})
+    assert {p["metadata"]["name"] for p in budgets} == {"tiny-prefill", "tiny-decode"}
 
     # the Controller asks for a replacement: the Pod is deleted and recreated
     uid = (await k8s.engine_pods("tiny"))["tiny-prefill-0"]["metadata"]["uid"]
@@ -177,6 +191,79 @@ async def test_invalid_spec_is_reported_and_fixed_by_an_update(env):
                                       (p["bad-decode-0"].get("status") or {}).get("phase")),
                      what="the failed Pod recreated")
     await ready_cluster(k8s, "bad", 1)
+
+
+async def test_control_plane_settings_roll_their_deployments_and_no_engine(env):
+    """Routing, SLO, fallback and heartbeat thresholds reach the Coordinator and the
+    Controller (their pod templates change) while every engine Pod keeps running."""
+    k8s, fake, operator = env
+    await k8s.kube.create(manifest())
+    await ready_cluster(k8s, "tiny", 2)
+    uids = {n: p["metadata"]["uid"] for n, p in (await k8s.engine_pods("tiny")).items()}
+    controller = await k8s.kube.get("Deployment", NS, "tiny-controller")
+    hash_before = controller["spec"]["template"]["metadata"]["annotations"][b.CONFIG_HASH_ANNOTATION]
+    await k8s.kube.patch("PDCluster", NS, "tiny", {"spec": {
+        "routing": {"prefillPolicy": "round_robin"}, "slo": {"ttftMs": 700},
+        "fallback": {"policy": "queue"}, "heartbeat": {"suspectAfterMissed": 4}}})
+
+    async def applied():
+        coordinator = await k8s.kube.get("Deployment", NS, "tiny-coordinator")
+        controller = await k8s.kube.get("Deployment", NS, "tiny-controller")
+        args = coordinator["spec"]["template"]["spec"]["containers"][0]["args"]
+        annotation = controller["spec"]["template"]["metadata"]["annotations"][b.CONFIG_HASH_ANNOTATION]
+        return (args[args.index("--prefill-policy") + 1] == "round_robin" and "--ttft-slo-s" in args
+                and annotation != hash_before)
+    await eventually(applied, what="the Coordinator and Controller templates updated")
+    cluster = await ready_cluster(k8s, "tiny", 2)
+    assert {n: p["metadata"]["uid"] for n, p in (await k8s.engine_pods("tiny")).items()} == uids
+    assert "RollingEngines" not in {r for r, _ in await k8s.events("tiny")}
+    assert condition(cluster, "Progressing") == "False"
+
+
+async def test_instance_health_role_and_heartbeat_follow_the_controller(env):
+    """PDInstance status says what the Controller's view says: Ready with the role it
+    runs and its last heartbeat; an instance that leaves the view is Suspect and the
+    cluster Degraded/InstanceUnhealthy. Every call carries the cluster's own token."""
+    k8s, fake, operator = env
+    await k8s.kube.create(manifest())
+    await ready_cluster(k8s, "tiny", 2)
+    fake.routable = {"tiny-prefill-0": "prefill", "tiny-decode-0": "decode"}
+
+    async def statuses(want: dict[str, tuple[str, str]]):
+        got = {n: ((i.get("status") or {}).get("health"), (i.get("status") or {}).get("role"))
+               for n, i in (await k8s.instances("tiny")).items()}
+        return got if got == want else None
+    await eventually(lambda: statuses({"tiny-prefill-0": ("Ready", "prefill"),
+                                       "tiny-decode-0": ("Ready", "decode")}), what="Ready instances")
+    instance = (await k8s.instances("tiny"))["tiny-decode-0"]
+    assert instance["status"]["lastHeartbeat"].endswith("Z")
+    fake.routable["tiny-prefill-0"] = "decode"  # the Controller switched its role
+    await eventually(lambda: statuses({"tiny-prefill-0": ("Ready", "decode"),
+                                       "tiny-decode-0": ("Ready", "decode")}), what="the role switch")
+    del fake.routable["tiny-decode-0"]  # out of the routable view: heartbeats missed
+    await eventually(lambda: statuses({"tiny-prefill-0": ("Ready", "decode"),
+                                       "tiny-decode-0": ("Suspect", "decode")}), what="a Suspect instance")
+    cluster = await eventually(lambda: _with_reason(k8s, "tiny", "Degraded", "InstanceUnhealthy"),
+                               what="Degraded/InstanceUnhealthy")
+    assert "tiny-decode-0" in next(c["message"] for c in cluster["status"]["conditions"]
+                                   if c["type"] == "Degraded")
+    assert cluster["status"]["readyDecode"] == 0
+    fake.routable["tiny-decode-0"] = "decode"
+    await eventually(lambda: _with_reason(k8s, "tiny", "Degraded", "AsExpected"), what="healthy again")
+    token = await k8s.token("tiny")
+    assert token and len(token) == 64 and fake.tokens == {token}
+
+
+@pytest.mark.parametrize("env", [NS], ids=["one-namespace"], indirect=True)
+async def test_watching_one_namespace(env):
+    """The namespaced RBAC mode: kopf watches one namespace and scans no cluster-wide
+    resource; the cluster still comes up and goes."""
+    k8s, fake, operator = env
+    await k8s.kube.create(manifest())
+    await ready_cluster(k8s, "tiny", 2)
+    await k8s.kube.delete("PDCluster", NS, "tiny")
+    await eventually(lambda: _gone(k8s, "tiny"), what="the PDCluster gone")
+    assert await k8s.token("tiny") is None  # the finalizer deleted the token Secret
 
 
 async def _progressing(k8s, name):

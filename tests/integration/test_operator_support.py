@@ -6,10 +6,13 @@ Deployment controller, garbage collector), played on demand.
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 import time
 
+import attrs
 import grpc
+import kmock
 import kopf
 
 from pdserve.api.proto import controller_pb2 as pb
@@ -20,12 +23,26 @@ from pdserve.operator.controller_client import ControllerClients
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.metrics import OperatorMetrics
 from pdserve.operator.settings import OperatorSettings
+from tests.kmock_emulator import VERBS, StrictEmulator
 
 NS = "serving"
 
 
+@attrs.define(kw_only=True)
+class OperatorEmulator(StrictEmulator):
+    """The strict emulator plus the kinds the operator writes beyond it: Secrets (the
+    cluster tokens, the operator's key) and PodDisruptionBudgets."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for key, kind in (("v1/secrets", "Secret"), ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget")):
+            self.resources[key] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=set(VERBS))
+
+
 class FakeController(pb_grpc.ControllerServicer):
-    """The operator-facing RPCs of a Controller, scripted by the test."""
+    """The operator-facing RPCs of a Controller, scripted by the test. ``routable``:
+    instance id -> role, listed READY in the view (heartbeat: now); ``tokens``: the
+    cluster token each call presented."""
 
     def __init__(self) -> None:
         self.drain_calls: list[str] = []
@@ -34,12 +51,19 @@ class FakeController(pb_grpc.ControllerServicer):
         self.acked: list[str] = []
         self.num_forgets = 0
         self.mode = "PD"
+        self.routable: dict[str, str] = {}
+        self.tokens: set[str] = set()
+
+    def _saw(self, context) -> None:
+        self.tokens.add(dict(context.invocation_metadata() or ()).get("x-pdserve-token", ""))
 
     async def Drain(self, request, context):
+        self._saw(context)
         self.drain_calls.append(request.instance_id)
         return pb.DrainResponse(is_known=True, is_drained=request.instance_id in self.drained)
 
     async def ListReplacements(self, request, context):
+        self._saw(context)
         return pb.ListReplacementsResponse(replacements=[
             pb.Replacement(instance_id=i, reason=r) for i, r in self.replacements.items()])
 
@@ -49,11 +73,15 @@ class FakeController(pb_grpc.ControllerServicer):
         return pb.AckReplacementResponse()
 
     async def ForgetCluster(self, request, context):
+        self._saw(context)
         self.num_forgets += 1
         return pb.ForgetClusterResponse(num_keys_deleted=3)
 
     async def GetView(self, request, context):
-        return pb.ClusterView(mode=self.mode)
+        self._saw(context)
+        return pb.ClusterView(mode=self.mode, instances=[
+            pb.InstanceView(instance_id=i, role=role, health="READY", last_heartbeat_unix_s=time.time())
+            for i, role in self.routable.items()])
 
 
 async def start_fake_controller() -> tuple[FakeController, grpc.aio.Server, int]:
@@ -169,14 +197,19 @@ class Kubernetes:
         owners = {o["metadata"]["uid"] for kind in ("PDCluster", "PDInstance")
                   for o in await self.kube.list(kind, NS, {})}
         collected = []
-        for kind in ("PDInstance", "Pod", "Deployment", "Service", "ConfigMap", "ServiceAccount",
-                     "RoleBinding"):
+        for kind in ("PDInstance", "Pod", "Deployment", "Service", "ConfigMap", "Secret",
+                     "PodDisruptionBudget"):
             for obj in await self.kube.list(kind, NS, {}):
                 refs = obj["metadata"].get("ownerReferences") or []
                 if refs and all(r["uid"] not in owners for r in refs):
                     await self.kube.delete(kind, NS, obj["metadata"]["name"])
                     collected.append(f"{kind}/{obj['metadata']['name']}")
         return collected
+
+    async def token(self, name: str) -> str | None:
+        """The cluster token the operator wrote for ``name``."""
+        secret = await self.kube.get("Secret", NS, f"{name}-token")
+        return base64.b64decode(secret["data"]["token"]).decode() if secret else None
 
     async def events(self, name: str) -> list[tuple[str, str]]:
         response = await self.kube._http.get(f"/api/v1/namespaces/{NS}/events")

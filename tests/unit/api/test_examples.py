@@ -1,12 +1,16 @@
 """Every example under examples/ against the generated CRD and the models.
 
-Valid examples: admitted by the CRD schema (defaults, OpenAPI, CEL) and loaded
-by ``PDCluster.from_file``. Invalid ones (examples/invalid/, each naming the
+Valid examples: admitted by the CRD schema (defaults, OpenAPI, CEL), loaded by
+``PDCluster.from_file``, and naming a model the engine's loader accepts: a preset,
+a local checkpoint, or (pvc, image: weights this machine does not have) the
+published ``config.json`` of the checkpoint, recorded under model_configs/ by the
+name the example mounts it under. Invalid ones (examples/invalid/, each naming the
 field in an ``# expect-error:`` line): rejected by both, naming that field.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from .apiserver import admit
 
 ROOT = Path(__file__).resolve().parents[3]
 VALID = sorted((ROOT / "examples").glob("*.yaml"))
+RECORDED = Path(__file__).resolve().parent / "model_configs"
 INVALID = sorted((ROOT / "examples" / "invalid").glob("*.yaml"))
 
 
@@ -55,6 +60,50 @@ def test_valid_example_loads_through_the_models(path):
     assert cluster.kind == "PDCluster"
     spec = cluster.spec
     assert spec.prefill.replicas + spec.decode.replicas + spec.hybrid.replicas > 0
+
+
+def engine_model_config(model):
+    """The engine's ``ModelConfig`` for a spec's model, as the engine would load it
+    (raises ``ConfigError`` for a model it refuses)."""
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.loader import PRESETS, preset_config
+
+    if model.preset is not None:
+        assert model.preset in PRESETS, f"unknown preset {model.preset!r}; presets: {', '.join(PRESETS)}"
+        return preset_config(model.preset)
+    if model.path is not None and Path(model.path).is_dir():
+        return ModelConfig.from_path(Path(model.path))
+    name = model.pvc.sub_path if model.pvc else (model.image or model.path)
+    recorded = RECORDED / name
+    assert (recorded / "config.json").is_file(), (
+        f"record the published config.json of {name!r} under {recorded} to check it offline")
+    return ModelConfig.from_path(recorded)
+
+
+@pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
+def test_valid_example_names_a_model_the_engine_loads(path):
+    spec = PDCluster.from_file(path).spec
+    config = engine_model_config(spec.model)
+    assert config.architecture in ("LlamaForCausalLM", "Qwen2ForCausalLM")
+    if spec.engine.max_model_len:
+        assert spec.engine.max_model_len <= config.max_position_embeddings
+    for pool in (spec.prefill, spec.decode, spec.hybrid):
+        assert config.num_key_value_heads % pool.parallelism.tensor_parallel_size == 0
+
+
+def test_a_refused_checkpoint_fails_the_model_check(tmp_path):
+    """What production.yaml named before: Llama 3.1's llama3 RoPE scaling is refused."""
+    from pdserve.api.cluster import ModelSpec
+    from pdserve.engine.config import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}}))
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        engine_model_config(ModelSpec(path=str(tmp_path)))
 
 
 def test_benchmark_pair_runs_at_once_on_equal_resources():

@@ -2,9 +2,9 @@
 
 ``chart_settings`` reads ``OperatorSettings`` from the environment of the chart's
 operator Deployment, exactly as ``pdserve operator`` does (``OperatorSettings.from_env``);
-``operator_objects`` calls the builders the reconcile pass calls (the imports below
-are reconcile's), in its order: the static objects of ``Reconciler._apply_static``,
-then one PDInstance and one engine Pod per desired instance.
+``operator_objects`` is the operator's own list (``pdserve.operator.desired.
+build_cluster_objects``): the static objects reconcile applies, the token Secret, one
+PDInstance and one engine Pod per desired instance.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import yaml
 from pdserve.api import PDCluster
 from pdserve.api.manifest import parse_manifest
 from pdserve.operator import builders as b
-from pdserve.operator.deployments import build_controller_deployment, build_coordinator_deployment
-from pdserve.operator.pods import build_engine_pod
+from pdserve.operator.desired import build_cluster_objects
 from pdserve.operator.settings import OperatorSettings
 
 from .helm import CHART
@@ -57,12 +56,5 @@ def chart_settings(rendered, namespace: str) -> OperatorSettings:
 
 
 def operator_objects(cluster: PDCluster, settings: OperatorSettings) -> list[dict]:
-    desired = b.desired_instances(cluster)
-    return [b.build_config_map(cluster),
-            *b.build_controlplane_rbac(cluster, settings.controlplane_clusterrole),
-            *b.build_services(cluster),
-            build_controller_deployment(cluster, settings),
-            build_coordinator_deployment(cluster, settings),
-            *(b.build_instance(cluster, pool, ordinal) for pool, ordinal in desired.values()),
-            *(build_engine_pod(cluster, name, pool, f"uid-{name}", settings.image)
-              for name, (pool, _) in desired.items())]
+    uids = {name: f"uid-{name}" for name in b.desired_instances(cluster)}
+    return build_cluster_objects(cluster, settings, "t" * 64, uids)

@@ -142,27 +142,71 @@ def test_operator_rbac_is_least_privilege(helm):
     assert {"create", "delete"} <= grants[("", "pods")] & grants[("apps", "deployments")]
     assert grants[("", "events")] == {"create", "patch"}
     assert grants[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
-    assert ("", "secrets") not in grants and ("", "nodes") not in grants
+    # the clusters' token Secrets are created and deleted, never read
+    assert grants[("", "secrets")] == {"create", "delete"} and ("", "nodes") not in grants
+    assert not any({"bind", "escalate", "impersonate"} & verbs for verbs in grants.values())
+    assert not any(g == "rbac.authorization.k8s.io" for g, _ in grants)
     assert all("*" not in verbs for verbs in grants.values())
     assert not any("*" in key for g_r in grants for key in g_r)
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
-def test_operator_may_do_what_it_does(helm, example):
-    """The operator's ClusterRole grants every write reconcile makes for a cluster, and
-    the RoleBinding it creates binds a ClusterRole of the release it may ``bind``."""
+def test_the_operator_reads_one_secret_its_key_in_its_namespace(helm):
     rendered = helm.template()
-    role = rendered.get("ClusterRole", "r-pdserve-operator")
-    grants = _grants(role)
+    settings = chart_settings(rendered, NAMESPACE)
+    role = rendered.get("Role", "r-pdserve-operator-key")
+    assert role["metadata"]["namespace"] == NAMESPACE == settings.operator_namespace
+    [read] = [r for r in role["rules"] if "get" in r["verbs"]]
+    assert (read["resources"], read["verbs"], read["resourceNames"]) == (
+        ["secrets"], ["get"], [settings.key_secret])
+    binding = rendered.get("RoleBinding", "r-pdserve-operator-key")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "r-pdserve-operator-key"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "r-pdserve", "namespace": NAMESPACE}]
+
+
+def _operator_role(rendered, values: dict) -> dict:
+    watched = values.get("operator", {}).get("watchNamespace")
+    return rendered.get("Role" if watched else "ClusterRole", "r-pdserve-operator")
+
+
+CREATE_ONLY = {"Secret"}  # created (and deleted) blind: the operator never reads one
+
+
+@pytest.mark.parametrize("values", ["defaults", "namespaced"])
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_operator_may_do_what_it_does(helm, example, values):
+    """The operator's role grants every write reconcile makes for a cluster (in the
+    watched namespace, when it watches one), and nothing binds a role to the
+    cluster's components: none of them calls the Kubernetes API."""
+    values = VALUE_SETS[values]
+    rendered = helm.template(values)
+    grants = _grants(_operator_role(rendered, values))
     crud = {"get", "list", "watch", "create", "patch", "delete"}
-    objects = operator_objects(load_example(example), chart_settings(rendered, NAMESPACE))
+    watched = values.get("operator", {}).get("watchNamespace")
+    objects = operator_objects(load_example(example, watched or "default"),
+                               chart_settings(rendered, NAMESPACE))
     for obj in objects:
         group = obj["apiVersion"].rpartition("/")[0]
-        assert crud <= grants[(group, obj["kind"].lower() + "s")], obj["kind"]
-    [binding] = [o for o in objects if o["kind"] == "RoleBinding"]
-    [bind_rule] = [r for r in role["rules"] if "bind" in r["verbs"]]
-    assert binding["roleRef"]["name"] in bind_rule["resourceNames"]
-    assert ("ClusterRole", binding["roleRef"]["name"]) in rendered.names
+        needed = {"create", "delete"} if obj["kind"] in CREATE_ONLY else crud
+        assert needed <= grants[(group, obj["kind"].lower() + "s")], obj["kind"]
+    assert not [o for o in objects if o["kind"] in ("ServiceAccount", "RoleBinding", "Role")]
+    for pod_spec in [o["spec"] for o in objects if o["kind"] == "Pod"] + [
+            o["spec"]["template"]["spec"] for o in objects if o["kind"] == "Deployment"]:
+        assert pod_spec["automountServiceAccountToken"] is False
+        assert "serviceAccountName" not in pod_spec
+
+
+def test_watching_one_namespace_grants_nothing_cluster_wide(helm):
+    rendered = helm.template(VALUE_SETS["namespaced"])
+    assert not rendered.of_kind("ClusterRole") and not rendered.of_kind("ClusterRoleBinding")
+    role, binding = rendered.get("Role", "r-pdserve-operator"), rendered.get("RoleBinding", "r-pdserve-operator")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "team-a"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "r-pdserve-operator"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "r-pdserve", "namespace": NAMESPACE}]
+    assert ("apiextensions.k8s.io", "customresourcedefinitions") not in _grants(role)
+    assert _grants(role) == {k: v for k, v in _grants(helm.template().get(
+        "ClusterRole", "r-pdserve-operator")).items() if k[0] != "apiextensions.k8s.io"}
 
 
 def test_dashboards_are_labelled_configmaps_from_files(helm):

@@ -1,8 +1,8 @@
 """Every object the operator builds for each example (examples/*.yaml), under the
 settings the chart gives it, is one a Kubernetes apiserver of each supported version
-takes: Pods, Services, Deployments, the ConfigMap, the control-plane ServiceAccount and
-RoleBinding against the versions' OpenAPI schemas (strict), PDInstances against the
-chart's CRD. Both etcd set-ups are covered (the Controller's replicas and store differ).
+takes: Pods, Services, Deployments, the ConfigMaps, the token Secret and the
+PodDisruptionBudgets against the versions' OpenAPI schemas (strict), PDInstances
+against the chart's CRD. Both etcd set-ups are covered (the Controller's replicas and store differ).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def settings(request, helm):
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_operator_objects_are_valid(settings, example, version):
     objects = operator_objects(load_example(example), settings)
-    assert {o["kind"] for o in objects} == {"ConfigMap", "ServiceAccount", "RoleBinding", "Service",
-                                            "Deployment", "PDInstance", "Pod"}
+    assert {o["kind"] for o in objects} == {"ConfigMap", "Secret", "Service", "Deployment",
+                                            "PodDisruptionBudget", "PDInstance", "Pod"}
     for obj in objects:
         assert validation_errors(obj, version) == [], f"{obj['kind']} {obj['metadata']['name']}"
 

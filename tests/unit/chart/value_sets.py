@@ -39,6 +39,7 @@ VALUE_SETS: dict[str, dict] = {
                                  "rbac": {"create": False}},
     "account-annotations": {"serviceAccount": {"name": "ops",
                                                "annotations": {"iam.example/role": "pdserve"}}},
+    "operator-tls": {"operator": {"tlsSecret": "operator-certs"}},
     "names": {"fullnameOverride": "pds", "nameOverride": "pdsrv",
               "metrics": {"serviceMonitor": {"enabled": True}}},
 }

@@ -6,8 +6,16 @@ from pdserve.api import PDCluster
 from pdserve.api.manifest import load_manifest, parse_manifest
 from pdserve.operator import builders as b
 from pdserve.operator.deployments import build_controller_deployment, build_coordinator_deployment
-from pdserve.operator.pods import build_engine_pod
+from pdserve.operator.desired import build_static_objects
+from pdserve.operator.pods import build_engine_config_map, build_engine_pod, engine_pod_hash
 from pdserve.operator.settings import OperatorSettings
+
+IMAGE = OperatorSettings().image
+
+
+def engine_hashes(c: PDCluster) -> dict[str, str]:
+    """Pool -> the settings hash of its engine Pods."""
+    return {pool: engine_pod_hash(c, pool, IMAGE) for pool in b.POOLS}
 
 
 def cluster(**spec) -> PDCluster:
@@ -20,8 +28,7 @@ def cluster(**spec) -> PDCluster:
 def test_building_twice_gives_equal_objects_all_owned_and_labelled():
     c, settings = cluster(), OperatorSettings()
     def build():
-        return [b.build_config_map(c), *b.build_services(c), *b.build_controlplane_rbac(c, "role"),
-                build_controller_deployment(c, settings), build_coordinator_deployment(c, settings),
+        return [*build_static_objects(c, settings), b.build_token_secret(c, "t"),
                 b.build_instance(c, "decode", 0)]
     first, second = build(), build()
     assert first == second
@@ -39,11 +46,11 @@ def test_one_instance_per_pool_replica():
 
 
 def test_engine_hash_ignores_scaling_and_control_plane_but_not_engine_settings():
-    base = b.engine_spec_hash(cluster())
-    assert b.engine_spec_hash(cluster(decode={"replicas": 5})) == base
-    assert b.engine_spec_hash(cluster(coordinator={"replicas": 3})) == base
-    assert b.engine_spec_hash(cluster(engine={"blockSize": 32})) != base
-    assert b.engine_spec_hash(cluster(kvTransfer={"mode": "pull"})) != base
+    base = engine_hashes(cluster())
+    assert engine_hashes(cluster(decode={"replicas": 5})) == base
+    assert engine_hashes(cluster(coordinator={"replicas": 3})) == base
+    assert engine_hashes(cluster(engine={"blockSize": 32})) != base
+    assert engine_hashes(cluster(kvTransfer={"mode": "pull"})) != base
     assert b.config_hash(cluster(coordinator={"replicas": 3})) != b.config_hash(cluster())
 
 
@@ -63,7 +70,7 @@ def test_engine_pod_runs_the_agent_with_probes_gpus_and_placement():
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
     assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert pod["metadata"]["labels"][b.SPEC_HASH_LABEL] == b.engine_spec_hash(c)
+    assert pod["metadata"]["labels"][b.SPEC_HASH_LABEL] == engine_pod_hash(c, "decode", "img:1")
     assert pod["metadata"]["ownerReferences"][0] == {
         "apiVersion": "pdserve.io/v1alpha1", "kind": "PDInstance", "name": "c-decode-0",
         "uid": "inst-uid", "controller": True, "blockOwnerDeletion": True}
@@ -73,12 +80,17 @@ def test_engine_pod_runs_the_agent_with_probes_gpus_and_placement():
 
 
 def test_pvc_weights_are_mounted_read_only():
+    """Engines and the Coordinator (its tokenizer) mount the claim read-only at /models,
+    and the Coordinator's ``--model`` points inside that mount."""
     c = cluster(model={"pvc": {"claimName": "weights", "subPath": "llama"}})
     pod = build_engine_pod(c, "c-prefill-0", "prefill", "u", "img")
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod[
-        "spec"]["volumes"]
-    assert "--model" in (args := build_coordinator_deployment(c, OperatorSettings())["spec"][
-        "template"]["spec"]["containers"][0]["args"])
+    volume = {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
+    mount = {"name": "model", "mountPath": "/models", "readOnly": True}
+    assert volume in pod["spec"]["volumes"] and mount in pod["spec"]["containers"][0]["volumeMounts"]
+    coordinator = build_coordinator_deployment(c, OperatorSettings())["spec"]["template"]["spec"]
+    [container] = coordinator["containers"]
+    assert volume in coordinator["volumes"] and mount in container["volumeMounts"]
+    args = container["args"]
     assert args[args.index("--model") + 1] == "/models/llama"
 
 
@@ -152,21 +164,28 @@ def test_the_pod_runs_its_pools_threads_and_the_engine_settings(tmp_path):
 
     c = colocated(engine={"prefillChunkTokens": 128}, prefill={"replicas": 1, "threads": 2},
                   decode={"replicas": 0})
-    (tmp_path / "cluster.yaml").write_text(b.build_config_map(c)["data"]["cluster.yaml"])
-    loaded = load_manifest(tmp_path / "cluster.yaml")
     for name, pool, threads in (("c-hybrid-0", "hybrid", "3"), ("c-prefill-0", "prefill", "2")):
-        args = build_engine_pod(c, name, pool, "u", "img")["spec"]["containers"][0]["args"]
+        pod = build_engine_pod(c, name, pool, "u", "img")
+        args = pod["spec"]["containers"][0]["args"]
+        # the cluster file the Pod mounts (at CONFIG_DIR) is its pool's engine ConfigMap
+        [config] = [v["configMap"]["name"] for v in pod["spec"]["volumes"] if "configMap" in v]
+        config_map = build_engine_config_map(c, pool)
+        assert config_map["metadata"]["name"] == config
+        (tmp_path / "cluster.yaml").write_text(config_map["data"]["cluster.yaml"])
+        loaded = load_manifest(tmp_path / "cluster.yaml")
         iid, role = args[args.index("--instance") + 1].split("=")
         argv = build_engine_argv(loaded, role)
         assert argv[argv.index("--role") + 1] == pool and argv[argv.index("--threads") + 1] == threads
         assert argv[argv.index("--prefill-chunk-tokens") + 1] == "128"
-        assert engine_cpus(loaded, iid, role) == (() if pool == "prefill" else (0, 1))
+        # cpuAffinity is local mode's: the engine file leaves it out, so nothing is pinned
+        assert engine_cpus(loaded, iid, role) == ()
+        assert engine_cpus(c, iid, role) == (() if pool == "prefill" else (0, 1))
 
 
 def test_engine_hash_ignores_hybrid_scaling_and_cpu_affinity_but_not_threads():
-    base = b.engine_spec_hash(colocated())
-    assert b.engine_spec_hash(colocated({"replicas": 5, "cpuAffinity": [7]})) == base
-    assert b.engine_spec_hash(colocated({"threads": 4})) != base
+    base = engine_hashes(colocated())
+    assert engine_hashes(colocated({"replicas": 5, "cpuAffinity": [7]})) == base
+    assert engine_hashes(colocated({"threads": 4})) != base
 
 
 def test_coordinator_args_are_the_shared_mapping_with_in_cluster_addresses():
@@ -178,3 +197,49 @@ def test_coordinator_args_are_the_shared_mapping_with_in_cluster_addresses():
     assert args == coordinator_argv(c, "0.0.0.0", 8000, "c-controller:50050")
     assert args[:7] == ["coordinator", "--host", "0.0.0.0", "--port", "8000",
                         "--controller", "c-controller:50050"]
+
+
+def test_an_image_model_reaches_the_coordinator_too():
+    c = cluster(model={"image": "registry.example/weights:1"})
+    coordinator = build_coordinator_deployment(c, OperatorSettings())["spec"]["template"]["spec"]
+    assert {"name": "model", "image": {"reference": "registry.example/weights:1",
+                                       "pullPolicy": "IfNotPresent"}} in coordinator["volumes"]
+    [container] = coordinator["containers"]
+    args = container["args"]
+    assert args[args.index("--model") + 1] == "/models/"
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    # presets and in-image paths need no volume
+    plain = build_coordinator_deployment(cluster(), OperatorSettings())["spec"]["template"]["spec"]
+    assert "model" not in {v["name"] for v in plain["volumes"]}
+
+
+def test_pools_spread_over_nodes_and_topologies_as_asked():
+    c = cluster(decode={"replicas": 2, "antiAffinity": "required",
+                        "topologySpread": [{"topologyKey": "topology.kubernetes.io/zone"}]},
+                prefill={"replicas": 1, "antiAffinity": "preferred"})
+    same_pool = {"matchLabels": {b.CLUSTER_LABEL: "c", b.COMPONENT_LABEL: "engine", b.POOL_LABEL: "decode"}}
+    decode = build_engine_pod(c, "c-decode-0", "decode", "u", "img")["spec"]
+    assert decode["affinity"] == {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": same_pool, "topologyKey": "kubernetes.io/hostname"}]}}
+    assert decode["topologySpreadConstraints"] == [{
+        "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": same_pool}]
+    prefill = build_engine_pod(c, "c-prefill-0", "prefill", "u", "img")["spec"]
+    [preferred] = prefill["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred["podAffinityTerm"]["labelSelector"]["matchLabels"][b.POOL_LABEL] == "prefill"
+    plain = build_engine_pod(cluster(), "c-decode-0", "decode", "u", "img")["spec"]
+    assert "affinity" not in plain and "topologySpreadConstraints" not in plain
+
+
+def test_one_disruption_budget_per_pool_with_replicas():
+    budgets = {p["metadata"]["name"]: p for p in b.build_disruption_budgets(cluster())}
+    assert set(budgets) == {"c-prefill", "c-decode"}  # no hybrid replicas
+    assert budgets["c-decode"]["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {
+        b.CLUSTER_LABEL: "c", b.COMPONENT_LABEL: "engine", b.POOL_LABEL: "decode"}}}
+    assert {p["metadata"]["name"] for p in b.build_disruption_budgets(colocated())} == {"c-hybrid"}
+
+
+def test_every_object_is_part_of_pdserve():
+    for obj in build_static_objects(cluster(), OperatorSettings()):
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdserve"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "pdserve"

@@ -5,14 +5,23 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from pdserve.operator import builders as b
-from pdserve.operator.status import Observation, build_invalid_status, build_status, instance_phase
-from tests.unit.operator.test_builders import cluster, colocated
+from pdserve.operator.controller_client import RoutableInstance
+from pdserve.operator.status import (
+    HEARTBEAT_WRITE_PERIOD_S,
+    Observation,
+    build_instance_status,
+    build_invalid_status,
+    build_status,
+    instance_phase,
+)
+from tests.unit.operator.test_builders import cluster, colocated, engine_hashes
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def pod(c, name: str, phase: str | None = "Running", ready: bool = True, spec_hash: str | None = None) -> dict:
-    labels = {b.SPEC_HASH_LABEL: spec_hash or b.engine_spec_hash(c)}
+    pool = b.desired_instances(c)[name][0] if name in b.desired_instances(c) else "prefill"
+    labels = {b.SPEC_HASH_LABEL: spec_hash or engine_hashes(c)[pool]}
     status = {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
     return {"metadata": {"name": name, "labels": labels}, "status": status if phase else {}}
 
@@ -22,7 +31,8 @@ def observed(c, **overrides) -> Observation:
     obs = Observation(
         instances={n: b.build_instance(c, pool, i) for n, (pool, i) in names.items()},
         pods={n: pod(c, n) for n in names},
-        deployments={k: {"status": {"availableReplicas": 1}} for k in ("controller", "coordinator")})
+        deployments={k: {"status": {"availableReplicas": 1}} for k in ("controller", "coordinator")},
+        pod_hashes=engine_hashes(c))
     for key, value in overrides.items():
         setattr(obs, key, value)
     return obs
@@ -134,3 +144,84 @@ def test_a_pd_cluster_with_a_hybrid_pool_counts_it():
     status = build_status(c, 1, None, observed(c), NOW)
     assert status["mode"] == "PD" and status["readyHybrid"] == 1 and status["desiredHybrid"] == 1
     assert conditions(status)["HybridFallback"] == ("False", "PoolsServing")
+
+
+# --- PDInstance status from the Pod and the Controller's view ----------------------
+
+THRESHOLDS = (3.0, 10.0)  # out of the view: Suspect after, Failed after (seconds)
+
+
+def routable(name: str, role: str, at: datetime = NOW) -> dict[str, RoutableInstance]:
+    return {name: RoutableInstance(role, at.timestamp())}
+
+
+def instance_status(old: dict | None, pod_: dict | None, view, now: datetime = NOW) -> dict:
+    return build_instance_status("c-decode-0", old, pod_, False, view, THRESHOLDS, 1, now)
+
+
+def ready_condition(status: dict) -> tuple[str, str, str]:
+    [ready] = status["conditions"]
+    return ready["status"], ready["reason"], ready["lastTransitionTime"]
+
+
+def test_an_instance_in_the_routable_view_is_ready_with_its_role_and_heartbeat():
+    c = cluster()
+    running = pod(c, "c-decode-0")
+    status = instance_status(None, running, routable("c-decode-0", "prefill"))
+    assert {k: v for k, v in status.items() if k != "conditions"} == {
+        "phase": "Running", "pod": "c-decode-0", "health": "Ready", "role": "prefill",
+        "lastHeartbeat": "2026-01-01T00:00:00Z"}
+    assert ready_condition(status) == ("True", "InControllerView", "2026-01-01T00:00:00Z")
+    # the heartbeat is rewritten only every HEARTBEAT_WRITE_PERIOD_S (each write is an event)
+    soon = NOW + timedelta(seconds=HEARTBEAT_WRITE_PERIOD_S - 1)
+    assert instance_status(status, running, routable("c-decode-0", "prefill", soon), soon) == status
+    later = NOW + timedelta(seconds=HEARTBEAT_WRITE_PERIOD_S)
+    assert instance_status(status, running, routable("c-decode-0", "prefill", later), later)[
+        "lastHeartbeat"] == "2026-01-01T00:00:30Z"
+
+
+def test_out_of_the_view_is_suspect_then_failed_as_the_controller_counts():
+    c = cluster()
+    running = pod(c, "c-decode-0")
+    ready = instance_status(None, running, routable("c-decode-0", "decode"))
+    gone = instance_status(ready, running, {}, NOW + timedelta(seconds=1))
+    assert gone["health"] == "Ready"  # a missed view (a Controller restarting) is no failure
+    assert ready_condition(gone) == ("False", "NotInControllerView", "2026-01-01T00:00:01Z")
+    suspect = instance_status(gone, running, {}, NOW + timedelta(seconds=4))
+    assert (suspect["health"], suspect["role"], suspect["lastHeartbeat"]) == (
+        "Suspect", "decode", ready["lastHeartbeat"])
+    failed = instance_status(suspect, running, {}, NOW + timedelta(seconds=11))
+    assert failed["health"] == "Failed"
+    back = instance_status(failed, running, routable("c-decode-0", "decode"), NOW + timedelta(seconds=12))
+    assert back["health"] == "Ready" and ready_condition(back)[0] == "True"
+
+
+def test_a_new_pod_starts_again_and_a_failed_pod_is_failed():
+    c = cluster()
+    ready = instance_status(None, pod(c, "c-decode-0"), routable("c-decode-0", "decode"))
+    assert instance_status(ready, None, {})["health"] == "Starting"  # deleted: a new Pod comes
+    pending = instance_status(ready, pod(c, "c-decode-0", phase=None), None)
+    assert pending["health"] == "Starting" and ready_condition(pending)[:2] == ("False", "PodNotRunning")
+    # running, never seen Ready yet (loading weights): still starting, not suspect
+    later = NOW + timedelta(minutes=5)
+    assert instance_status(pending, pod(c, "c-decode-0"), {}, later)["health"] == "Starting"
+    assert instance_status(ready, pod(c, "c-decode-0", phase="Failed"), None)["health"] == "Failed"
+
+
+def test_without_the_controller_health_role_and_heartbeat_stay():
+    c = cluster()
+    ready = instance_status(None, pod(c, "c-decode-0"), routable("c-decode-0", "decode"))
+    later = NOW + timedelta(hours=1)
+    assert instance_status(ready, pod(c, "c-decode-0"), None, later) == ready
+
+
+def test_an_unhealthy_instance_degrades_the_cluster_and_does_not_count():
+    c = cluster()
+    obs = observed(c)
+    running = obs.pods["c-decode-0"]
+    ready = instance_status(None, running, routable("c-decode-0", "decode"))
+    gone = instance_status(ready, running, {})
+    obs.instances["c-decode-0"]["status"] = instance_status(gone, running, {}, NOW + timedelta(seconds=5))
+    status = build_status(c, 1, None, obs, NOW)
+    assert conditions(status)["Degraded"] == ("True", "InstanceUnhealthy")
+    assert status["readyDecode"] == 0
