@@ -34,6 +34,7 @@ def coordinator_argv(cluster: PDCluster, host: str, port: int, controller: str) 
     spec = cluster.spec
     argv = ["coordinator", "--host", host, "--port", str(port),
             "--controller", controller,
+            "--cluster-name", cluster.metadata.name,
             "--model", model_location(spec),
             "--served-model-name", spec.model.served_name or cluster.metadata.name,
             "--prefill-policy", spec.routing.prefill_policy,
