@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.api.common import bytes_arg
 from pdserve.engine.config import DTYPES, ROLES, EngineConfig
 
 
@@ -14,7 +15,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=DTYPES)
     g.add_argument("--role", default="hybrid", choices=ROLES)
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-bytes", type=int, default=256 * 2**20, help="KV cache budget in bytes")
+    g.add_argument("--kv-cache-bytes", type=bytes_arg, default=256 * 2**20,
+                   help="KV cache budget in bytes, or a size as in the spec (20Gi, 512Mi)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (wins over bytes)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,

@@ -1,9 +1,17 @@
-"""``pdserve engine``: serve one engine over gRPC."""
+"""``pdserve engine``: serve one engine over gRPC until SIGTERM or SIGINT.
+
+Either signal shuts the engine down in order (server.py): in-flight requests get
+``--shutdown-grace-s`` to finish, then the KV transport closes and the KV shm segment
+(``/dev/shm/pdserve-kv-<pid>-<hex>``, see transport/shm.py) is unlinked; the exit code
+is 0 and nothing is printed but log lines. A signal while the model loads ends the
+start-up the same quiet way.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 
 from pdserve.api.logs import configure_logging
@@ -17,11 +25,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics over HTTP on this port (0: a free one)")
+    parser.add_argument("--shutdown-grace-s", type=float, default=10.0,
+                        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
     parser.add_argument("--log-level", default="INFO")
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    # Until the server installs its own handlers, SIGTERM interrupts like Ctrl-C.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("pdserve engine: interrupted while starting", file=sys.stderr, flush=True)
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     from pdserve.api.security import SecuritySettings
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.server import serve
@@ -49,10 +69,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve(engine, args.host, args.port, ready, security,
-                          args.metrics_port, metrics_ready))
-    except KeyboardInterrupt:
-        pass
-    except OSError as exc:
+                          args.metrics_port, metrics_ready, args.shutdown_grace_s))
+    except OSError as exc:  # serve closed the engine
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    print("pdserve engine stopped", flush=True)
     return 0

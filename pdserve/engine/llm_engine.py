@@ -158,13 +158,15 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """End a request and free its blocks. Idempotent; unknown ids return False."""
-        request = self.output.pop(request_id)
-        return request is not None and self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return self.end_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
-    def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
-        """End a request with an error (its blocks freed); returns its final output."""
+    def end_request(self, request_id: str, status: RequestStatus,
+                    error: str | None = None) -> RequestOutput | None:
+        """End a live request from outside the step (abort, failure, shutdown): its blocks
+        are freed, or kept by the connector until no write can land. Returns the final
+        output its stream ends with; None for an unknown or finished id (idempotent)."""
         request = self.output.pop(request_id)
-        if request is None or not self.scheduler.finish(request, RequestStatus.FINISHED_ERROR, message):
+        if request is None or not self.scheduler.finish(request, status, error):
             return None
         return self.output.output(request, [], with_timings=False)
 

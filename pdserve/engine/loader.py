@@ -7,12 +7,17 @@ parameters, so peak memory is the model plus one tensor. Presets (``tiny``,
 ``small``) build their weights deterministically from a seed, offline.
 
 Every problem with a checkpoint raises ``ConfigError`` with a message naming the file
-or tensor; nothing here crashes the process.
+or tensor; nothing here crashes the process. While a checkpoint loads, the log shows
+progress (tensors and bytes so far, and the rate) at most every 2 s, then one line
+with the totals (``LoadProgress``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,6 +38,44 @@ PRESETS: dict[str, dict] = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+log = logging.getLogger(__name__)
+
+
+class LoadProgress:
+    """Log lines while weights load. ``_load_checkpoint`` calls ``add`` per tensor copied
+    (engine start-up thread) and ``finish`` once; a line goes out at most every
+    ``every_s`` and always at ``finish``."""
+
+    def __init__(self, total_bytes: int, every_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_bytes = total_bytes  # on disk: what the shards hold, headers included
+        self.num_tensors = 0
+        self.num_bytes = 0
+        self._every_s = every_s
+        self._clock = clock
+        self._started_s = self._logged_s = clock()
+
+    def add(self, num_bytes: int) -> None:
+        self.num_tensors += 1
+        self.num_bytes += num_bytes
+        now = self._clock()
+        if now - self._logged_s >= self._every_s:
+            self._logged_s = now
+            self._log("loading weights", now)
+
+    def finish(self) -> None:
+        self._log("loaded weights", self._clock())
+
+    def _log(self, what: str, now: float) -> None:
+        elapsed_s = now - self._started_s
+        rate = self.num_bytes / elapsed_s / 2**20 if elapsed_s > 0 else 0.0
+        log.info("%s: %d tensors, %s of %s in %.1f s (%.0f MiB/s)", what, self.num_tensors,
+                 _size(self.num_bytes), _size(self.total_bytes), elapsed_s, rate)
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def preset_config(name: str) -> ModelConfig:
@@ -123,7 +166,9 @@ def _load_checkpoint(model: Transformer, path: Path) -> None:
 
     expected = {id(p): n for n, p in model.named_parameters()}
     filled: dict[str, int] = {}
-    for file in _checkpoint_files(path):
+    files = _checkpoint_files(path)
+    progress = LoadProgress(sum(f.stat().st_size for f in files))
+    for file in files:
         try:
             handle = safe_open(str(file), framework="pt")
         except (SafetensorError, OSError, ValueError) as exc:
@@ -141,8 +186,10 @@ def _load_checkpoint(model: Transformer, path: Path) -> None:
                         f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                     )
                 dst.copy_(tensor)
+                progress.add(tensor.numel() * tensor.element_size())
                 pname = expected[id(param)]
                 filled[pname] = filled.get(pname, 0) + rows
+    progress.finish()
     missing = [n for n, p in model.named_parameters() if filled.get(n, 0) != p.shape[0]]
     if missing:
         raise ConfigError(f"checkpoint lacks weights for: {', '.join(missing[:5])}")

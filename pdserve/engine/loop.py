@@ -11,6 +11,11 @@ loop publishes ``snapshot`` (a ``StatsResponse``, replaced whole, never mutated)
 Health, Stats and metrics scrapes are answered at once from it instead of queueing
 behind a step that may run for seconds. A request's arrival time is stamped in
 ``submit`` (on receipt), so time spent waiting for a running step counts as queue.
+
+Every admitted request has a sink until its last output, and that output says
+``finished``: a step's, an abort's (``finish_reason`` "abort") or a failure's. The
+inbox is one FIFO, so an ``abort`` queued after a ``submit`` is handled after it;
+admission is skipped for a caller that cancelled its admission future first.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from concurrent.futures import Future
 from pdserve.api.proto.engine_pb2 import StatsResponse
 from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine
 from pdserve.engine.output import RequestOutput
+from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -40,10 +46,12 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.snapshot: StatsResponse = engine.stats()
+        self.is_idle = True  # no request or transfer left, as of the last snapshot
 
     def _publish(self) -> None:
-        # One attribute store: readers on other threads see the old or the new one whole.
+        # One attribute store each: readers on other threads see the old or the new one whole.
         self.snapshot = self.engine.stats()
+        self.is_idle = not self.engine.has_unfinished
 
     def start(self) -> None:
         self._thread.start()
@@ -66,15 +74,26 @@ class EngineLoop:
         kv_transfer=None,
     ) -> Future:
         """Queue a request. The future resolves to None once admitted, or raises
-        ``EngineInputError`` when the engine refuses it."""
+        ``EngineInputError`` when the engine refuses it; cancelling it before the loop
+        took it up means the request is never admitted."""
         admitted: Future = Future()
         self._inbox.put(("add", request_id, prompt_token_ids, prompt, params, sink, admitted,
                          kv_transfer, time.monotonic()))
         return admitted
 
-    def abort(self, request_id: str) -> None:
-        """Ask the loop to end a request; idempotent."""
-        self._inbox.put(("abort", request_id))
+    def abort(self, request_id: str, owner: Sink | None = None) -> Future:
+        """End a request; its stream gets a last output with ``finish_reason`` "abort".
+        With ``owner``, only while that sink still owns the id (a call ending its own
+        request never ends another call's). The future resolves to whether it ended one;
+        idempotent."""
+        ended: Future = Future()
+        self._inbox.put(("abort", request_id, owner, ended))
+        return ended
+
+    def fail_all(self, message: str) -> Future:
+        """End every live request with ``message`` as its error (shutdown); resolves to
+        how many."""
+        return self.call(lambda engine: self._fail_all(message))
 
     def call(self, fn: Callable[[LLMEngine], object]) -> Future:
         """Run ``fn(engine)`` on the loop thread (stats, reconfiguration)."""
@@ -114,23 +133,24 @@ class EngineLoop:
             kind = cmd[0]
             if kind == "add":
                 _, rid, ids, prompt, params, sink, admitted, kv, arrival_s = cmd
+                if not admitted.set_running_or_notify_cancel():
+                    continue  # the caller went away before we got to it
                 try:
                     self.engine.add_request(rid, ids, params, prompt, kv, arrival_s=arrival_s)
-                except (EngineInputError, EngineUnavailable) as exc:
+                except Exception as exc:  # noqa: BLE001 - the caller must hear of it
+                    if not isinstance(exc, (EngineInputError, EngineUnavailable)):
+                        log.exception("admitting request %s failed", rid)
                     admitted.set_exception(exc)
                     continue
                 self._sinks[rid] = sink
                 admitted.set_result(None)
                 log.info("request %s admitted", rid)
             elif kind == "abort":
-                if self.engine.abort_request(cmd[1]):
-                    log.info("request %s aborted", cmd[1])
-                self._sinks.pop(cmd[1], None)
+                _, rid, owner, ended = cmd
+                _resolve(ended, self._abort, rid, owner)
             elif kind == "call":
-                try:
-                    cmd[2].set_result(cmd[1](self.engine))
-                except Exception as exc:  # noqa: BLE001 - handed back to the caller
-                    cmd[2].set_exception(exc)
+                _, fn, result = cmd
+                _resolve(result, fn, self.engine)
 
     def _step(self) -> None:
         try:
@@ -151,9 +171,38 @@ class EngineLoop:
             if sink is not None:
                 sink(out)
 
-    def _fail_all(self, message: str) -> None:
+    def _abort(self, rid: str, owner: Sink | None) -> bool:
+        if owner is not None and self._sinks.get(rid) is not owner:
+            return False
+        out = self.engine.end_request(rid, RequestStatus.FINISHED_ABORTED)
+        sink = self._sinks.pop(rid, None)
+        if out is None:
+            return False
+        log.info("request %s aborted", rid)
+        if sink is not None:
+            sink(out)
+        return True
+
+    def _fail_all(self, message: str) -> int:
+        num_failed = 0
         for rid in list(self.engine.requests):
-            out = self.engine.fail_request(rid, message)
+            out = self.engine.end_request(rid, RequestStatus.FINISHED_ERROR, message)
             sink = self._sinks.pop(rid, None)
-            if sink is not None and out is not None:
-                sink(out)
+            if out is not None:
+                num_failed += 1
+                if sink is not None:
+                    sink(out)
+        return num_failed
+
+
+def _resolve(future: Future, fn: Callable[..., object], *args) -> None:
+    """Run ``fn(*args)`` and hand its result or exception to ``future``, unless the caller
+    cancelled the future meanwhile (``fn`` runs either way)."""
+    try:
+        value = fn(*args)
+    except Exception as exc:  # noqa: BLE001 - handed back to the caller
+        if future.set_running_or_notify_cancel():
+            future.set_exception(exc)
+        return
+    if future.set_running_or_notify_cancel():
+        future.set_result(value)

@@ -1,16 +1,30 @@
-"""The engine's gRPC server (``pdserve.engine.v1.Engine``).
+"""The engine's gRPC server (``pdserve.engine.v1.Engine``) and its orderly shutdown.
 
 The asyncio server owns the network; ``EngineLoop`` owns the engine. A Generate
 call submits the request, waits for admission (bad input → INVALID_ARGUMENT with the
-engine's message), then streams outputs from an asyncio queue fed by the loop
-thread. A client that goes away (cancelled RPC) aborts its request, so its KV
-blocks are freed at once.
+engine's message, logged at INFO without a traceback), then streams outputs from an
+asyncio queue fed by the loop thread. A call that ends early (client gone, RPC
+cancelled, even during admission) aborts its own request and no other, so its KV
+blocks are freed at once. The Abort RPC ends a request's stream with a last message
+(``finish_reason`` "abort").
+
+Shutdown (SIGTERM or SIGINT, the same path)::
+
+    serving ──signal──▶ draining: new requests UNAVAILABLE, Health/Stats still answer
+       in-flight requests and transfers finish, for at most ``shutdown_grace_s``
+       (a second signal cuts the grace short)
+    ──▶ the rest end with an error message on their streams
+    ──▶ gRPC and metrics servers stop ──▶ loop stops ──▶ engine.close(): the KV connector
+        and its transport close, the KV shm segment is unlinked
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+import time
 import uuid
 
 import grpc
@@ -73,8 +87,9 @@ class EngineService(pb_grpc.EngineServicer):
         aio_loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
-        def sink(out: RequestOutput) -> None:
-            aio_loop.call_soon_threadsafe(outputs.put_nowait, out)
+        def sink(out: RequestOutput) -> None:  # the loop thread
+            with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                aio_loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         kv = None
         if request.HasField("kv_transfer"):
@@ -83,26 +98,26 @@ class EngineService(pb_grpc.EngineServicer):
         admitted = self.loop.submit(
             rid, list(request.prompt_token_ids) or None, request.prompt or None, params, sink, kv
         )
-        try:
-            await asyncio.wrap_future(admitted)
-        except EngineInputError as exc:
-            log.info("request %s refused: %s", rid, exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finished = False
         try:
+            try:
+                await asyncio.wrap_future(admitted)
+            except EngineInputError as exc:
+                log.info("request %s refused: %s", rid, exc)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except EngineUnavailable as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             while not finished:
                 out = await outputs.get()
                 finished = out.finished
                 yield output_to_proto(out)
         finally:
-            if not finished:  # the client went away or the call was cancelled
-                self.loop.abort(rid)
+            if not finished:  # refused, the client went away, or the call was cancelled
+                self.loop.abort(rid, owner=sink)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        done = self.loop.call(lambda e: e.abort_request(request.request_id))
-        return pb.AbortResponse(aborted=bool(await asyncio.wrap_future(done)))
+        ended = await asyncio.wrap_future(self.loop.abort(request.request_id))
+        return pb.AbortResponse(aborted=bool(ended))
 
     async def Health(self, request, context) -> pb.HealthResponse:
         engine = self.loop.engine
@@ -135,11 +150,12 @@ class EngineService(pb_grpc.EngineServicer):
 
 async def serve(
     engine: LLMEngine, host: str, port: int, ready=None, security: SecuritySettings | None = None,
-    metrics_port: int | None = None, metrics_ready=None,
+    metrics_port: int | None = None, metrics_ready=None, shutdown_grace_s: float = 10.0,
 ) -> None:
-    """Run the server until cancelled. ``ready(bound_port)`` is called once listening; with
-    ``metrics_port`` (0: a free one) Prometheus metrics are served over HTTP on ``host`` and
-    ``metrics_ready(bound_port)`` is called first."""
+    """Run the server until SIGTERM or SIGINT, then shut down in order (module docstring);
+    cancelled, it skips the grace. ``ready(bound_port)`` is called once listening; with
+    ``metrics_port`` (0: a free one) Prometheus metrics are served over HTTP on ``host``
+    and ``metrics_ready(bound_port)`` is called first. Main thread only (signals)."""
     security = security or SecuritySettings()
     metrics = attach_metrics(engine)
     loop = EngineLoop(engine)
@@ -161,13 +177,39 @@ async def serve(
     if bound == 0:
         loop.stop()
         raise OSError(f"cannot listen on {host}:{port}")
+    stop, hurry = asyncio.Event(), asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     await server.start()
     if ready is not None:
         ready(bound)
     try:
-        await server.wait_for_termination()
+        await stop.wait()
+        await shut_down(loop, shutdown_grace_s, hurry)
     finally:
-        await server.stop(grace=1.0)
+        await server.stop(grace=1.0)  # lets the last messages of ended streams go out
         if metrics_runner is not None:
             await metrics_runner.cleanup()
         loop.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            aio_loop.remove_signal_handler(sig)
+
+
+async def shut_down(loop: EngineLoop, grace_s: float, hurry: asyncio.Event) -> None:
+    """Stop admitting, give in-flight work ``grace_s`` (or until ``hurry``), then end
+    every request still live with an error. Called once by ``serve``."""
+    started_s = time.monotonic()
+    log.info("shutting down: admitting no new requests; in-flight ones have %g s", grace_s)
+    await asyncio.wrap_future(loop.call(_stop_admitting))
+    while not loop.is_idle and not hurry.is_set() and time.monotonic() - started_s < grace_s:
+        await asyncio.sleep(0.05)
+    if not loop.is_idle:
+        message = f"the engine shut down before the request finished ({grace_s:g} s grace)"
+        num_failed = await asyncio.wrap_future(loop.fail_all(message))
+        log.warning("shutdown: ended %d unfinished requests with an error", num_failed)
+    log.info("shutdown: drained in %.2f s", time.monotonic() - started_s)
+
+
+def _stop_admitting(engine: LLMEngine) -> None:
+    engine.draining = True

@@ -188,3 +188,34 @@ def test_sigstop_p_then_continue(procs):
     # P keeps its fault delay: push (one delayed write job) stays well inside its deadline.
     _, _, d_msgs, _ = asyncio.run(run_pair(p_addr, p_kv, d_addr, d_kv, "after", mode="push"))
     assert d_msgs[-1].finish_reason == "length" and len(tokens(d_msgs)) == 8, d_msgs[-1]
+
+
+def test_abort_of_both_legs_mid_transfer_ends_both_streams(procs):
+    """What the Coordinator does when its client goes away: Abort each leg by id."""
+    p, p_addr, p_kv = engine("prefill", "--fault-kv-send-delay", "1.0")
+    d, d_addr, d_kv = engine("decode")
+    procs += [p, d]
+
+    async def go():
+        async with EngineClient(p_addr) as pc, EngineClient(d_addr) as dc:
+            kv = dict(mode="layerwise", transfer_id="x-gone")
+            d_task = asyncio.ensure_future(_collect(dc.generate(build_generate_request(
+                "gone", "", PROMPT, max_tokens=8, ignore_eos=True,
+                kv_transfer={**kv, "role": "decode", "peer": p_kv}), timeout_s=60)))
+            p_call = pc.generate(build_generate_request(
+                "gone", "", PROMPT, max_tokens=8, ignore_eos=True,
+                kv_transfer={**kv, "role": "prefill", "peer": d_kv}), timeout_s=60)
+            first = await p_call.read()  # P prefilled; its delayed writes are in flight
+            aborted = (await dc.abort("gone"), await pc.abort("gone"))
+            p_rest = []
+            while (m := await asyncio.wait_for(p_call.read(), 10)) is not grpc.aio.EOF:
+                p_rest.append(m)
+            return first, aborted, p_rest, await asyncio.wait_for(d_task, 10)
+
+    first, (d_aborted, _), p_rest, (d_msgs, d_error) = asyncio.run(go())
+    assert not first.finished and d_aborted
+    assert d_error is None and d_msgs[-1].finish_reason == "abort"
+    # D's ABORT may reach P before our Abort does: P's stream ends either way.
+    assert p_rest[-1].finished and p_rest[-1].finish_reason in ("abort", "error"), p_rest[-1]
+    assert_all_free(p_addr)
+    assert_all_free(d_addr)

@@ -1,16 +1,21 @@
-"""The engine as a real process, spoken to over gRPC and through the CLI."""
+"""The engine as a real process: over gRPC, through the CLI, its KV port by raw sockets, signals."""
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
+import signal
+import socket
 import subprocess
+import time
 
 import grpc
 import pytest
 
 from pdserve.api.engine_client import EngineClient, build_generate_request
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from tests.procs import PDSERVE, REPO, start_engine
@@ -19,10 +24,15 @@ PROMPTS = [[1, 2, 3], [50, 60, 70, 80, 90] * 7, list(range(100, 140))]
 
 
 @pytest.fixture(scope="module")
-def engine_server():
+def engine_process():
     proc, address = start_engine("--num-kv-blocks", "128", "--block-size", "8")
-    yield address
+    yield proc, address
     assert proc.stop() in (0, -15)
+
+
+@pytest.fixture(scope="module")
+def engine_server(engine_process):
+    return engine_process[1]
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +174,166 @@ def test_cluster_token_is_required_when_configured():
         assert os.environ.get("PDSERVE_CLUSTER_TOKEN") is None
     finally:
         proc.stop()
+
+
+def test_abort_rpc_ends_the_open_stream_and_frees_its_blocks(engine_server):
+    async def go():
+        async with EngineClient(engine_server) as client:
+            call = client.generate(build_generate_request(
+                "to-abort", "", PROMPTS[2], max_tokens=2000, ignore_eos=True), timeout_s=60)
+            msgs = [await call.read(), await call.read()]
+            aborted = await client.abort("to-abort")
+            msgs += await asyncio.wait_for(_rest(call), timeout=10)  # today: hangs
+            return aborted, msgs, await client.abort("to-abort"), await client.stats()
+
+    aborted, msgs, again, stats = asyncio.run(go())
+    assert aborted is True and again is False
+    assert msgs[-1].finished and msgs[-1].finish_reason == "abort"
+    assert stats.num_running == 0 and stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+
+def test_abort_rpc_ends_a_decode_leg_waiting_for_kv(engine_server):
+    transfer_id = "x-" + "a" * 126  # 128 characters: the limit, still accepted
+    leg = dict(role="decode", mode="push", transfer_id=transfer_id, peer="127.0.0.1:9")
+
+    async def go():
+        async with EngineClient(engine_server) as client:
+            call = client.generate(build_generate_request(
+                "waiting", "", PROMPTS[1], max_tokens=4, kv_transfer=leg), timeout_s=60)
+            stream = asyncio.ensure_future(_rest(call))
+            await asyncio.sleep(0.3)  # admitted, waiting for a P that never comes
+            aborted = await client.abort("waiting")
+            return aborted, await asyncio.wait_for(stream, timeout=10)
+
+    aborted, msgs = asyncio.run(go())
+    assert aborted is True
+    assert msgs[-1].finished and msgs[-1].finish_reason == "abort"
+    stats = asyncio.run(_settled_stats(engine_server))
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+    assert stats.num_kv_transfers_active == 0
+
+
+def test_over_long_ids_and_prompts_are_refused_without_a_traceback(engine_process):
+    proc, address = engine_process
+    leg = dict(role="decode", mode="push", transfer_id="x-" + "a" * 127, peer="127.0.0.1:9")
+
+    async def go():
+        async with EngineClient(address) as client:
+            errors = []
+            for req in (build_generate_request("long-id", "", PROMPTS[0], kv_transfer=leg),
+                        build_generate_request("long-prompt", "", [1] * 5000),
+                        build_generate_request("long-text", "x" * 5000)):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await collect(client, req)
+                errors.append((info.value.code(), info.value.details()))
+            return errors
+
+    errors = asyncio.run(go())
+    assert all(code == grpc.StatusCode.INVALID_ARGUMENT for code, _ in errors)
+    assert "transfer_id must be 1-128 characters, got 129" in errors[0][1]
+    assert "limit" in errors[1][1] and "limit" in errors[2][1]
+    proc.wait_for("request long-text refused", timeout_s=10)
+    assert "Traceback" not in proc.output and " ERROR " not in proc.output
+
+
+def test_bogus_kv_connections_cost_no_memory(engine_process):
+    """Headers that promise 64 MiB bodies, from peers that never authenticate."""
+    proc, address = engine_process
+    host, _, port = asyncio.run(_health(address)).kv_endpoint.rpartition(":")
+    before = _rss_bytes(proc.popen.pid)
+    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(8)]
+    for i, sock in enumerate(socks):  # half a HELLO, half a WRITE: both want 64 MiB
+        op = wire.OP_HELLO if i % 2 else wire.OP_WRITE
+        sock.sendall(wire.HEADER.pack(op, 0, wire.MAX_TABLE_BYTES - 1))
+    time.sleep(0.5)
+    after = _rss_bytes(proc.popen.pid)
+    started = time.monotonic()
+    for sock in socks:
+        while sock.recv(65536):
+            pass  # the REFUSE frame, then EOF
+        sock.close()
+    closed_s = time.monotonic() - started
+    print(f"engine RSS {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB; "
+          f"all 8 closed {closed_s:.2f} s after the check")
+    assert after - before < 4 << 20, (before, after)
+    assert closed_s < 5.0  # the handshake deadline (5 s by default) at most
+    proc.wait_for("refused KV connection from 127.0.0.1: oversized frame", timeout_s=5)
+    assert "Traceback" not in proc.output
+
+
+def test_sigterm_drains_then_removes_the_kv_segment():
+    proc, address = start_engine("--num-kv-blocks", "4096", "--block-size", "8",
+                                 "--kv-transport", "shm", "--shutdown-grace-s", "3")
+    segments = glob.glob(f"/dev/shm/pdserve-kv-{proc.popen.pid}-*")
+    assert len(segments) == 1
+
+    async def go():
+        async with EngineClient(address) as client:
+            short = client.generate(build_generate_request(
+                "short", "", PROMPTS[0], max_tokens=200, ignore_eos=True), timeout_s=60)
+            endless = client.generate(build_generate_request(
+                "endless", "", PROMPTS[1], max_tokens=30000, ignore_eos=True), timeout_s=60)
+            first = [await short.read(), await endless.read()]
+            signalled_s = time.monotonic()
+            proc.signal(signal.SIGTERM)
+            proc.wait_for("shutting down", timeout_s=5)
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await collect(client, build_generate_request("late", "", PROMPTS[0]))
+            rest = await asyncio.gather(_rest(short), _rest(endless))
+            return signalled_s, first, rest, late.value.code()
+
+    signalled_s, first, (short, endless), late = asyncio.run(go())
+    code = proc.popen.wait(30)
+    stopped_s = time.monotonic() - signalled_s
+    print(f"SIGTERM to exit: {stopped_s:.2f} s (grace 3 s)")
+    assert code == 0
+    assert late == grpc.StatusCode.UNAVAILABLE
+    assert short[-1].finish_reason == "length"
+    assert sum(len(m.token_ids) for m in [first[0], *short]) == 200  # finished in the grace
+    assert endless[-1].finish_reason == "error" and "shut down" in endless[-1].error
+    assert stopped_s < 3 + 5
+    assert not glob.glob(f"/dev/shm/pdserve-kv-{proc.popen.pid}-*"), "KV segment left behind"
+    assert "Traceback" not in proc.output and "pdserve engine stopped" in proc.output
+
+
+def test_sigint_shuts_down_the_same_way():
+    proc, address = start_engine("--num-kv-blocks", "32", "--kv-transport", "shm")
+    assert glob.glob(f"/dev/shm/pdserve-kv-{proc.popen.pid}-*")
+    started = time.monotonic()
+    proc.signal(signal.SIGINT)
+    assert proc.popen.wait(30) == 0
+    print(f"SIGINT to exit (idle engine): {time.monotonic() - started:.2f} s")
+    assert not glob.glob(f"/dev/shm/pdserve-kv-{proc.popen.pid}-*")
+    assert "Traceback" not in proc.output and "pdserve engine stopped" in proc.output
+
+
+async def _rest(call) -> list:
+    """What is left of a stream, read the way its first messages were (``read``)."""
+    msgs = []
+    while (m := await call.read()) is not grpc.aio.EOF:
+        msgs.append(m)
+    return msgs
+
+
+async def _health(address):
+    async with EngineClient(address) as client:
+        return await client.health()
+
+
+async def _settled_stats(address, timeout_s: float = 10.0):
+    async with EngineClient(address) as client:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = await client.stats()
+            done = stats.num_kv_blocks_free == stats.num_kv_blocks_total
+            if (done and stats.num_kv_transfers_active == 0) or time.monotonic() > deadline:
+                return stats
+            await asyncio.sleep(0.1)
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 MODES = ("pull", "push", "layerwise")
 KV_ROLES = ("prefill", "decode")
 DECODE_ALLOCATION_POLICIES = ("dispatch", "prefill_complete")
+# Transfer ids travel in every connector message; the Coordinator keeps its leg ids
+# (request id plus an attempt suffix) within this.
+MAX_TRANSFER_ID_CHARS = 128
 
 
 class KVTransferError(ValueError):
@@ -31,8 +34,10 @@ class KVTransferParams:
             raise KVTransferError(f"kv_transfer.role must be one of {KV_ROLES}, got {self.role!r}")
         if self.mode not in MODES:
             raise KVTransferError(f"kv_transfer.mode must be one of {MODES}, got {self.mode!r}")
-        if not self.transfer_id or len(self.transfer_id) > 128:
-            raise KVTransferError("kv_transfer.transfer_id must be 1-128 characters")
+        if not self.transfer_id or len(self.transfer_id) > MAX_TRANSFER_ID_CHARS:
+            raise KVTransferError(
+                f"kv_transfer.transfer_id must be 1-{MAX_TRANSFER_ID_CHARS} characters, "
+                f"got {len(self.transfer_id)}")
         host, _, port = self.peer.rpartition(":")
         if not host or not port.isdigit():
             raise KVTransferError(f"kv_transfer.peer must be host:port, got {self.peer!r}")

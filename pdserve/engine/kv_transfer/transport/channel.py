@@ -1,24 +1,25 @@
 """The TCP channel every transport uses: listener, auth handshake, notify, per-peer links.
 
-``Channel`` owns one listening socket (its address is the transport's endpoint) and
-one ``PeerLink`` per peer we talk to. tcp.py carries KV bytes on it; shm.py and
-mooncake.py carry only handshakes, fences and notifications on it.
+``Channel`` owns one listening socket (its address is the transport's endpoint), the
+server half of every connection peers open to it, and one ``PeerLink`` (link.py) per
+peer we talk to. tcp.py carries KV bytes on it; shm.py and mooncake.py carry only
+handshakes, fences and notifications on it.
 
 Invariants:
-- Every connection starts with HELLO; with an ``auth_token`` set, a wrong token is
-  answered REFUSE with the reason, logged, and closed before any other frame is read.
-- A link runs jobs in submission order on its one sender thread, so a notify is
-  delivered after every batch submitted before it to the same peer.
-- When a link breaks (I/O error, EOF, or a batch past its deadline) every batch
-  waiting on it is FAILED and the socket shut down; the next job reconnects.
-- Payload I/O uses raw fds (wire.py), so a socket is only ever *closed* by the thread
-  that last uses it: a server connection by its own thread, a link socket by the
-  sender thread once its reader thread has exited. Other threads only shut it down.
+- A connection past the caps (``ChannelLimits``: in all, per peer host) is answered
+  REFUSE at accept and closed, without a thread or a read.
+- Every connection starts with HELLO (at most ``wire.MAX_HELLO_BYTES``) within the
+  handshake deadline; a wrong token, a malformed HELLO or any other first frame is
+  answered REFUSE with the reason and closed before any other frame is read. No
+  frame larger than the HELLO is read, or memory allocated for it, before that.
+- Each op has a largest body (wire.py); a frame outside them, or an authenticated
+  connection silent for ``idle_timeout_s``, closes the connection. Every refusal is
+  logged with its reason, rate-limited per peer host (``limits.RefusalLog``).
+- A server connection is closed only by its own thread; ``close`` shuts it down.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import queue
@@ -28,15 +29,18 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.kv_transfer.transport import wire
-from pdserve.engine.kv_transfer.transport.base import BatchHandle
+from pdserve.engine.kv_transfer.transport.limits import (
+    Admission,
+    ChannelLimits,
+    RefusalLog,
+    check_hello,
+)
+from pdserve.engine.kv_transfer.transport.link import PeerLink
 
 log = logging.getLogger(__name__)
 
 # (sock, op, batch_id, body, peer) -> None; reads the payload and writes the reply itself.
 FrameHandler = Callable[[socket.socket, int, int, bytes, str], None]
-# Runs on a link's reader thread when the reply for a batch arrives.
-ReplyHandler = Callable[[socket.socket, int, bytes], None]
-_SWEEP_S = 0.2
 
 
 class Channel:
@@ -46,11 +50,16 @@ class Channel:
     def __init__(
         self, *, info: Callable[[], dict], on_frame: FrameHandler | None, host: str, port: int,
         advertise_host: str | None, auth_token: str | None, timeout_s: float,
+        limits: ChannelLimits | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.auth_token = auth_token
+        self.limits = limits = limits or ChannelLimits()
         self._info = info
         self._on_frame = on_frame
+        self._frame_limits = {**wire.CHANNEL_LIMITS, **(wire.DATA_LIMITS if on_frame else {})}
+        self._admission = Admission(limits)
+        self._refusals = RefusalLog(log, limits.refusal_log_every_s)
         self._notes: queue.SimpleQueue[tuple[str, bytes, float]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._links: dict[str, PeerLink] = {}
@@ -95,181 +104,85 @@ class Channel:
                 sock, addr = self._listener.accept()
             except OSError:
                 return
+            host = addr[0]
             with self._lock:
                 if self._closed:
                     sock.close()
                     return
-                self._conns.add(sock)
+                refusal = self._admission.enter(host)
+                if refusal is None:
+                    self._conns.add(sock)
+            if refusal is not None:
+                self._refusals.refused(host, "connection cap", refusal)
+                _refuse_now(sock, refusal)
+                continue
             threading.Thread(
                 target=self._serve, args=(sock, addr), name="kv-serve", daemon=True
             ).start()
 
     def _serve(self, sock: socket.socket, addr) -> None:
         """Server half of one connection: handshake, then frames until EOF."""
+        host = addr[0]
         try:
+            wire.configure(sock, min(self.timeout_s, self.limits.handshake_timeout_s))
+            peer = self._handshake(sock, host) or f"{host}:{addr[1]}"
             wire.configure(sock, self.timeout_s)
-            op, _, body = wire.recv_frame(sock)
-            hello = json.loads(body) if op == wire.OP_HELLO else {}
-            peer = str(hello.get("endpoint") or f"{addr[0]}:{addr[1]}")
-            if op != wire.OP_HELLO or not self._is_authorized(hello.get("token")):
-                reason = "bad auth token" if op == wire.OP_HELLO else "expected HELLO"
-                log.warning("refused KV connection from %s (%s): %s", addr, peer, reason)
-                wire.send_frame(sock, wire.OP_REFUSE, body=reason.encode())
-                return
-            wire.send_frame(sock, wire.OP_WELCOME, body=json.dumps(self._info()).encode())
-            for op, batch_id, body in wire.recv_frames(sock):
+            frames = wire.recv_frames(
+                sock, self._frame_limits, self.timeout_s, self.limits.idle_timeout_s)
+            for op, batch_id, body in frames:
                 if op == wire.OP_NOTIFY:
                     self._notes.put((peer, body, time.monotonic()))
                 elif op == wire.OP_FENCE:
                     wire.send_frame(sock, wire.OP_ACK, batch_id)
-                elif self._on_frame is not None:
-                    self._on_frame(sock, op, batch_id, body, peer)
                 else:
-                    raise ValueError(f"unexpected op {op}")
+                    self._on_frame(sock, op, batch_id, body, peer)
+        except _Refused:
+            pass  # answered and logged
+        except wire.FrameError as exc:
+            self._refusals.refused(host, exc.kind, exc.detail, verb="closed")
+        except wire.IdleTimeout as exc:
+            self._refusals.refused(host, "idle timeout", str(exc), verb="closed")
         except (OSError, ValueError) as exc:
             log.debug("KV connection from %s ended: %s", addr, exc)
         finally:
             with self._lock:
                 self._conns.discard(sock)
+            self._admission.leave(host)
             sock.close()
 
-    def _is_authorized(self, token) -> bool:
-        if not self.auth_token:
-            return True
-        return isinstance(token, str) and hmac.compare_digest(token, self.auth_token)
-
-
-class PeerLink:
-    """Our connection to one peer: a sender thread running jobs, a reader thread for replies.
-
-    Transports call ``submit``; jobs run on the sender thread and call ``connect``,
-    ``expect`` and ``wire.send_*`` on ``sock``.
-    """
-
-    def __init__(self, channel: Channel, peer: str) -> None:
-        self.channel = channel
-        self.peer = peer
-        self.sock: socket.socket | None = None
-        self.info: dict = {}
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._pending: dict[int, tuple[BatchHandle, ReplyHandler]] = {}
-        self._retired: list[tuple[socket.socket, threading.Event]] = []
-        self._reader_done: threading.Event | None = None
-        self._closed = False
-        threading.Thread(target=self._send_loop, name=f"kv-send-{peer}", daemon=True).start()
-
-    def submit(self, handle: BatchHandle | None, job: Callable[[PeerLink], None]) -> None:
-        """Queue ``job``; if it raises, ``handle`` fails with the reason and the link resets."""
-        if self._closed:
-            if handle is not None:
-                handle.fail("transport is closed")
-            return
-        self._jobs.put((handle, job))
-
-    def connect(self) -> socket.socket:
-        """On the sender thread: (re)connect and handshake; returns the live socket."""
-        if self.sock is not None:
-            return self.sock
-        host, _, port = self.peer.rpartition(":")
-        timeout_s = self.channel.timeout_s
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    def _handshake(self, sock: socket.socket, host: str) -> str | None:
+        """Read and check the HELLO, answer WELCOME; returns the endpoint it names. Raises
+        _Refused once a bad or late HELLO was answered and logged."""
+        deadline = time.monotonic() + self.limits.handshake_timeout_s
         try:
-            wire.configure(sock, timeout_s)
-            hello = {"token": self.channel.auth_token, "endpoint": self.channel.endpoint}
-            wire.send_frame(sock, wire.OP_HELLO, body=json.dumps(hello).encode())
-            op, _, body = wire.recv_frame(sock)
-            if op == wire.OP_REFUSE:
-                raise ConnectionRefusedError(f"peer {self.peer} refused us: {body.decode()}")
-            if op != wire.OP_WELCOME:
-                raise ConnectionError(f"peer {self.peer} answered op {op} to HELLO")
-            self.info = json.loads(body)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock, self._reader_done = sock, threading.Event()
-        threading.Thread(
-            target=self._read_loop, args=(sock, self._reader_done),
-            name=f"kv-recv-{self.peer}", daemon=True,
-        ).start()
-        return sock
+            _, _, body = wire.recv_frame(sock, wire.HELLO_LIMITS, self.timeout_s, deadline=deadline)
+            endpoint = check_hello(body, self.auth_token)
+        except wire.FrameError as exc:
+            self._refusals.refused(host, exc.kind, exc.detail)
+            wire.send_frame(sock, wire.OP_REFUSE, body=str(exc).encode())
+            raise _Refused() from None
+        except TimeoutError:
+            self._refusals.refused(
+                host, "handshake timeout",
+                f"no whole HELLO within {self.limits.handshake_timeout_s:g} s")
+            raise _Refused() from None
+        wire.send_frame(sock, wire.OP_WELCOME, body=json.dumps(self._info()).encode())
+        return endpoint
 
-    def expect(self, handle: BatchHandle, on_reply: ReplyHandler) -> None:
-        """Register the reply handler for ``handle`` before sending its request."""
-        with self._lock:
-            self._pending[handle.batch_id] = (handle, on_reply)
 
-    def reset(self, sock: socket.socket | None, reason: str) -> None:
-        """Shut ``sock`` down (if still current) and fail every batch waiting on it."""
-        with self._lock:
-            if sock is None or sock is not self.sock:
-                return
-            self.sock = None
-            pending, self._pending = self._pending, {}
-            self._retired.append((sock, self._reader_done))
-        wire.shutdown(sock)
-        for handle, _ in pending.values():
-            handle.fail(f"connection to {self.peer} lost: {reason}")
+class _Refused(Exception):
+    """The handshake refused the connection; it was answered and logged."""
 
-    def close(self) -> None:
-        self._closed = True
-        self.reset(self.sock, "transport closed")
-        self._jobs.put(None)
 
-    def _send_loop(self) -> None:
-        while True:
-            try:
-                entry = self._jobs.get(timeout=_SWEEP_S)
-            except queue.Empty:
-                self._sweep()
-                continue
-            if entry is None:
-                break
-            handle, job = entry
-            if handle is not None and not handle.status().is_pending:
-                continue  # timed out while queued
-            try:
-                job(self)
-            except (OSError, ValueError, RuntimeError) as exc:
-                if handle is not None:
-                    handle.fail(f"{type(exc).__name__}: {exc}")
-                else:
-                    log.warning("KV notify to %s failed: %s", self.peer, exc)
-                self.reset(self.sock, str(exc) or type(exc).__name__)
-            self._sweep()
-        while not self._jobs.empty():
-            entry = self._jobs.get_nowait()
-            if entry is not None and entry[0] is not None:
-                entry[0].fail("transport is closed")
-        for sock, reader_done in self._retired:
-            if reader_done.wait(1.0):
-                sock.close()
-
-    def _sweep(self) -> None:
-        """Sender thread, between jobs: drop a stuck peer, close sockets nobody reads."""
-        with self._lock:
-            expired = any(not h.status().is_pending for h, _ in self._pending.values())
-        if expired:
-            self.reset(self.sock, "peer did not answer before the deadline")
-        with self._lock:
-            idle = [(s, done) for s, done in self._retired if done.is_set()]
-            self._retired = [r for r in self._retired if not r[1].is_set()]
-        for sock, _ in idle:
-            sock.close()
-
-    def _read_loop(self, sock: socket.socket, done: threading.Event) -> None:
-        try:
-            for op, batch_id, body in wire.recv_frames(sock):
-                with self._lock:
-                    handle, on_reply = self._pending.pop(batch_id, (None, None))
-                if on_reply is None:
-                    raise ValueError(f"reply op {op} for unknown batch {batch_id}")
-                try:
-                    on_reply(sock, op, body)
-                except (OSError, ValueError) as exc:
-                    handle.fail(f"{type(exc).__name__}: {exc}")
-                    raise
-        except (OSError, ValueError) as exc:
-            self.reset(sock, str(exc) or type(exc).__name__)
-        finally:
-            done.set()
+def _refuse_now(sock: socket.socket, reason: str) -> None:
+    """Accept thread: one REFUSE frame and close, never blocking (the send buffer of a
+    fresh socket has room for it)."""
+    try:
+        sock.setblocking(False)
+        body = reason.encode()
+        sock.send(wire.HEADER.pack(wire.OP_REFUSE, 0, len(body)) + body)
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    finally:
+        sock.close()

@@ -37,7 +37,9 @@ from pdserve.engine.kv_transfer.transport.base import (
     Transport,
     coalesce,
 )
-from pdserve.engine.kv_transfer.transport.channel import Channel, FrameHandler, PeerLink
+from pdserve.engine.kv_transfer.transport.channel import Channel, FrameHandler
+from pdserve.engine.kv_transfer.transport.limits import ChannelLimits
+from pdserve.engine.kv_transfer.transport.link import PeerLink
 
 
 class Batch(NamedTuple):
@@ -60,13 +62,16 @@ class ChannelTransport(Transport):
     def __init__(
         self, *, host: str, port: int, auth_token: str | None, timeout_s: float,
         advertise_host: str | None = None, on_frame: FrameHandler | None = None,
+        limits: ChannelLimits | None = None,
     ) -> None:
-        """``on_frame`` serves the ops the channel itself does not (tcp's WRITE/READ)."""
+        """``on_frame`` serves the ops the channel itself does not (tcp's WRITE/READ);
+        ``limits`` caps what peers may cost the port (None: ``ChannelLimits()``)."""
         self.timeout_s = timeout_s
         self._regions = Regions()
         self._channel = Channel(
             info=self._welcome, on_frame=on_frame, host=host, port=port,
             advertise_host=advertise_host, auth_token=auth_token, timeout_s=timeout_s,
+            limits=limits,
         )
 
     @property

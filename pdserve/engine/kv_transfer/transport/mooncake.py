@@ -24,8 +24,9 @@ import os
 import socket
 
 from pdserve.engine.kv_transfer.transport.base import BatchHandle, Regions
-from pdserve.engine.kv_transfer.transport.channel import PeerLink
 from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
+from pdserve.engine.kv_transfer.transport.limits import ChannelLimits
+from pdserve.engine.kv_transfer.transport.link import PeerLink
 
 _MIN_MOONCAKE_TIMEOUT_S = 5
 
@@ -44,6 +45,7 @@ class MooncakeTransport(ChannelTransport):
         device_name: str = "",
         auth_token: str | None = None,
         timeout_s: float = 10.0,
+        limits: ChannelLimits | None = None,
     ) -> None:
         if protocol == "tcp":
             os.environ.setdefault("MC_FORCE_TCP", "1")
@@ -59,7 +61,7 @@ class MooncakeTransport(ChannelTransport):
             raise RuntimeError(f"Mooncake initialize({mc_host}, P2PHANDSHAKE, {protocol}) = {rc}")
         self.session_id = f"{mc_host}:{self._engine.get_rpc_port()}"
         super().__init__(host=host, port=port, advertise_host=advertise_host,
-                         auth_token=auth_token, timeout_s=timeout_s)
+                         auth_token=auth_token, timeout_s=timeout_s, limits=limits)
 
     def register_memory(self, ptr: int, length: int) -> None:
         rc = self._engine.register_memory(ptr, length)

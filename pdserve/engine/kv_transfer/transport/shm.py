@@ -6,6 +6,10 @@ the file once per peer and ``ctypes.memmove``s each item (the GIL is released du
 the copy). A batch is DONE only after D answers a FENCE on the channel, so a dead
 or stopped D makes the batch FAILED even though the copy itself never needs D.
 
+A segment is named ``/dev/shm/pdserve-kv-<pid>-<12 hex digits>``, ``<pid>`` being the
+engine process that created it: the engine unlinks it on shutdown and at exit, and a
+supervisor removes ``pdserve-kv-<pid>-*`` of an engine that died.
+
 Invariants:
 - Only memory inside a /dev/shm mapping can be registered; P only touches ranges
   inside regions D registered (checked before the first byte moves).
@@ -29,14 +33,16 @@ import torch
 
 from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.base import BatchHandle
-from pdserve.engine.kv_transfer.transport.channel import PeerLink
 from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
+from pdserve.engine.kv_transfer.transport.limits import ChannelLimits
+from pdserve.engine.kv_transfer.transport.link import PeerLink
 
 SHM_DIR = "/dev/shm"
 
 
 class ShmTensor:
-    """A torch tensor whose storage is a /dev/shm file. Created by the engine's runner."""
+    """A torch tensor whose storage is a /dev/shm file (named as the module docstring
+    says). Created by the engine's runner."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, name: str | None = None):
         numel = math.prod(shape)
@@ -89,13 +95,14 @@ def _boot_id() -> str:
 class ShmTransport(ChannelTransport):
     name = "shm"
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0,
-                 auth_token: str | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, auth_token: str | None = None,
+                 timeout_s: float = 10.0, limits: ChannelLimits | None = None) -> None:
         self._segments: list[dict] = []
         self._maps: dict[str, tuple[mmap.mmap, ctypes.c_char, int]] = {}  # path -> map
         self._copy_lock = threading.Lock()
         self._boot_id = _boot_id()
-        super().__init__(host=host, port=port, auth_token=auth_token, timeout_s=timeout_s)
+        super().__init__(host=host, port=port, auth_token=auth_token, timeout_s=timeout_s,
+                         limits=limits)
 
     def register_memory(self, ptr: int, length: int) -> None:
         self._segments.append(find_shm_mapping(ptr, length))

@@ -21,9 +21,10 @@ import numpy as np
 
 from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.base import BatchHandle
-from pdserve.engine.kv_transfer.transport.channel import PeerLink
 from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
 from pdserve.engine.kv_transfer.transport.grants import WriteGrants
+from pdserve.engine.kv_transfer.transport.limits import ChannelLimits
+from pdserve.engine.kv_transfer.transport.link import PeerLink
 
 
 class TcpTransport(ChannelTransport):
@@ -38,13 +39,15 @@ class TcpTransport(ChannelTransport):
         auth_token: str | None = None,
         timeout_s: float = 10.0,
         require_grants: bool = False,
+        limits: ChannelLimits | None = None,
     ) -> None:
         """``require_grants``: accept writes only inside ranges granted to the writer
         (engines turn this on; see grants.py), which makes ``revoke`` a real fence."""
         self.require_grants = require_grants
         self._grants = WriteGrants()
         super().__init__(host=host, port=port, advertise_host=advertise_host,
-                         auth_token=auth_token, timeout_s=timeout_s, on_frame=self._serve_frame)
+                         auth_token=auth_token, timeout_s=timeout_s, on_frame=self._serve_frame,
+                         limits=limits)
 
     def grant(self, peer: str, tag: str, ranges: np.ndarray) -> None:
         self._grants.grant(peer, tag, ranges)

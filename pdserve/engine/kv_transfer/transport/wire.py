@@ -9,6 +9,15 @@ Sockets are kernel-blocking with SO_RCVTIMEO/SO_SNDTIMEO (``configure``) rather 
 Python timeouts: a Python timeout makes the fd non-blocking, which turns MSG_WAITALL
 into a no-op and costs a poll() per call. A kernel timeout surfaces as
 BlockingIOError; ``recv_exact`` maps it to Idle or TimeoutError.
+
+Limits (the KV port faces the network): a reader names the ops it accepts and each
+op's largest body (``HELLO_LIMITS`` before a peer authenticated; ``CHANNEL_LIMITS``,
+plus ``DATA_LIMITS`` for tcp, after; ``WELCOME_LIMITS`` and ``REPLY_LIMITS`` on our
+own links). ``recv_frame`` checks the op and the length from the
+13-byte header before it reads or allocates any body, and then allocates only as
+bytes arrive, so a header that promises 64 MiB costs nothing until 64 MiB come. A
+body must be whole within its deadline once its header arrived; a handshake's frame
+within the handshake's.
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ import contextlib
 import ctypes
 import errno
 import os
+import select
 import socket
 import struct
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -35,7 +46,20 @@ OP_NOTIFY = 9  # body: the message; never answered
 OP_FENCE = 10  # answered with OP_ACK once every earlier frame was handled
 
 HEADER = struct.Struct("!BQI")
-MAX_BODY_BYTES = 64 << 20
+MAX_HELLO_BYTES = 4 << 10  # token and endpoint: what an unauthenticated peer may send
+MAX_INFO_BYTES = 1 << 20  # WELCOME: regions, shm segments, Mooncake session
+MAX_REASON_BYTES = 64 << 10  # REFUSE and NACK reasons
+MAX_NOTIFY_BYTES = 4 << 20  # connector messages; RESERVE of 100k blocks is ~1 MiB
+MAX_TABLE_BYTES = 64 << 20  # WRITE/READ item tables: 4M (addr, length) pairs
+# op -> largest body, for each side of a connection.
+HELLO_LIMITS: Mapping[int, int] = {OP_HELLO: MAX_HELLO_BYTES}
+CHANNEL_LIMITS: Mapping[int, int] = {OP_NOTIFY: MAX_NOTIFY_BYTES, OP_FENCE: 0}
+DATA_LIMITS: Mapping[int, int] = {OP_WRITE: MAX_TABLE_BYTES, OP_READ: MAX_TABLE_BYTES}  # tcp
+WELCOME_LIMITS: Mapping[int, int] = {OP_WELCOME: MAX_INFO_BYTES, OP_REFUSE: MAX_REASON_BYTES}
+REPLY_LIMITS: Mapping[int, int] = {OP_ACK: 0, OP_DATA: 0, OP_NACK: MAX_REASON_BYTES}
+OP_NAMES = {OP_HELLO: "HELLO", OP_WELCOME: "WELCOME", OP_REFUSE: "REFUSE", OP_WRITE: "WRITE",
+            OP_READ: "READ", OP_DATA: "DATA", OP_ACK: "ACK", OP_NACK: "NACK",
+            OP_NOTIFY: "NOTIFY", OP_FENCE: "FENCE"}
 # Iovecs per sendmsg/recvmsg call: Linux's maximum (UIO_MAXIOV). A blocking sendmsg
 # moves the whole window; a recvmsg with MSG_WAITALL sleeps until the window is full,
 # so 64 MiB of 32 KiB pieces costs two calls and few wake-ups. Measured on loopback:
@@ -43,10 +67,23 @@ MAX_BODY_BYTES = 64 << 20
 SEND_WINDOW = 1024
 RECV_WINDOW = 1024
 _DRAIN_CHUNK_BYTES = 1 << 20
+_RECV_CHUNK_BYTES = 1 << 20  # a body is read (and its memory grown) this much at a time
 
 
 class Idle(Exception):
     """A read timed out before the first byte of a frame: the link is just quiet."""
+
+
+class IdleTimeout(TimeoutError):
+    """No frame arrived for the connection's idle deadline (``recv_frames``)."""
+
+
+class FrameError(ValueError):
+    """A frame the reader does not accept; ``kind`` is the short reason a log line keys on."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail = kind, detail
 
 
 def encode_table(remote_addrs: np.ndarray, lengths: np.ndarray) -> bytes:
@@ -56,7 +93,7 @@ def encode_table(remote_addrs: np.ndarray, lengths: np.ndarray) -> bytes:
 
 def decode_table(body: bytes) -> tuple[np.ndarray, np.ndarray]:
     if len(body) % 16:
-        raise ValueError(f"item table of {len(body)} bytes is not a multiple of 16")
+        raise FrameError("malformed item table", f"{len(body)} bytes is not a multiple of 16")
     table = np.frombuffer(body, dtype="<i8").reshape(-1, 2).astype(np.int64)
     return table[:, 0], table[:, 1]
 
@@ -70,22 +107,43 @@ def send_frame(
         send_payload(sock, iov)
 
 
-def recv_frame(sock: socket.socket, *, idle_ok: bool = False) -> tuple[int, int, bytes]:
-    """Read one header and body. With ``idle_ok`` a timeout before any byte raises Idle."""
-    header = recv_exact(sock, HEADER.size, idle_ok=idle_ok)
+def recv_frame(
+    sock: socket.socket, limits: Mapping[int, int], timeout_s: float, *,
+    deadline: float | None = None, idle_ok: bool = False,
+) -> tuple[int, int, bytes]:
+    """Read one header and body. ``limits`` maps each op the caller accepts to its largest
+    body; anything else raises FrameError before a byte of body is read. The body must be
+    whole ``timeout_s`` after the header, and the frame by ``deadline`` (monotonic), if given.
+    With ``idle_ok`` a kernel timeout before any byte raises Idle."""
+    header = recv_exact(sock, HEADER.size, idle_ok=idle_ok, deadline=deadline)
+    end = time.monotonic() + timeout_s
+    end = end if deadline is None else min(end, deadline)
     op, batch_id, body_len = HEADER.unpack(header)
-    if body_len > MAX_BODY_BYTES:
-        raise ValueError(f"frame body of {body_len} bytes exceeds {MAX_BODY_BYTES}")
-    return op, batch_id, recv_exact(sock, body_len) if body_len else b""
+    limit = limits.get(op)
+    if limit is None:
+        expected = "/".join(OP_NAMES[o] for o in limits)
+        raise FrameError("unexpected frame", f"op {op} where {expected} was expected")
+    if body_len > limit:
+        raise FrameError("oversized frame",
+                         f"{OP_NAMES[op]} body of {body_len} bytes exceeds its {limit}-byte limit")
+    return op, batch_id, recv_exact(sock, body_len, deadline=end) if body_len else b""
 
 
-def recv_frames(sock: socket.socket) -> Iterator[tuple[int, int, bytes]]:
-    """Frames until the connection fails (the error propagates); quiet spells are skipped."""
+def recv_frames(
+    sock: socket.socket, limits: Mapping[int, int], timeout_s: float,
+    idle_timeout_s: float | None = None,
+) -> Iterator[tuple[int, int, bytes]]:
+    """Frames until the connection fails (the error propagates); quiet spells are skipped
+    unless one lasts ``idle_timeout_s``, which raises IdleTimeout."""
+    last_s = time.monotonic()
     while True:
         try:
-            frame = recv_frame(sock, idle_ok=True)
+            frame = recv_frame(sock, limits, timeout_s, idle_ok=True)
         except Idle:
+            if idle_timeout_s is not None and time.monotonic() - last_s > idle_timeout_s:
+                raise IdleTimeout(f"no frame for {idle_timeout_s:.0f} s") from None
             continue
+        last_s = time.monotonic()
         yield frame
 
 
@@ -105,21 +163,35 @@ def configure(sock: socket.socket, timeout_s: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
-def recv_exact(sock: socket.socket, num_bytes: int, *, idle_ok: bool = False) -> bytes:
-    buf = bytearray(num_bytes)
-    view = memoryview(buf)
+def recv_exact(
+    sock: socket.socket, num_bytes: int, *, idle_ok: bool = False, deadline: float | None = None
+) -> bytes:
+    """``num_bytes`` bytes; memory grows with what arrived, never ahead of it. Before
+    ``deadline`` (monotonic) each wait is bounded by what is left of it as well."""
+    chunks: list[bytes] = []
     got = 0
     while got < num_bytes:
+        if deadline is not None:
+            _wait_readable(sock, deadline)
         try:
-            n = sock.recv_into(view[got:])
+            chunk = sock.recv(min(num_bytes - got, _RECV_CHUNK_BYTES))
         except (TimeoutError, BlockingIOError):
             if idle_ok and got == 0:
                 raise Idle() from None
             raise TimeoutError("peer stalled in the middle of a frame") from None
-        if n == 0:
+        if not chunk:
             raise ConnectionError("peer closed the connection")
-        got += n
-    return bytes(buf)
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _wait_readable(sock: socket.socket, deadline: float) -> None:
+    left_s = deadline - time.monotonic()
+    poller = select.poll()  # not select(): an engine's fds may pass FD_SETSIZE
+    poller.register(sock, select.POLLIN)
+    if left_s <= 0 or not poller.poll(left_s * 1000):
+        raise TimeoutError("frame not complete before its deadline")
 
 
 def drain(sock: socket.socket, num_bytes: int) -> None:

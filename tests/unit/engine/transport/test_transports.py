@@ -7,75 +7,30 @@ as one TransferItem. Peers are reaped and shared-memory files removed at the end
 
 from __future__ import annotations
 
-import base64
 import glob
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from pdserve.engine.kv_transfer.transport import TransferItem, create_transport
-from tests.unit.engine.transport.kv_peer import KV_DTYPE, KV_SHAPE, allocate_kv, fill
+from tests.unit.engine.transport.kv_peer import (
+    BLOCK_BYTES,
+    KV_SHAPE,
+    NUM_BLOCKS,
+    Peer,
+    allocate_kv,
+    fill,
+    piece_addr,
+)
 from tests.unit.engine.transport.leaks import assert_kv_threads_gone
 
-REPO = Path(__file__).resolve().parents[4]
 NAMES = ["tcp", "shm", "mooncake"]
 TOKEN = "s3cret"
 TIMEOUT_S = 2.0  # tight enough to test, loose enough for a loaded 2-core CI box
 SLACK_S = 1.5
-NUM_BLOCKS = KV_SHAPE[2]
-BLOCK_BYTES = int(np.prod(KV_SHAPE[3:])) * torch.empty((), dtype=KV_DTYPE).element_size()
-
-
-def piece_addr(base: int, layer: int, kv: int, block: int) -> int:
-    return base + ((layer * 2 + kv) * NUM_BLOCKS + block) * BLOCK_BYTES
-
-
-class Peer:
-    """One kv_peer child process, driven line by line over stdin/stdout."""
-
-    def __init__(self, name: str, log_dir: Path, **options) -> None:
-        self.log_path = log_dir / f"{name}-peer-{time.monotonic_ns()}.log"
-        with open(self.log_path, "w") as log:  # the child keeps its own copy of the fd
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.unit.engine.transport.kv_peer", name,
-                 json.dumps(options)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                text=True, cwd=REPO,
-            )
-        info = self.ask(None)
-        self.endpoint, self.addr, self.nbytes = info["endpoint"], info["addr"], info["nbytes"]
-
-    def ask(self, command: str | None):
-        if command is not None:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"peer exited; its log:\n{self.log_path.read_text()[-2000:]}"
-        return json.loads(line)
-
-    def dump(self) -> torch.Tensor:
-        raw = base64.b64decode(self.ask("dump"))
-        return torch.frombuffer(bytearray(raw), dtype=KV_DTYPE).view(KV_SHAPE)
-
-    def piece(self, layer: int, kv: int, block: int) -> int:
-        return piece_addr(self.addr, layer, kv, block)
-
-    def reap(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.stdin.write("exit\n")
-            self.proc.stdin.flush()
-        code = self.proc.wait(timeout=10)
-        for path in glob.glob(f"/dev/shm/pdserve-kv-{self.proc.pid}-*"):
-            os.unlink(path)  # what the node agent does for an engine that died
-        return code
 
 
 class Side:
