@@ -24,6 +24,10 @@ import grpc
 log = logging.getLogger(__name__)
 
 TOKEN_METADATA_KEY = "x-pdserve-token"
+TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+TOKEN_FILE_ENV = "PDSERVE_CLUSTER_TOKEN_FILE"
+"""The token's file: what ``pdserve up`` and the operator hand their processes, since
+a value in the environment or on a command line is easier to see than a 0600 file."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,8 @@ class SecuritySettings:
     @classmethod
     def from_env(cls, env: dict | None = None) -> SecuritySettings:
         env = os.environ if env is None else env
-        token = env.get("PDSERVE_CLUSTER_TOKEN") or None
-        token_file = env.get("PDSERVE_CLUSTER_TOKEN_FILE")
+        token = env.get(TOKEN_ENV) or None
+        token_file = env.get(TOKEN_FILE_ENV)
         if token is None and token_file:
             token = Path(token_file).read_text().strip() or None
         settings = cls(token, env.get("PDSERVE_TLS_CERT"), env.get("PDSERVE_TLS_KEY"),

@@ -4,13 +4,18 @@ The spec (``--cluster-file`` or the built-in default) gives the cluster name,
 heartbeat thresholds and fallback policy; flags override them (tests use short
 intervals). SIGTERM/SIGINT stop it cleanly: the leader resigns, so a standby
 takes over at once.
+
+Where it listens: ``--host``, else the host of ``--advertise`` (the address peers
+are told), else 127.0.0.1; ``--host 0.0.0.0`` listens on every address. etcd
+(``--store etcd://A,B,...``: every member's endpoint) is reached with TLS and a
+user when ``--etcd-*`` flags or their ``PDSERVE_ETCD_*`` variables say so.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
+import os
 
 from pdserve.api import PDCluster
 from pdserve.api.http_runtime import run_component
@@ -19,22 +24,36 @@ from pdserve.api.manifest import default_cluster
 from pdserve.api.security import SecuritySettings
 from pdserve.controller.cluster import ClusterSettings
 from pdserve.controller.core import Controller, ControllerSettings
+from pdserve.controller.etcd_store import EtcdAccess
 from pdserve.controller.fallback import POOL_ROLES, FallbackSettings
 from pdserve.controller.health import HealthThresholds
 from pdserve.controller.rebalance import RebalanceSettings
 from pdserve.controller.service import create_grpc_server, create_http_app
 from pdserve.controller.store import open_store
 
+WILDCARDS = ("0.0.0.0", "::", "")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--cluster-file", help="PDCluster YAML (default: the built-in cluster)")
-    p.add_argument("--store", default="memory://", help="memory:// or etcd://HOST:PORT")
-    p.add_argument("--host", default="0.0.0.0", help="gRPC and HTTP listen address")
+    p.add_argument("--store", default="memory://",
+                   help="memory:// or etcd://HOST:PORT[,HOST:PORT...] (every etcd member, tried in turn)")
+    etcd = p.add_argument_group("etcd access (each flag defaults to its PDSERVE_ETCD_* variable)")
+    for flag, what in [("ca", "CA file etcd's certificate must chain to (turns TLS on)"),
+                       ("cert", "client certificate file (for etcd --client-cert-auth)"),
+                       ("key", "the client certificate's key file"),
+                       ("user", "etcd user"),
+                       ("password-file", "file holding the etcd user's password")]:
+        env = "PDSERVE_ETCD_" + flag.upper().replace("-", "_")
+        etcd.add_argument(f"--etcd-{flag}", default=os.environ.get(env), help=f"{what} [{env}]")
+    p.add_argument("--host", help="gRPC and HTTP listen address (default: the host of --advertise, "
+                                  "else 127.0.0.1; 0.0.0.0: every address)")
     p.add_argument("--port", type=int, default=50050, help="gRPC port; 0 picks a free one")
     p.add_argument("--http-port", type=int, default=0,
                    help="/metrics, /healthz, /readyz, /leaderz (0: a free port)")
     p.add_argument("--advertise", help="HOST:PORT peers reach this replica on (the leader key value)")
-    p.add_argument("--leader-ttl", type=int, default=5, help="seconds; a dead leader is replaced after this")
+    p.add_argument("--leader-ttl", type=int, default=5, help="seconds; a dead leader is replaced after this, and a leader "
+                        "cut off from the store stops leading after 0.9 of it")
     p.add_argument("--lease-ttl", type=int, default=30, help="seconds an instance record outlives its agent")
     p.add_argument("--heartbeat-interval", type=float, help="overrides spec.heartbeat.intervalSeconds")
     p.add_argument("--suspect-after", type=int, help="missed heartbeats before SUSPECT")
@@ -75,19 +94,38 @@ def build_settings(args: argparse.Namespace, cluster: PDCluster, identity: str) 
                                 forget_after_s=max(args.lease_ttl, thresholds.interval_s * 20)))
 
 
+def listen_host(args: argparse.Namespace) -> str:
+    """The address to listen on: ``--host``, else the one announced by ``--advertise``."""
+    if args.host is not None:
+        return args.host
+    if args.advertise:
+        return args.advertise.rpartition(":")[0].strip("[]") or "127.0.0.1"
+    return "127.0.0.1"
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def etcd_access(args: argparse.Namespace) -> EtcdAccess:
+    return EtcdAccess.from_files(args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_user,
+                                 args.etcd_password_file)
+
+
 async def serve(args: argparse.Namespace) -> int:
     cluster = PDCluster.from_file(args.cluster_file) if args.cluster_file else default_cluster()
-    store = open_store(args.store)
+    store = open_store(args.store, etcd_access(args))
     security = SecuritySettings.from_env()
     controller = Controller(build_settings(args, cluster, "pending"), store)
-    server, port = await create_grpc_server(controller, f"{args.host}:{args.port}", security)
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    identity = args.advertise or (f"{host}:{port}" if host == "127.0.0.1" else f"{socket.getfqdn()}:{port}")
+    bind = listen_host(args)
+    server, port = await create_grpc_server(controller, host_port(bind, args.port), security)
+    host = "127.0.0.1" if bind in WILDCARDS else bind
+    identity = args.advertise or host_port(host, port)
     controller.settings = build_settings(args, cluster, identity)
     controller.election.identity = identity
     return await run_component(
-        controller, create_http_app(controller), args.host, args.http_port,
-        lambda http_port: f"controller serving on {host}:{port} (http {host}:{http_port}, "
+        controller, create_http_app(controller), bind, args.http_port,
+        lambda http_port: f"controller serving on {host_port(host, port)} (http {host_port(host, http_port)}, "
                           f"store {args.store}, {'leader' if controller.is_leader else 'standby'})",
         after_stop=lambda: server.stop(1.0))
 

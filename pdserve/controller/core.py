@@ -9,6 +9,11 @@ commit loop: every half heartbeat interval a tick (health timeouts, mode, role
 switches), and after every tick or heartbeat that changed a record, a write to
 the store then the view's publication.
 
+Leadership is the election's (``election.py``): a leader cut off from the store
+stops acting before its lease can expire, and every write carries the term's
+fence; a write the store refuses (``FencedError``) makes this replica step down at
+once. Stepping down drops the cluster state; taking over loads it again.
+
 Invariants: a standby never answers heartbeats (``NotLeader``) and never writes
 state; a new leader loads the last leader's state before it answers anything;
 what the view shows was written to the store first (write, then publish), so a
@@ -29,7 +34,7 @@ from pdserve.api.proto import controller_pb2 as pb
 from pdserve.controller.cluster import Cluster, ClusterSettings, DrainProgress
 from pdserve.controller.election import Election
 from pdserve.controller.persist import ReplacementRequest, StatePersister
-from pdserve.controller.store import Store
+from pdserve.controller.store import FencedError, Store
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +57,9 @@ class Controller:
     def __init__(self, settings: ControllerSettings, store: Store, clock=time.monotonic) -> None:
         self.settings, self.store, self.clock = settings, store, clock
         prefix = f"/pdserve/{settings.cluster_name}"
-        self.persister = StatePersister(store, prefix, settings.lease_ttl_s)
         self.election = Election(store, f"{prefix}/leader", settings.identity,
-                                 settings.leader_ttl_s, self._on_leadership)
+                                 settings.leader_ttl_s, self._on_leadership, clock)
+        self.persister = StatePersister(store, prefix, settings.lease_ttl_s, self.election.write_fence)
         self.cluster: Cluster | None = None
         self._view: pb.ClusterView | None = None  # the published view: written to the store first
         self._commit_soon = asyncio.Event()       # set by a heartbeat that changed a record
@@ -85,12 +90,14 @@ class Controller:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.cluster is not None:
-            await self.persister.flush(self.cluster, self.clock())
+            with contextlib.suppress(FencedError):  # no longer leads: nothing to write
+                await self.persister.flush(self.cluster, self.clock())
         await self.election.resign()
         await self.store.close()
 
     async def _on_leadership(self, is_leader: bool) -> None:
-        self.num_leader_changes += 1
+        """Called by the election on every change (serialized): load on taking over
+        (a load that fails leaves this replica a standby), drop the state on stepping down."""
         if is_leader:
             cluster = await self.persister.load(self.settings.cluster, self.clock())
             cluster.record_event(f"{self.settings.identity} leads ({len(cluster.records)} instances loaded)")
@@ -101,6 +108,7 @@ class Controller:
                 self.num_failovers += self.cluster.num_failovers
                 self.num_role_switches += self.cluster.num_role_switches
             self.cluster, self._view = None, None
+        self.num_leader_changes += 1
         await self._notify()
 
     async def _commit_loop(self) -> None:
@@ -131,11 +139,23 @@ class Controller:
         view = cluster.view(self.election.leader)
         if not self.persister.is_store_ok:
             await self._publish(cluster, view)
-        await self.persister.flush(cluster, now_s)
+        try:
+            await self._fenced(self.persister.flush(cluster, now_s))
+        except NotLeader:
+            return
         await self._publish(cluster, view)
 
+    async def _fenced(self, write):
+        """Await a write of this term; a write the store refused (another replica leads,
+        or this one's deadline passed) steps this replica down and raises ``NotLeader``."""
+        try:
+            return await write
+        except FencedError as exc:
+            await self.election.step_down(f"a write was refused: {exc}")
+            raise NotLeader(f"no longer the leader; leader is {self.election.leader or 'unknown'}") from exc
+
     async def _publish(self, cluster: Cluster, view: pb.ClusterView) -> None:
-        if cluster is not self.cluster:  # leadership changed while writing
+        if cluster is not self.cluster or not self.election.is_leader:  # leadership changed while writing
             return
         before = self._view.version if self._view is not None else None
         self._view = view
@@ -195,7 +215,7 @@ class Controller:
         """Called by the AckReplacement RPC once the operator deleted the instance's Pod
         for recreation: the request is deleted and the failure history cleared."""
         cluster = self._require_leader()
-        await self.persister.delete_replacement(instance_id)
+        await self._fenced(self.persister.delete_replacement(instance_id))
         cluster.clear_replacement(instance_id)
 
     async def forget_cluster(self) -> int:
@@ -205,4 +225,4 @@ class Controller:
         cluster = self._require_leader()
         self.persister = self.persister.forgotten()
         cluster.forget_all()
-        return await self.persister.delete_all()
+        return await self._fenced(self.persister.delete_all())

@@ -12,6 +12,10 @@ Keys under ``/pdserve/<cluster>/``:
   ``delete_replacement`` once it has acted). No lease.
 - ``leader``: the elected Controller (see ``election.py``).
 
+Every put and delete carries the leader's fence (``fence()``, the election's
+``write_fence``): a replica that no longer leads cannot write, and its flush raises
+``FencedError`` (the Controller then steps down) instead of counting an outage.
+
 Invariants: a write that fails leaves its key dirty for the next flush, and a
 change made while its key is being written is written by the next flush; after the
 store comes back from an outage every record and the meta are written again
@@ -24,12 +28,13 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.controller.cluster import Cluster, ClusterSettings
 from pdserve.controller.fallback import ModeState
 from pdserve.controller.health import InstanceRecord
-from pdserve.controller.store import Store, StoreError
+from pdserve.controller.store import Fence, FencedError, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +49,19 @@ class ReplacementRequest:
 
 
 class StatePersister:
-    def __init__(self, store: Store, prefix: str, lease_ttl_s: int) -> None:
+    def __init__(self, store: Store, prefix: str, lease_ttl_s: int,
+                 fence: Callable[[], Fence] | None = None) -> None:
+        """``fence()`` gives the fence of each write (raising ``FencedError`` when there is
+        none); without it writes are not fenced (tests, tools)."""
         self.store, self.prefix, self.lease_ttl_s = store, prefix.rstrip("/"), lease_ttl_s
+        self._fence = fence
         self.is_store_ok = True
+
+    async def _put(self, key: str, value: str, lease: int | None = None) -> None:
+        await self.store.put(key, value, lease, fence=self._fence() if self._fence else None)
+
+    async def _delete(self, key: str) -> None:
+        await self.store.delete(key, fence=self._fence() if self._fence else None)
 
     def key(self, *parts: str) -> str:
         return "/".join([self.prefix, *parts])
@@ -78,22 +93,23 @@ class StatePersister:
 
     async def delete_replacement(self, instance_id: str) -> None:
         """Called for the operator's AckReplacement: it has acted on the request."""
-        await self.store.delete(self.key("replace", instance_id))
+        await self._delete(self.key("replace", instance_id))
 
     async def delete_all(self) -> int:
         """Delete every key of the cluster but the leader key; returns how many."""
         leader_key = self.key("leader")
         keys = [k for k in await self.store.get_prefix(self.prefix + "/") if k != leader_key]
         for key in keys:
-            await self.store.delete(key)
+            await self._delete(key)
         return len(keys)
 
     def forgotten(self) -> ForgottenPersister:
         """The persister to install once the operator deleted the cluster."""
-        return ForgottenPersister(self.store, self.prefix, self.lease_ttl_s)
+        return ForgottenPersister(self.store, self.prefix, self.lease_ttl_s, self._fence)
 
     async def flush(self, cluster: Cluster, now_s: float) -> None:
-        """Called by the leader's tick loop: write what changed, keep leases alive."""
+        """Called by the leader's tick loop: write what changed, keep leases alive.
+        Raises ``FencedError`` when this replica no longer leads (nothing more is written)."""
         try:
             if not self.is_store_ok:  # back from an outage: write everything again
                 cluster.dirty.update(cluster.records)
@@ -102,6 +118,8 @@ class StatePersister:
             if not self.is_store_ok:
                 log.info("store reachable again; state rewritten")
             self.is_store_ok = True
+        except FencedError:
+            raise
         except StoreError as exc:
             if self.is_store_ok:
                 log.warning("store unreachable, state kept in memory: %s", exc)
@@ -126,22 +144,22 @@ class StatePersister:
                 if not rec.lease_id:
                     rec.lease_id = await self.store.grant_lease(self.lease_ttl_s)
                     rec.lease_refreshed_s = now_s
-                await self.store.put(self.key("instances", instance_id), rec.to_json(), rec.lease_id)
+                await self._put(self.key("instances", instance_id), rec.to_json(), rec.lease_id)
             except BaseException:
                 cluster.dirty.add(instance_id)
                 raise
         for instance_id in list(cluster.removed):
-            await self.store.delete(self.key("instances", instance_id))
+            await self._delete(self.key("instances", instance_id))
             cluster.removed.discard(instance_id)
         while cluster.replacements:
             instance_id, reason = cluster.replacements[0]
-            await self.store.put(self.key("replace", instance_id), json.dumps(
+            await self._put(self.key("replace", instance_id), json.dumps(
                 {"instance": instance_id, "reason": reason, "requested_unix_s": time.time()}))
             cluster.replacements.pop(0)
         if cluster.meta_dirty:
             m, cluster.meta_dirty = cluster.mode, False
             try:
-                await self.store.put(self.key("meta"), json.dumps({
+                await self._put(self.key("meta"), json.dumps({
                     "mode": m.mode, "reason": m.reason, "missing_roles": m.missing_roles,
                     "has_been_complete": m.has_been_complete}))
             except BaseException:

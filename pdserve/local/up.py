@@ -15,6 +15,13 @@ SIGINT/SIGTERM stops what it started in reverse order (Coordinator, NodeAgent wi
 its engines, Controller), each given time to exit cleanly before its process group
 is killed. A start after a crash first stops what the crashed run left behind
 (``runstate``). Reads ``pdserve.api`` only; talks to the components over the network.
+
+Secure by default: unless the environment already configures a cluster token, each
+run generates one (``cluster-token`` in the run dir, mode 0600) and every process it
+starts gets its path in ``PDSERVE_CLUSTER_TOKEN_FILE`` (never the token on a command
+line, where ``ps`` shows it): the Controller, the NodeAgent, the engines it launches
+and the Coordinator all require it of each other. Every process listens on
+127.0.0.1, except the Coordinator's REST port (``--host``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import importlib
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,6 +41,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -45,7 +54,7 @@ from pdserve.api.instance import instance_name
 from pdserve.api.manifest import default_cluster, dump_manifest
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.api.security import SecuritySettings, create_channel
+from pdserve.api.security import TOKEN_FILE_ENV, SecuritySettings, create_channel
 from pdserve.local.runstate import RunState, default_run_dir, stop_in_order
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -117,12 +126,34 @@ def model_spec(value: str, served_name: str | None) -> ModelSpec:
     return ModelSpec(preset=value, served_name=served_name)
 
 
-class Launcher:
-    """The processes of one run; called from the main thread only."""
+TOKEN_FILE = "cluster-token"
 
-    def __init__(self, state: RunState, stop: threading.Event) -> None:
+
+def cluster_security(run_dir: Path) -> tuple[SecuritySettings, dict[str, str]]:
+    """The run's security settings and what its children's environment adds to ours:
+    the environment's own token when it has one, else a new one in a 0600 file of
+    ``run_dir`` named by ``PDSERVE_CLUSTER_TOKEN_FILE``."""
+    configured = SecuritySettings.from_env()
+    if configured.token:
+        return configured, {}
+    token, path = secrets.token_urlsafe(32), run_dir / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode otherwise
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return replace(configured, token=token), {TOKEN_FILE_ENV: str(path)}
+
+
+class Launcher:
+    """The processes of one run; called from the main thread only. ``env`` is added to
+    this process's environment for every child."""
+
+    def __init__(self, state: RunState, stop: threading.Event, env: dict[str, str] | None = None) -> None:
         self.state = state
         self.stop_requested = stop
+        self.env = dict(env or {})
         self.procs: dict[str, subprocess.Popen] = {}
 
     def log_path(self, name: str) -> Path:
@@ -132,7 +163,7 @@ class Launcher:
         log = open(self.log_path(name), "w")  # noqa: SIM115 - the child owns it
         proc = subprocess.Popen([*PDSERVE, *args], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         log.close()
         self.procs[name] = proc
         self.state.add(name, proc.pid)
@@ -223,18 +254,20 @@ def run(args: argparse.Namespace) -> int:
     state.run_dir.mkdir(parents=True, exist_ok=True)
     spec_file = state.run_dir / "cluster.yaml"
     spec_file.write_text(dump_manifest(cluster))
+    security, child_env = cluster_security(state.run_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    launcher = Launcher(state, stop)
+    launcher = Launcher(state, stop, child_env)
     try:
-        return _run(cluster, spec_file, launcher, args, stop)
+        return _run(cluster, spec_file, launcher, args, stop, security)
     except StartError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         print("stopping ...", flush=True)
         launcher.stop()
+        (state.run_dir / TOKEN_FILE).unlink(missing_ok=True)
         print(f"stopped {len(launcher.procs)} processes (logs in {state.run_dir})", flush=True)
 
 
@@ -253,12 +286,15 @@ def describe_pools(sizes: dict[str, int]) -> str:
     return " + ".join(f"{num} {pool}" for pool, num in sizes.items() if num)
 
 
-def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: threading.Event) -> int:
+def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: threading.Event,
+         security: SecuritySettings) -> int:
     spec, name, sizes = cluster.spec, cluster.metadata.name, pool_sizes(cluster)
     transfer = (f"{spec.kv_transfer.mode} over {spec.kv_transfer.transport}"
                 if sizes["prefill"] or sizes["decode"] else "colocated")
     print(f"starting cluster {name!r}: model {spec.model.preset or spec.model.path}, "
           f"{describe_pools(sizes)}, {transfer} (logs in {launcher.state.run_dir})", flush=True)
+    if token_file := launcher.env.get(TOKEN_FILE_ENV):
+        print(f"internal calls authenticate with the cluster token in {token_file}", flush=True)
     launcher.spawn("controller", ["controller", "-f", str(spec_file), "--store", "memory://",
                                   "--host", "127.0.0.1", "--port", "0"])
     if (line := launcher.wait_line("controller", "controller serving on", 60)) is None:
@@ -273,7 +309,6 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     agent_http_port = int(re.search(r"http port (\d+)", line).group(1))
     if has_coordinator():
         launcher.spawn("coordinator", coordinator_argv(cluster, args.host, args.port, controller))
-    security = SecuritySettings.from_env()
     started, last, is_up = time.monotonic(), "", False
     reported: set[str] = set()  # engines whose start failure was shown (after the cluster was up)
     while not stop.is_set():

@@ -7,6 +7,9 @@ The ROLE of ``--instance`` is the pool the instance belongs to (its settings app
 and the role it starts in. ``--pin-cpus`` (local mode: ``pdserve up``) pins each
 engine to its cores under the pool's ``cpuAffinity`` rule, which needs instance
 ids named ``<cluster>-<pool>-<ordinal>``; without it ``cpuAffinity`` is ignored.
+Its HTTP endpoints listen on 127.0.0.1 unless ``--host`` says otherwise (the
+operator passes 0.0.0.0 for the kubelet's probes); the engines inherit the
+environment, cluster token included.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-backoff-max", type=float, default=30.0, help="seconds")
     p.add_argument("--restart-stable-after", type=float, default=30.0,
                    help="a run this long resets the backoff, seconds")
-    p.add_argument("--host", default="0.0.0.0", help="HTTP listen address")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="HTTP listen address (0.0.0.0: every address, as the kubelet's probes need)")
     p.add_argument("--http-port", type=int, default=0,
                    help="/healthz, /readyz, /metrics, /status (0: a free port)")
     p.add_argument("--quiet-engines", action="store_true", help="do not echo engine output")

@@ -19,7 +19,7 @@ import urllib.request
 import httpx
 import pytest
 
-from pdserve.controller.etcd_store import EtcdStore
+from pdserve.controller.store import open_store
 from tests.etcd import EtcdServer
 from tests.integration.test_control_plane_support import CoordinatorLoad, ViewReader, roles
 from tests.procs import PDSERVE, Proc
@@ -172,7 +172,7 @@ def test_etcd_restart_recovers_without_manual_steps(cluster):
         time.sleep(0.2)
 
     async def stored() -> dict:
-        store = EtcdStore("127.0.0.1", etcd.client_port)
+        store = open_store(etcd.url)
         try:
             return await store.get_prefix("/pdserve/local/instances/")
         finally:

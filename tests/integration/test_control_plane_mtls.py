@@ -11,8 +11,6 @@ text and one whose certificate another CA signed are refused at the handshake.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,29 +20,8 @@ import pytest
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.api.security import SecuritySettings, create_channel
+from tests.pki import issue, make_ca
 from tests.procs import PDSERVE, Proc
-
-EXTENSIONS = "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
-
-
-def openssl(cwd: Path, *args: str) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_ca(cwd: Path, name: str) -> None:
-    openssl(cwd, "req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-            "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "1", "-subj", f"/CN={name}")
-
-
-def issue(cwd: Path, name: str, ca: str) -> SecuritySettings:
-    """A key and a certificate for ``name`` signed by ``ca`` (server and client use)."""
-    openssl(cwd, "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-    (cwd / "ext.cnf").write_text(EXTENSIONS)
-    openssl(cwd, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-            "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", "ext.cnf")
-    return SecuritySettings(tls_cert=str(cwd / f"{name}.crt"), tls_key=str(cwd / f"{name}.key"),
-                            tls_ca=str(cwd / f"{ca}.crt"))
 
 
 def tls_env(s: SecuritySettings) -> dict[str, str]:
@@ -53,8 +30,6 @@ def tls_env(s: SecuritySettings) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, SecuritySettings]:
-    if shutil.which("openssl") is None:
-        pytest.fail("the openssl CLI is needed to make test certificates")
     cwd = tmp_path_factory.mktemp("pki")
     make_ca(cwd, "cluster-ca")
     make_ca(cwd, "rogue-ca")

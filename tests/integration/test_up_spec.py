@@ -10,13 +10,18 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import yaml
 
+from pdserve.api.proto import controller_pb2 as pb
+from pdserve.api.proto import controller_pb2_grpc as pb_grpc
+from pdserve.api.proto import engine_pb2, engine_pb2_grpc
 from pdserve.local.runstate import is_group_alive
 from tests.etcd import free_port
 from tests.procs import PDSERVE, Proc
@@ -162,3 +167,91 @@ def test_sigterm_stops_a_pd_cluster_in_order_leaving_no_traceback_and_no_shared_
     assert "Traceback" not in up.output + logs, logs
     # In order: the Coordinator and the NodeAgent were gone before the Controller stopped.
     assert "heartbeat to" not in logs and "Controller watch on" not in logs, logs
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The TCP addresses process ``pid`` listens on (HOST:PORT), read from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            (address, port), state, inode = fields[1].split(":"), fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # LISTEN
+                raw = bytes.fromhex(address)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+                host = socket.inet_ntop(family, raw).removeprefix("::ffff:")  # v4 mapped into v6
+                found.add(f"{host}:{int(port, 16)}")
+    return found
+
+
+def call_code(address: str, call, metadata=()) -> grpc.StatusCode:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            call(channel, metadata)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+
+
+def test_up_authenticates_every_internal_call_and_listens_on_loopback_only(tmp_path):
+    spec = write_yaml(tmp_path / "cluster.yaml", {
+        "model": {"preset": "tiny"}, "engine": {"dtype": "float32", "kvCacheBytes": "16Mi"},
+        "prefill": {"replicas": 0}, "decode": {"replicas": 0}, "hybrid": {"replicas": 1, "threads": 1}})
+    port, run_dir = free_port(), tmp_path / "run"
+    up = Proc([*PDSERVE, "up", "-f", str(spec), "--port", str(port), "--run-dir", str(run_dir)],
+              env={"PDSERVE_CLUSTER_TOKEN": "", "PDSERVE_CLUSTER_TOKEN_FILE": ""})  # none configured
+    try:
+        up.wait_for(r"pdserve is up", timeout_s=120)
+        token_file = run_dir / "cluster-token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text()
+        assert len(token) >= 32
+        groups = json.loads((run_dir / "processes.json").read_text())["groups"]
+        pids = dict(groups) | {"engine": engine_pids(groups["nodeagent"])[0]}
+        for name, pid in pids.items():
+            assert token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), name
+        controller = re.search(r"controller serving on (\S+)",
+                               (run_dir / "controller.log").read_text()).group(1)
+
+        def get_view(channel, metadata):
+            return pb_grpc.ControllerStub(channel).GetView(pb.WatchViewRequest(), timeout=5, metadata=metadata)
+
+        def forget(channel, metadata):
+            return pb_grpc.ControllerStub(channel).ForgetCluster(pb.ForgetClusterRequest(), timeout=5,
+                                                                 metadata=metadata)
+
+        right, wrong = (("x-pdserve-token", token),), (("x-pdserve-token", "guess"),)
+        assert call_code(controller, get_view) == grpc.StatusCode.UNAUTHENTICATED
+        assert call_code(controller, forget) == grpc.StatusCode.UNAUTHENTICATED
+        assert call_code(controller, get_view, wrong) == grpc.StatusCode.UNAUTHENTICATED
+        assert call_code(controller, get_view, right) == grpc.StatusCode.OK
+        with grpc.insecure_channel(controller) as channel:
+            engine = get_view(channel, right).instances[0].engine_address
+
+        def health(channel, metadata):
+            return engine_pb2_grpc.EngineStub(channel).Health(engine_pb2.HealthRequest(), timeout=5,
+                                                              metadata=metadata)
+
+        assert call_code(engine, health) == grpc.StatusCode.UNAUTHENTICATED
+        assert call_code(engine, health, right) == grpc.StatusCode.OK
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                       json={"model": "up-spec", "prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text  # the Coordinator holds the token too
+
+        for name, pid in pids.items():
+            addresses = listening_addresses(pid)
+            assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), (name, addresses)
+
+        up.popen.send_signal(signal.SIGINT)
+        assert up.popen.wait(30) == 0
+        assert not token_file.exists()
+    finally:
+        up.stop()

@@ -20,9 +20,9 @@ class GatedStore(MemoryStore):
         self.gate = asyncio.Event()
         self.gate.set()
 
-    async def put(self, key: str, value: str, lease: int | None = None) -> None:
+    async def put(self, key: str, value: str, lease: int | None = None, fence=None) -> None:
         await self.gate.wait()
-        await super().put(key, value, lease)
+        await super().put(key, value, lease, fence)
 
 
 def heartbeat(role: str) -> pb.HeartbeatRequest:

@@ -11,7 +11,7 @@ from pdserve.controller.cluster import ClusterSettings
 from pdserve.controller.election import Election
 from pdserve.controller.health import InstanceRecord
 from pdserve.controller.persist import StatePersister
-from pdserve.controller.store import MemoryStore, StoreError, open_store
+from pdserve.controller.store import Fence, FencedError, MemoryStore, StoreError, open_store
 from tests.etcd import EtcdServer
 
 
@@ -44,6 +44,31 @@ def test_store_contract(store_url):
         assert not await store.refresh_lease(lease)
         assert await store.get("/t/meta") == "m"
         await store.delete("/t/meta")
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_fenced_writes_apply_only_while_the_key_keeps_its_create_revision(store_url):
+    async def go():
+        store = open_store(store_url)
+        first = await store.grant_lease(5)
+        assert await store.create_if_absent("/f/leader", "a", first)
+        entry = await store.get_entry("/f/leader")
+        assert (entry.value, entry.lease) == ("a", first)
+        term = Fence("/f/leader", entry.create_revision)
+        await store.put("/f/meta", "by a", fence=term)
+        await store.put("/f/leader", "a", first)  # a rewrite keeps the create revision
+        await store.delete("/f/meta", fence=term)
+        await store.revoke_lease(first)           # a's key goes; b is elected
+        assert await store.create_if_absent("/f/leader", "b", await store.grant_lease(5))
+        assert (await store.get_entry("/f/leader")).create_revision != term.revision
+        with pytest.raises(FencedError):
+            await store.put("/f/meta", "late write by a", fence=term)
+        with pytest.raises(FencedError):
+            await store.delete("/f/leader", fence=term)
+        assert await store.get("/f/meta") is None and await store.get("/f/leader") == "b"
+        assert await store.get_entry("/f/none") is None
         await store.close()
 
     asyncio.run(go())
