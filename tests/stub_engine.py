@@ -1,63 +1,120 @@
 """A stand-in engine for the Coordinator's tests and benchmark: the Engine gRPC service
 answering at once, with no model behind it.
 
-``behavior``: "ok" answers each Generate with ``num_tokens`` tokens, ``token_delay_s``
-apart (a prefill leg: the first token, then "handoff"); "fail" ends every Generate with an engine error
-after ``fail_after`` tokens (0: before any), as a crashing engine's leg would look
-to the Coordinator. Health reports the given role, KV endpoint and compat hash, so
-a stub can be paired with real engines.
+``behavior``: "ok" answers each Generate with ``num_tokens`` tokens (``token_ids``
+cycled, default A, B, C, ...), ``token_delay_s`` apart (a prefill leg: the first
+token, then "handoff"); "fail" ends every Generate with an engine error after
+``fail_after`` tokens (0: before any), as a crashing engine's leg would look to the
+Coordinator; "full" refuses the first ``num_full`` Generate calls (None: all) as an
+engine with no room does, then answers as "ok"; "refuse" refuses every Generate
+with INVALID_ARGUMENT, as an engine does a prompt longer than its context. Health reports the given role, KV
+endpoint and compat hash, so a stub can be paired with real engines.
+
+Like a real engine it refuses (INVALID_ARGUMENT) a request id already in flight and
+a transfer id longer than 128 characters, and Abort ends the stream of the request
+it names. ``request_ids`` lists every Generate's request id, ``aborted`` every
+Abort's, ``max_inflight`` the most requests it held at once.
+
+The "full" answer is the engine contract the Coordinator implements
+(``coordinator/legs.py``): gRPC status RESOURCE_EXHAUSTED, details starting
+"decode full" (a decode leg: no KV blocks to reserve) or "prefill full" (a prefill
+or single leg), sent before any response message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
 
+MAX_TRANSFER_ID_CHARS = 128  # as pdserve.engine.kv_transfer.params
+
 
 class StubEngine(pb_grpc.EngineServicer):
     def __init__(self, role: str = "hybrid", behavior: str = "ok", num_tokens: int = 1,
                  kv_compat_hash: str = "stub", kv_endpoint: str = "127.0.0.1:1",
-                 fail_after: int = 0, token_delay_s: float = 0.0) -> None:
+                 fail_after: int = 0, token_delay_s: float = 0.0,
+                 token_ids: list[int] | None = None, num_full: int | None = None) -> None:
         self.role, self.behavior, self.num_tokens = role, behavior, num_tokens
         self.kv_compat_hash, self.kv_endpoint = kv_compat_hash, kv_endpoint
         self.fail_after = fail_after
         self.token_delay_s = token_delay_s
+        self.token_ids = token_ids or [65 + i for i in range(26)]
+        self.num_full = num_full
+        self.num_refused_full = 0
         self.request_ids: list[str] = []
+        self.aborted: list[str] = []
+        self.max_inflight = 0
+        self._inflight: dict[str, asyncio.Event] = {}  # request id -> set by Abort
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        self.request_ids.append(request.request_id)
-        n_prompt = len(request.prompt_token_ids)
+        rid = request.request_id
+        self.request_ids.append(rid)
         leg = request.kv_transfer.role if request.HasField("kv_transfer") else ""
+        if rid in self._inflight:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use")
+        if len(request.kv_transfer.transfer_id) > MAX_TRANSFER_ID_CHARS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"kv_transfer.transfer_id must be 1-{MAX_TRANSFER_ID_CHARS} characters")
+        if self.behavior == "refuse":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the prompt is longer than the model's context (stub)")
+        if self.behavior == "full" and (self.num_full is None or self.num_refused_full < self.num_full):
+            self.num_refused_full += 1
+            side = "decode" if leg == "decode" else "prefill"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{side} full: no free KV blocks for the request (stub)")
+        aborted = self._inflight[rid] = asyncio.Event()
+        self.max_inflight = max(self.max_inflight, len(self._inflight))
+        try:
+            async for response in self._respond(request, leg, aborted):
+                yield response
+        finally:
+            del self._inflight[rid]
+
+    async def _respond(self, request: pb.GenerateRequest, leg: str, aborted: asyncio.Event):
+        rid, n_prompt = request.request_id, len(request.prompt_token_ids)
         if self.behavior == "fail":
             for i in range(self.fail_after):
-                yield pb.GenerateResponse(request_id=request.request_id, token_ids=[65 + i % 26])
-            yield pb.GenerateResponse(request_id=request.request_id, finished=True,
+                yield pb.GenerateResponse(request_id=rid, token_ids=[self._token(i)])
+            yield pb.GenerateResponse(request_id=rid, finished=True,
                                       finish_reason="error", error="stub engine fails on purpose")
             return
         timings = pb.Timings(queue_s=0.0, prefill_s=0.0)
         if leg == "prefill":
-            yield pb.GenerateResponse(request_id=request.request_id, token_ids=[65],
+            yield pb.GenerateResponse(request_id=rid, token_ids=[self._token(0)],
                                       num_prompt_tokens=n_prompt, timings=timings)
-            yield pb.GenerateResponse(request_id=request.request_id, finished=True,
+            yield pb.GenerateResponse(request_id=rid, finished=True,
                                       finish_reason="handoff", timings=pb.Timings())
             return
         n = max(1, min(self.num_tokens, request.sampling.max_tokens or 16))
         for i in range(n):
             if self.token_delay_s:
-                await asyncio.sleep(self.token_delay_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(aborted.wait(), self.token_delay_s)
+            if aborted.is_set():
+                yield pb.GenerateResponse(request_id=rid, finished=True, finish_reason="abort")
+                return
             last = i == n - 1
             yield pb.GenerateResponse(
-                request_id=request.request_id, token_ids=[65 + i % 26], finished=last,
+                request_id=rid, token_ids=[self._token(i)], finished=last,
                 finish_reason="length" if last else "", num_prompt_tokens=n_prompt,
                 num_output_tokens=i + 1, timings=timings if i == 0 else None,
             )
 
+    def _token(self, i: int) -> int:
+        return self.token_ids[i % len(self.token_ids)]
+
     async def Abort(self, request, context) -> pb.AbortResponse:
-        return pb.AbortResponse(aborted=False)
+        self.aborted.append(request.request_id)
+        event = self._inflight.get(request.request_id)
+        if event is not None:
+            event.set()
+        return pb.AbortResponse(aborted=event is not None)
 
     async def Health(self, request, context) -> pb.HealthResponse:
         return pb.HealthResponse(serving=True, role=self.role, model="tiny", device="cpu",

@@ -7,7 +7,9 @@ app's own registry). Every error body is OpenAI's error JSON; pydantic validatio
 failures are 400 (OpenAI's code for them), not FastAPI's 422. Every error answer,
 refusals before routing included (auth, body size, validation, unknown model or
 path), is logged on one line with its status and reason and counted once in
-``pdserve_coordinator_requests_total`` (``Rejections``).
+``pdserve_coordinator_requests_total`` (``Rejections``). Auth, body limits and
+timeouts are the guard's (``guard.py``); connection limits the HTTP server's
+(``http_server.py``).
 
 The app owns, through its lifespan, the instance view source (static poller or
 Controller watcher), the engine clients and the background aborts.
@@ -55,7 +57,8 @@ from .ui import register_ui
 from .watcher import ControllerWatcher
 
 log = logging.getLogger(__name__)
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 502, 503, 504)}
+_ERRORS = {code: {"model": ErrorResponse}
+           for code in (400, 401, 404, 408, 413, 429, 502, 503, 504)}
 
 
 def _completion_responses(model) -> dict:
@@ -82,9 +85,12 @@ class Rejections:
 
     def record(self, method: str, path: str, err: ServeError) -> None:
         rid = err.headers.get("x-request-id")
+        name = rid or "-"  # the client's id, then the Coordinator's (its engines') if other
+        if err.request_id is not None and err.request_id != rid:
+            name = f"{name} ({err.request_id})"
         verb = "failed" if err.status >= 500 else "rejected"
         log.log(logging.WARNING if err.status >= 500 else logging.INFO, "%s %s %s %s: %d %s: %s",
-                verb, rid or "-", method, path, err.status, err.code or "-", err.message,
+                verb, name, method, path, err.status, err.code or "-", err.message,
                 extra={"request_id": rid})
         if not err.is_counted:
             err.is_counted = True
@@ -94,12 +100,12 @@ class Rejections:
         self.record(scope["method"], scope["path"], err)
 
 
-def read_api_key(path: str | None) -> str | None:
+def read_api_key(path: str | None, what: str = "API key") -> str | None:
     if not path:
         return None
     key = Path(path).read_text().strip()
     if not key:
-        raise ValueError(f"API key file {path} is empty")
+        raise ValueError(f"{what} file {path} is empty")
     return key
 
 
@@ -142,7 +148,9 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
     app.add_middleware(RequestLogMiddleware)  # one line per request, with its request id
     app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes,
                        api_key=read_api_key(settings.api_key_file),
-                       on_refuse=rejections.on_guard_refusal)
+                       on_refuse=rejections.on_guard_refusal,
+                       admin_key=read_api_key(settings.admin_key_file, "admin key"),
+                       body_timeout_s=settings.http_body_timeout_s)
 
     def answer(request: Request, err: ServeError) -> Response:
         rejections.record(request.method, request.url.path, err)
@@ -155,7 +163,10 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        # The field's path: names and list indexes, not the union member pydantic tried
+        # ("prompt", not "prompt.constrained-str").
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]
+                         if isinstance(p, int) or p.isidentifier()) or None
         message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
         return answer(request, ServeError(400, message, code="invalid_request", param=where))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import socket
 import sys
 
@@ -25,6 +26,7 @@ from .settings import CoordinatorSettings
 _POLICIES = RoutingPolicy.__args__
 _MODES = TransferMode.__args__
 _FALLBACKS = FallbackPolicy.__args__
+ADMIN_KEY_FILE_ENV = "PDSERVE_ADMIN_KEY_FILE"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +75,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-default", type=int, default=d.max_tokens_default,
                         help="max_tokens of a request that gives none")
     parser.add_argument("--api-key-file", default=None, help="file holding the API key (bearer token)")
+    parser.add_argument("--admin-key-file", default=os.environ.get(ADMIN_KEY_FILE_ENV),
+                        help="file holding the admin key: also an API key, and the only one "
+                             f"shown engine addresses in timings (env {ADMIN_KEY_FILE_ENV})")
+    parser.add_argument("--overload-max-wait-s", type=float, default=d.overload_max_wait_s,
+                        help="how long a request waits for an engine with room after a \"full\"; then 503")
+    parser.add_argument("--http-keep-alive-s", type=float, default=d.http_keep_alive_s,
+                        help="idle keep-alive connections close after this")
+    parser.add_argument("--http-header-timeout-s", type=float, default=d.http_header_timeout_s,
+                        help="a connection that sends no complete request headers within this closes")
+    parser.add_argument("--http-body-timeout-s", type=float, default=d.http_body_timeout_s,
+                        help="a request body not received within this after its headers: 408")
+    parser.add_argument("--max-connections", type=int, default=d.max_connections,
+                        help="open HTTP connections (or requests) beyond which requests get 503")
     parser.add_argument("--cluster-name", default=None,
                         help="the PDCluster this Coordinator serves, shown on the status page")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -91,6 +106,9 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
         poll_interval_s=args.poll_interval_s, max_tokens_default=args.max_tokens_default,
         api_key_file=args.api_key_file, cluster_name=args.cluster_name,
+        admin_key_file=args.admin_key_file, overload_max_wait_s=args.overload_max_wait_s,
+        http_keep_alive_s=args.http_keep_alive_s, http_header_timeout_s=args.http_header_timeout_s,
+        http_body_timeout_s=args.http_body_timeout_s, max_connections=args.max_connections,
     )
 
 
@@ -99,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .http_server import build_config
 
     try:
         settings = settings_from_args(args)
@@ -118,9 +137,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
-                            loop="asyncio", http="httptools", lifespan="on")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(build_config(app, settings, args.log_level.lower()))
     print(f"pdserve coordinator serving on {host}:{port}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(server.serve(sockets=[sock]))

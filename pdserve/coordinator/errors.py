@@ -11,7 +11,8 @@ import orjson
 
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+    408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
+    500: "internal_error",
     502: "upstream_error", 503: "service_unavailable", 504: "timeout_error",
 }
 
@@ -28,6 +29,9 @@ class ServeError(Exception):
         self.is_counted = False
         """Set once the request was counted (``serving._Output.done``): the app's error
         handler then logs it without counting it again."""
+        self.request_id: str | None = None
+        """The Coordinator's own id of the request (its engines' request id), set by
+        serving once the request has one; logged beside a client's ``x-request-id``."""
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),

@@ -1,48 +1,90 @@
-"""An ASGI middleware in front of every route: body-size limit and API-key auth.
+"""An ASGI middleware in front of every route: body-size limit, body timeout and auth.
 
-Body limit: a request whose ``Content-Length`` or streamed body exceeds
-``max_body_bytes`` gets 413 before any parsing; the body is buffered (it is small
-by then) and replayed to the app, whose later ``receive`` calls reach the server
-again (so disconnects are still seen). Auth: with an API key configured, paths
-under ``/v1/`` need ``Authorization: Bearer <key>`` (compared in constant time);
-/health, /ready, /metrics and the OpenAPI document stay open.
+Body: a request whose ``Content-Length`` or streamed body exceeds ``max_body_bytes``
+gets 413 before any parsing, one whose body has not all arrived ``body_timeout_s``
+after its headers gets 408 (and the connection closes: a half-sent request holds no
+slot). The body is buffered (it is small by then) and replayed to the app, whose
+later ``receive`` calls reach the server again (so disconnects are still seen).
+
+Auth, with keys compared in constant time:
+
+  /v1/*        with an API key configured: ``Authorization: Bearer <API or admin key>``
+  /ui, /ui/*   with either key configured: the same, or HTTP Basic with the key as
+               the password (a 401 asks the browser for it), since the status page
+               shows the cluster's engines and their addresses
+  elsewhere    open: /health, /ready, /metrics, the OpenAPI document, / (a redirect)
+
+Every request's scope carries ``ADMIN_SCOPE_KEY``: whether it presented the admin
+key, which alone sees engine addresses in a request's timings (``serving``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import hmac
 from collections.abc import Callable
 
 from .errors import ServeError
 
+ADMIN_SCOPE_KEY = "pdserve.is_admin"
+
+
+def _is_ui(path: str) -> bool:
+    return path == "/ui" or path.startswith("/ui/")
+
+
+def _presents(authorization: bytes, key: bytes | None, allow_basic: bool) -> bool:
+    """``authorization`` (the header's value) carries ``key``: as a bearer token, or
+    with ``allow_basic`` as the password of HTTP Basic auth (any user name)."""
+    if key is None:
+        return False
+    if hmac.compare_digest(authorization, b"Bearer " + key):
+        return True
+    if not (allow_basic and authorization[:6].lower() == b"basic "):
+        return False
+    try:
+        credentials = base64.b64decode(authorization[6:].strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return hmac.compare_digest(credentials.partition(b":")[2], key)
+
 
 class GuardMiddleware:
     def __init__(self, app, max_body_bytes: int, api_key: str | None,
-                 on_refuse: Callable[[dict, ServeError], None] | None = None) -> None:
+                 on_refuse: Callable[[dict, ServeError], None] | None = None, *,
+                 admin_key: str | None = None, body_timeout_s: float = 30.0) -> None:
         """``on_refuse(scope, error)`` is called for every request refused here (the
         app logs and counts it), before the answer is sent."""
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self._key = f"Bearer {api_key}".encode() if api_key else None
+        self.body_timeout_s = body_timeout_s
+        self._key = api_key.encode() if api_key else None
+        self._admin_key = admin_key.encode() if admin_key else None
         self._on_refuse = on_refuse
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self._key is not None and scope["path"].startswith("/v1/"):
-            presented = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(presented, self._key):
-                return await self._refuse(scope, send, ServeError(
-                    401, "missing or wrong API key: send Authorization: Bearer <key>",
-                    code="invalid_api_key"))
+        refusal = self._authorize(scope)
+        if refusal is not None:
+            return await self._refuse(scope, send, refusal)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_body_bytes:
                 return await self._refuse(scope, send, self._too_large())
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return await self._refuse(scope, send, ServeError(
+                    408, f"the request body did not arrive within {self.body_timeout_s:g}s",
+                    code="body_timeout", headers={"Connection": "close"}))
             if message["type"] != "http.request":
                 return  # the client left before sending its body
             chunk = message.get("body", b"")
@@ -62,6 +104,26 @@ class GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay_receive, send)
+
+    def _authorize(self, scope) -> ServeError | None:
+        """Marks the scope admin or not; the refusal when the path needs a key it lacks."""
+        path = scope["path"]
+        is_ui = _is_ui(path)
+        presented = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        is_admin = _presents(presented, self._admin_key, is_ui)
+        scope[ADMIN_SCOPE_KEY] = is_admin
+        if is_ui:
+            needs_key = self._key is not None or self._admin_key is not None
+        else:
+            needs_key = self._key is not None and path.startswith("/v1/")
+        if not needs_key or is_admin or _presents(presented, self._key, is_ui):
+            return None
+        if is_ui:
+            return ServeError(401, "the status page needs the API key (as a bearer token, or as "
+                              "the password when the browser asks)", code="invalid_api_key",
+                              headers={"WWW-Authenticate": 'Basic realm="pdserve", charset="UTF-8"'})
+        return ServeError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                          code="invalid_api_key")
 
     async def _refuse(self, scope, send, err: ServeError) -> None:
         if self._on_refuse is not None:

@@ -7,8 +7,9 @@ It also owns one ``EngineClient`` per engine address and the Coordinator's own
 count of legs in flight per engine (exact, unlike polled load).
 
 Invariants: only ``routable`` instances (healthy, not draining) are in pools; an
-instance that just failed a leg is ``suspect`` for ``suspect_s`` and is picked
-only when nothing else is left; waiters on ``wait_changed`` wake on every change.
+instance that just failed a leg is ``suspect`` for ``suspect_s``, and one that just
+answered "full" is avoided for a moment (``mark_full``): either is picked only when
+nothing else is left; waiters on ``wait_changed`` wake on every change.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class EngineEndpoint:
     num_pending_prefill_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # EWMA from observed prefill timings; 0: unknown
     suspect_until: float = 0.0
+    full_until: float = 0.0  # it answered "full": avoided until then (monotonic seconds)
+
+    def is_full(self, now: float) -> bool:
+        return self.full_until > now
 
     @property
     def routable(self) -> bool:
@@ -139,7 +144,7 @@ class InstanceRegistry:
         for inst in self._instances.values():
             if not inst.routable:
                 continue
-            avoid = inst.suspect_until > now or inst.instance_id in exclude
+            avoid = inst.suspect_until > now or inst.is_full(now) or inst.instance_id in exclude
             getattr(spare if avoid else pools, inst.role).append(inst)
         for role in ("prefill", "decode", "hybrid"):
             if not getattr(pools, role):
@@ -151,6 +156,14 @@ class InstanceRegistry:
         inst = self._instances.get(instance_id)
         if inst is not None:
             inst.suspect_until = time.monotonic() + self._suspect_s
+
+    def mark_full(self, instance_id: str, seconds: float) -> None:
+        """Called by the lifecycle when this instance answered "full": other requests
+        try the rest of its pool first for ``seconds``. Not a failure: its health and
+        its suspect time are untouched."""
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            inst.full_until = max(inst.full_until, time.monotonic() + seconds)
 
     def client(self, address: str) -> EngineClient:
         client = self._clients.get(address)

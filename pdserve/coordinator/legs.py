@@ -10,11 +10,13 @@ answer the same calls, made by ``RequestRun`` on the event loop:
   tokens()           the output token ids, until the engine finishes the request
   close()            restore the load counts; cancel and abort what did not finish
 
-Failures: the client's (``ServeError`` 400: the engine refused the input, never
-retried), the deadline's (504), or the engine's (``LegFailure``, with the leg and
-the stage: retryable on other engines). In a PD attempt, a prefill failure before
-the decode leg's first token is the attempt's failure (D only waits for the KV);
-after it, the failure is moot.
+Outcomes other than tokens: the client's (``ServeError`` 400: the engine refused
+the input, never retried), the deadline's (504), load (``EngineFull``: the engine
+answered RESOURCE_EXHAUSTED with details starting "decode full" or "prefill full";
+it is healthy, the request waits or goes elsewhere), or the engine's failure
+(``LegFailure``, with the leg and the stage: retryable on other engines). In a PD
+attempt, a prefill failure before the decode leg's first token is the attempt's
+failure (D only waits for the KV); after it, the failure is moot.
 
 Load counts on each ``EngineEndpoint``: one in flight per leg from ``start`` to
 ``close``; a single or prefill leg's prompt tokens are pending prefill until the
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 
 import grpc
@@ -44,17 +47,42 @@ from .timings import RequestTimings
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0
+# The engine's answer when it has no room for a request (KV blocks, queue): gRPC
+# status RESOURCE_EXHAUSTED with details starting "decode full" or "prefill full".
+# gRPC itself uses RESOURCE_EXHAUSTED for other things (a message too large), which
+# stay engine failures.
+FULL_DETAILS = re.compile(r"^(decode|prefill) full\b")
 
 
 class LegFailure(Exception):
     """An engine failed a leg; ``stage`` is when ("before_first_token", "before_handoff",
-    "mid_stream"). Raised by ``Leg.tokens``, handled by ``RequestRun``'s retry loop."""
+    "mid_stream"), ``reason`` a short label of how (a gRPC status name, a finish
+    reason, "ended_early"). Raised by ``Leg.tokens``, handled by ``RequestRun``'s
+    retry loop. ``str()`` names the engine's address and says all (for logs);
+    ``public`` names neither the address nor gRPC's details, which carry addresses
+    (for the client)."""
 
-    def __init__(self, engine: EngineEndpoint, leg: str, stage: str, message: str) -> None:
+    def __init__(self, engine: EngineEndpoint, leg: str, stage: str, reason: str,
+                 message: str, public_message: str | None = None) -> None:
         super().__init__(f"{leg} engine {engine.address}: {message}")
         self.engine = engine
         self.leg = leg
         self.stage = stage
+        self.reason = reason
+        self.public = f"{leg} engine: {public_message or message}"
+
+
+class EngineFull(Exception):
+    """The engine has no room for the leg now (it refused it before starting it).
+    Not a failure: raised by ``Leg.tokens``, handled by ``RequestRun``, which tries
+    engines with room or waits."""
+
+    def __init__(self, engine: EngineEndpoint, leg: str, details: str) -> None:
+        super().__init__(f"{leg} engine {engine.address}: {details}")
+        self.engine = engine
+        self.leg = leg
+        self.details = details
+        self.public = f"{leg} engine: {details}"
 
 
 class Leg:
@@ -102,11 +130,12 @@ class Leg:
                 else:
                     msg = await self._next_unless_prefill_fails(stream, prefill)
             except StopAsyncIteration:
-                raise self._failure(self.ENDED_EARLY) from None
+                raise self._failure("ended_early", self.ENDED_EARLY) from None
             except grpc.aio.AioRpcError as exc:
                 raise self._rpc_failure(exc) from None
             if msg.finished and msg.finish_reason not in self.END_REASONS:
-                raise self._failure(f"finished with {msg.finish_reason}: {msg.error}")
+                raise self._failure(msg.finish_reason or "unfinished",
+                                    f"finished with {msg.finish_reason}: {msg.error}")
             if not self._has_timings and msg.HasField("timings"):
                 self._has_timings = True
                 self._record_first(msg.timings)
@@ -121,14 +150,19 @@ class Leg:
 
     async def _next_unless_prefill_fails(self, stream, prefill: asyncio.Future):
         # Before its first token a decode leg only waits for P's KV: P's failure wins.
+        # The read left behind (D failed too, or this wait was cancelled) is retrieved,
+        # so its error is not reported as "never retrieved".
         nxt = asyncio.ensure_future(stream.__anext__())
-        await asyncio.wait((nxt, prefill), return_when=asyncio.FIRST_COMPLETED)
-        if not self.has_token and prefill.done() and not prefill.cancelled() \
-                and prefill.exception() is not None:
+        try:
+            await asyncio.wait((nxt, prefill), return_when=asyncio.FIRST_COMPLETED)
+            if not self.has_token and prefill.done() and not prefill.cancelled() \
+                    and prefill.exception() is not None:
+                raise prefill.exception()
+            return await nxt
+        finally:
             if not nxt.done():
                 nxt.cancel()
-            raise prefill.exception()
-        return await nxt
+            nxt.add_done_callback(_retrieve)
 
     def release(self) -> None:
         """Restores the engine's load counts; idempotent. Called by ``close`` and by
@@ -155,16 +189,18 @@ class Leg:
     def _stage(self) -> str:
         return "mid_stream" if self.has_token else "before_first_token"
 
-    def _failure(self, message: str) -> LegFailure:
-        return LegFailure(self.engine, self.kind, self._stage(), message)
+    def _failure(self, reason: str, message: str, public_message: str | None = None) -> LegFailure:
+        return LegFailure(self.engine, self.kind, self._stage(), reason, message, public_message)
 
     def _rpc_failure(self, exc: grpc.aio.AioRpcError) -> Exception:
-        code = exc.code()
+        code, details = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return ServeError(400, exc.details() or "invalid request", code="invalid_request")
+            return ServeError(400, details or "invalid request", code="invalid_request")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return ServeError(504, "the request's deadline passed before it finished", code="deadline")
-        return self._failure(f"{code.name}: {exc.details()}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and FULL_DETAILS.match(details):
+            return EngineFull(self.engine, self.kind, details)
+        return self._failure(code.name, f"{code.name}: {details}", code.name)
 
     def _record_first(self, t: pb.Timings) -> None:
         """The engine's first timings: its prefill is done."""

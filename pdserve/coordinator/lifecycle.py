@@ -5,13 +5,28 @@ Each attempt asks the router for a plan and runs its legs (``legs.py``): a PD pa
 (``PairedLegs``: the decode leg is sent first, then the prefill leg with the same
 transfer id) or one engine (``Leg``).
 
+Identity: ``request_id`` is the Coordinator's own (``cmpl-`` and 32 hex digits,
+never the client's); leg ids are it plus ``.N`` from the second attempt on, and
+transfer ids ``x-`` plus the leg id, all far below the engines' 128 characters and
+unique per attempt, so two requests never share an id on an engine whatever their
+clients send. A client's ``x-request-id`` is only the ``label``: logs, timings.
+
 Failures (``LegFailure``): P fails before handoff, or D before its first token:
 the attempt is retried on other engines. D fails mid-stream: the request goes on
 on a new plan whose prompt is the original prompt plus every token already
 streamed and whose ``max_tokens`` is what is left, so the client's stream
 continues without a visible break. At most ``max_retries`` retries with bounded
 exponential backoff; everything (routing waits, calls, backoff) lives inside the
-request's one deadline.
+request's one deadline. Each failure is logged, at most once per engine, leg and
+reason per ``LOG_INTERVAL_S`` (``ThrottledLog``).
+
+Load (``EngineFull``): an engine with no room is healthy. It is not marked failed
+and uses no retry; the registry avoids it for ``FULL_AVOID_S`` so the next plan
+takes an engine with room if there is one. When every candidate of the plan said
+"full", the request waits with the same backoff before trying again, within its
+deadline and for at most ``overload_max_wait_s`` after the first "full"; then 503
+``overloaded`` with ``Retry-After`` (``pdserve_coordinator_overload_total{leg}``
+counts the answers).
 
 ``GenerationParams`` is what the client asked for, fixed at arrival;
 ``GenerationParams.engine_request`` is the one place it becomes the engine's
@@ -25,7 +40,11 @@ the run is closed (stop string, client gone: closing the generator runs the
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import random
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -33,12 +52,22 @@ from pdserve.api.proto import engine_pb2 as pb
 
 from .errors import ServeError
 from .instances import EngineEndpoint, InstanceRegistry
-from .legs import Aborter, DecodeLeg, Leg, LegFailure, PairedLegs, PrefillLeg
+from .legs import Aborter, DecodeLeg, EngineFull, Leg, LegFailure, PairedLegs, PrefillLeg
+from .log_throttle import ThrottledLog
 from .metrics import CoordinatorMetrics
 from .policies import RouteContext
 from .router import Plan, Router
 from .settings import CoordinatorSettings
 from .timings import RequestTimings
+
+log = logging.getLogger(__name__)
+FULL_AVOID_S = 0.25  # an engine that answered "full" is tried last for this long
+LOG_INTERVAL_S = 10.0  # one line per engine, leg and reason per interval
+
+
+def new_request_id() -> str:
+    """The Coordinator's id of a new request; its engines see it (``RequestRun``)."""
+    return f"cmpl-{uuid.uuid4().hex}"
 
 
 @dataclass
@@ -50,6 +79,7 @@ class Deps:
     router: Router
     metrics: CoordinatorMetrics
     aborter: Aborter
+    engine_log: ThrottledLog = field(default_factory=lambda: ThrottledLog(log, LOG_INTERVAL_S))
 
 
 @dataclass(frozen=True)
@@ -78,20 +108,24 @@ class GenerationParams:
 
 
 class RequestRun:
-    """One request's attempts; built by serving, iterated through ``tokens`` on the event loop."""
+    """One request's attempts; built by serving, iterated through ``tokens`` on the event loop.
+    ``label`` is what the client calls it (its ``x-request-id``), ``request_id`` by default."""
 
     def __init__(self, deps: Deps, request_id: str, prompt_ids: list[int], params: GenerationParams,
-                 deadline: float, arrival_s: float | None = None) -> None:
+                 deadline: float, arrival_s: float | None = None, label: str | None = None) -> None:
         self.deps = deps
         self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
         self.request_id = request_id
+        self.label = label or request_id
         self.prompt_ids = prompt_ids
         self.params = params
         self.deadline = deadline
         self.generated: list[int] = []
         self.finish_reason: str | None = None
-        self.timings = RequestTimings(request_id, deps.metrics)
+        self.timings = RequestTimings(self.label, deps.metrics)
         self.num_attempts = 0
+        self._num_full_waits = 0
+        self._full_since: float | None = None  # when an engine first said "full"
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -101,6 +135,7 @@ class RequestRun:
         s = self.deps.settings
         exclude: set[str] = set()
         failures = 0
+        last_full: EngineFull | None = None
         while True:
             if len(self.generated) >= self.params.max_tokens:
                 self.finish_reason = "length"
@@ -108,6 +143,8 @@ class RequestRun:
             prompt = self.prompt_ids + self.generated
             plan = await self.deps.router.plan(RouteContext(prompt, s.block_size), exclude,
                                                self.deadline)
+            if last_full is not None and _is_full(plan):
+                await self._wait_for_room(last_full)
             self.num_attempts += 1
             self.timings.report["attempts"] = self.num_attempts
             if self.num_attempts == 1:  # arrival -> first leg sent: tokenize, admit, route
@@ -126,6 +163,9 @@ class RequestRun:
                     legs.close()
                 self.finish_reason = legs.finish_reason
                 return
+            except EngineFull as full:
+                last_full = full
+                self._on_full(full)
             except LegFailure as f:
                 failures += 1
                 self.deps.metrics.retries.labels(f.leg, f.stage).inc()
@@ -133,14 +173,50 @@ class RequestRun:
                     self.deps.metrics.continuations.inc()
                 self.deps.registry.mark_failed(f.engine.instance_id)
                 exclude.add(f.engine.instance_id)
+                self.deps.engine_log.log(logging.WARNING, (f.engine.address, f.leg, f.reason),
+                                         "leg failed (%s): %s", f.stage, f)
                 if failures > s.max_retries:
-                    raise ServeError(502, f"gave up after {failures} failed attempts; last: {f}",
+                    raise ServeError(502, f"gave up after {failures} failed attempts; last: {f.public}",
                                      code="engine_failure") from None
                 backoff = min(s.retry_backoff_s * 2 ** (failures - 1), s.retry_backoff_max_s)
                 if backoff >= self.left_s():
-                    raise ServeError(504, f"deadline passed while retrying after: {f}",
+                    raise ServeError(504, f"deadline passed while retrying after: {f.public}",
                                      code="deadline") from None
                 await asyncio.sleep(backoff)
+
+    def _on_full(self, full: EngineFull) -> None:
+        """An engine had no room: counted, logged, marked full (not failed); 503 once
+        the request has waited ``overload_max_wait_s`` since the first such answer."""
+        self.deps.metrics.overloads.labels(full.leg).inc()
+        self.deps.registry.mark_full(full.engine.instance_id, FULL_AVOID_S)
+        self.deps.engine_log.log(logging.INFO, (full.engine.address, full.leg, "full"),
+                                 "%s engine %s has no room: %s", full.leg, full.engine.address,
+                                 full.details)
+        now = time.monotonic()
+        if self._full_since is None:
+            self._full_since = now
+        if now - self._full_since >= self.deps.settings.overload_max_wait_s:
+            raise self._overloaded(full)
+
+    async def _wait_for_room(self, last: EngineFull) -> None:
+        """Every engine of the next plan said "full" a moment ago: back off (with
+        jitter, so waiting requests do not come back at once), or give up with 503
+        when the wait would pass the overload bound or the deadline."""
+        s = self.deps.settings
+        self._num_full_waits += 1
+        backoff = min(s.retry_backoff_s * 2 ** (self._num_full_waits - 1), s.retry_backoff_max_s)
+        backoff *= random.uniform(0.5, 1.0)
+        waited = time.monotonic() - self._full_since
+        if waited + backoff > s.overload_max_wait_s or backoff >= self.left_s():
+            raise self._overloaded(last)
+        await asyncio.sleep(backoff)
+
+    def _overloaded(self, last: EngineFull) -> ServeError:
+        waited = time.monotonic() - self._full_since
+        retry_after = max(1, math.ceil(self.deps.settings.retry_backoff_max_s))
+        return ServeError(503, f"overloaded: no engine had room for the request within "
+                          f"{waited:.1f}s; last: {last.public}", code="overloaded",
+                          headers={"Retry-After": str(retry_after)})
 
     def _legs(self, plan: Plan, prompt: list[int]) -> Leg | PairedLegs:
         # Engines refuse a reused id; attempts after the first get a suffix.
@@ -165,3 +241,9 @@ class RequestRun:
     def _leg(self, kind: type[Leg], engine: EngineEndpoint, request: pb.GenerateRequest):
         return kind(engine, request, self.deps.registry.client(engine.address), self.timings,
                     self.deps.aborter)
+
+
+def _is_full(plan: Plan) -> bool:
+    """Some engine of ``plan`` answered "full" a moment ago: the router found none better."""
+    now = time.monotonic()
+    return any(e.is_full(now) for e in plan.engines())

@@ -23,6 +23,7 @@ FALLBACK_REASONS = ("no_prefill_or_decode_engine", "no_prefill_engine", "no_deco
 RETRY_LEGS = {"prefill": ("before_handoff",), "decode": ("before_first_token", "mid_stream"),
               "single": ("before_first_token", "mid_stream")}
 ABORT_REASONS = ("client_gone", "stop_string")
+LEGS = ("prefill", "decode", "single")
 
 
 class CoordinatorMetrics:
@@ -37,6 +38,9 @@ class CoordinatorMetrics:
                                ["leg", "stage"], registry=r)
         self.continuations = Counter(p + "continuations_total", "Streams continued on a new "
                                      "pair after the decode engine failed mid-stream.", registry=r)
+        self.overloads = Counter(p + "overload_total", "Legs an engine refused for want of "
+                                 "room (\"decode full\", \"prefill full\"): load, not failures.",
+                                 ["leg"], registry=r)
         self.rejected = Counter(p + "rejected_total", "Requests refused by admission control.",
                                 ["reason"], registry=r)
         self.local_prefills = Counter(p + "local_prefills_total", "Requests run on one engine "
@@ -80,6 +84,8 @@ class CoordinatorMetrics:
                 self.retries.labels(leg, stage)
         for reason in ABORT_REASONS:
             self.aborts.labels(reason)
+        for leg in LEGS:
+            self.overloads.labels(leg)
         for role in ("prefill", "decode", "hybrid"):
             self.instances.labels(role)
 

@@ -38,6 +38,9 @@ class Plan:
     single: EngineEndpoint | None = None
     fallback: str | None = None  # reason label when this is a fallback
 
+    def engines(self) -> list[EngineEndpoint]:
+        return [e for e in (self.prefill, self.decode, self.single) if e is not None]
+
 
 class Router:
     def __init__(self, settings: CoordinatorSettings, registry: InstanceRegistry,

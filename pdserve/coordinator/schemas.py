@@ -1,8 +1,10 @@
 """OpenAI-compatible request and response bodies (the subset pdserve serves).
 
 Requests are validated here, before any routing: ``n`` must be 1, ``stop`` holds at
-most four strings, token-id prompts are non-negative integers. Unknown fields are
-ignored, as OpenAI's SDK sends fields this server does not use.
+most four strings, token-id prompts are non-negative integers, and every text is
+valid Unicode (a lone surrogate, which JSON's ``\ud800`` escapes can carry, is a
+400 naming the field, never an encoding error later). Unknown fields are ignored,
+as OpenAI's SDK sends fields this server does not use.
 
 Response models exist for the OpenAPI document (the contract schemathesis checks).
 The hot path does not validate what it sends: ``ResponseBuilder`` builds the same
@@ -15,9 +17,24 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MAX_SEED = 2**53 - 1  # exact in a JSON number
+
+
+def _valid_unicode(value):
+    """After-validator of a field holding text (a string, a list of strings or of
+    ``TextPart``): refuses a lone surrogate, which cannot be encoded as UTF-8."""
+    texts = value if isinstance(value, list) else [value]
+    for text in texts:
+        text = text.text if isinstance(text, TextPart) else text
+        if isinstance(text, str) and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"invalid Unicode: lone surrogate U+{ord(text[exc.start]):04X} "
+                                 f"at character {exc.start}") from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -32,7 +49,8 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stop: Annotated[str | Annotated[list[str], Field(max_length=4)] | None,
+                    AfterValidator(_valid_unicode)] = None
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -67,8 +85,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Annotated[str | list[TextPart] | None, AfterValidator(_valid_unicode)] = None
+    name: Annotated[str | None, AfterValidator(_valid_unicode)] = None
 
     def text(self) -> str:
         if self.content is None:

@@ -1,15 +1,27 @@
 """The completion endpoints' work: prompt to tokens, run the request, shape OpenAI output.
 
 ``Completions.handle`` is called by the app's two routes. It validates what pydantic
-cannot (model name, prompt length), takes an admission slot, and returns a JSON
-response or an SSE stream. A stream's first token is awaited before the response
-starts, so errors before it (no route, bad prompt) get their real HTTP status;
-errors after it end the stream with an OpenAI error event and ``data: [DONE]``.
+cannot (model name, prompt length, the client's ``x-request-id``), takes an
+admission slot, and returns a JSON response or an SSE stream. A stream's first
+token is awaited before the response starts, so errors before it (no route, bad
+prompt) get their real HTTP status; errors after it end the stream with an OpenAI
+error event and ``data: [DONE]``.
+
+Ids: every request gets the Coordinator's own id (``lifecycle.new_request_id``): the
+response's ``id`` and its engines' request id. A client's ``x-request-id`` (1-128
+visible ASCII characters, else 400) is a label only: echoed in the response header,
+in the timings and the logs. Timings name the engines only for the admin key
+(``guard.ADMIN_SCOPE_KEY``).
+
+SSE: each event is one ``data:`` line; U+2028, U+2029 and U+0085, which JSON allows
+raw but line splitters such as Python's ``str.splitlines`` break lines at, are
+written escaped.
 
 Invariants: the admission slot is released and the request counted exactly once,
 whatever ends the request (a refusal before it was admitted, a ``ServeError`` not
 ``is_counted``, is counted by the app's error handler); a client that goes away
-(stream or not) closes the run, which cancels and aborts both legs.
+(stream or not) closes the run, which cancels and aborts both legs, and is answered
+499 (which nobody reads) rather than raised into the server as an error.
 """
 
 from __future__ import annotations
@@ -17,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import time
-import uuid
 
 import orjson
 from starlette.requests import Request
@@ -28,20 +40,34 @@ from pdserve.api.detokenizer import Detokenizer
 
 from .admission import Admission
 from .errors import ServeError
-from .lifecycle import Deps, GenerationParams, RequestRun
+from .guard import ADMIN_SCOPE_KEY
+from .lifecycle import Deps, GenerationParams, RequestRun, new_request_id
 from .metrics import CoordinatorMetrics
 from .prompts import PromptBuilder
 from .schemas import ChatCompletionRequest, CompletionRequest, ResponseBuilder, build_usage
 from .settings import CoordinatorSettings
 
 TIMINGS_HEADER = "x-pdserve-timings"
+REQUEST_ID_HEADER = "x-request-id"
+MAX_CLIENT_ID_CHARS = 128
+_CLIENT_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_CLIENT_ID_CHARS}}}")  # visible ASCII, no spaces
 
 
-def new_request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id", "")
-    if 0 < len(given) <= 128 and given.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        return given
-    return f"cmpl-{uuid.uuid4().hex}"
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+def client_request_id(request: Request) -> str | None:
+    """The client's ``x-request-id`` label, None when it sent none; 400 when it is not
+    1-128 visible ASCII characters (it goes into headers and log lines as it is)."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    if not given:
+        return None
+    if _CLIENT_ID.fullmatch(given) is None:
+        raise ServeError(400, f"x-request-id must be 1-{MAX_CLIENT_ID_CHARS} visible ASCII "
+                         f"characters without spaces (got {len(given)} characters)",
+                         code="invalid_request_id", param=REQUEST_ID_HEADER)
+    return given
 
 
 def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
@@ -91,15 +117,16 @@ class Completions:
         if body.model != settings.model_name:
             raise ServeError(404, f"model {body.model!r} does not exist; this server serves "
                              f"{settings.model_name!r}", code="model_not_found", param="model")
+        label = client_request_id(request)
         prompt_ids = self._prompt_ids(body)
         params = build_generation_params(body, settings)
         deadline = arrival + settings.request_timeout_s
         slot = await self.admission.acquire(deadline)
-        rid = new_request_id(request)
-        run = RequestRun(self.deps, rid, prompt_ids, params, deadline, arrival)
+        run = RequestRun(self.deps, new_request_id(), prompt_ids, params, deadline, arrival, label)
+        want_timings = request.headers.get(TIMINGS_HEADER) == "1"
         out = _Output(run, body, endpoint, self.prompts.detokenizer(params.stop), self.deps.metrics,
-                      self.admission, request.headers.get(TIMINGS_HEADER) == "1")
-        headers = {"x-request-id": rid}
+                      self.admission, want_timings, request.scope.get(ADMIN_SCOPE_KEY, False))
+        headers = {REQUEST_ID_HEADER: run.label}
         try:
             if body.stream:
                 first = await self._first(request, run, out)
@@ -110,16 +137,26 @@ class Completions:
             slot.release()
             return Response(orjson.dumps(out.full_body()), media_type="application/json",
                             headers=headers)
+        except ClientGone:
+            await self._end(out, slot, 499)
+            return Response(status_code=499, headers=headers)
         except BaseException as exc:
-            out.done(exc.status if isinstance(exc, ServeError) else 499)
-            slot.release()
-            await out.close()
+            await self._end(out, slot, exc.status if isinstance(exc, ServeError) else 499)
             if isinstance(exc, ServeError):
-                exc.headers.setdefault("x-request-id", rid)
+                exc.headers.setdefault(REQUEST_ID_HEADER, run.label)
+                exc.request_id = run.request_id
                 exc.is_counted = True
             raise
 
+    async def _end(self, out: _Output, slot, code: int) -> None:
+        """A request that ends before its response: counted, slot released, run closed."""
+        out.done(code)
+        slot.release()
+        await out.close()
+
     async def _race_disconnect(self, request: Request, coro):
+        """Awaits ``coro`` unless the client goes away first: then it is cancelled (its
+        legs aborted) and ``ClientGone`` raised, which ``handle`` answers quietly."""
         work = asyncio.ensure_future(coro)
         watch = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -130,8 +167,9 @@ class Completions:
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
-                self.deps.metrics.aborts.labels("client_gone").inc()
-                raise asyncio.CancelledError("client went away")
+        if work.cancelled():
+            self.deps.metrics.aborts.labels("client_gone").inc()
+            raise ClientGone
         return work.result()
 
     async def _first(self, request: Request, run: RequestRun, out: _Output):
@@ -144,11 +182,12 @@ class _Output:
 
     def __init__(self, run: RequestRun, body: CompletionRequest | ChatCompletionRequest,
                  endpoint: str, detok: Detokenizer, metrics: CoordinatorMetrics,
-                 admission: Admission, want_timings: bool) -> None:
+                 admission: Admission, want_timings: bool, is_admin: bool = False) -> None:
         self.run, self.body, self.endpoint, self.detok = run, body, endpoint, detok
         self.metrics = metrics
         self.admission = admission
         self.want_timings = want_timings
+        self.is_admin = is_admin
         self.shape = ResponseBuilder(run.request_id, body.model, int(time.time()), endpoint == "chat")
         self.text: list[str] = []
         self.first_s: float | None = None
@@ -220,7 +259,7 @@ class _Output:
                 m.tpot.observe(t["tpot_s"])
 
     def _timings(self) -> dict | None:
-        return self.run.timings.report if self.want_timings else None
+        return self.run.timings.visible(self.is_admin) if self.want_timings else None
 
     def full_body(self) -> dict:
         token_ids = list(self.detok.token_ids) if self.body.return_token_ids else None
@@ -248,7 +287,7 @@ class _Output:
                 yield _sse(self.shape.usage_chunk(self.usage()))
         except ServeError as exc:
             code = exc.status
-            yield b"data: " + exc.json_bytes() + b"\n\n"
+            yield _sse_data(exc.json_bytes())
         except BaseException:
             code = 499
             raise
@@ -259,5 +298,18 @@ class _Output:
         yield b"data: [DONE]\n\n"
 
 
+# UTF-8 of U+2028, U+2029 and U+0085, and their JSON escapes. A lead byte never
+# occurs inside another character, so replacing the bytes is exact.
+_LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
+def _sse_data(payload: bytes) -> bytes:
+    """One SSE event of a JSON ``payload``, with the line breaks JSON leaves raw escaped."""
+    if b"\xe2\x80" in payload or b"\xc2\x85" in payload:
+        for raw, escaped in _LINE_BREAKS:
+            payload = payload.replace(raw, escaped)
+    return b"data: " + payload + b"\n\n"
+
+
 def _sse(body: dict) -> bytes:
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+    return _sse_data(orjson.dumps(body))

@@ -1,7 +1,7 @@
 """Coordinator settings: one frozen pydantic model, built from CLI flags.
 
 Owns every knob of the request path (routing, fallback, admission, deadlines,
-retries). Invariants: durations are seconds (``*_s``), sizes bytes; the defaults
+retries, overload) and of the HTTP server in front of it. Invariants: durations are seconds (``*_s``), sizes bytes; the defaults
 match ``pdserve.api.cluster`` so a Coordinator started by hand routes like one the
 operator configures; a spec reaches it as flags (``pdserve.api.component_args``).
 """
@@ -54,11 +54,27 @@ class CoordinatorSettings(BaseModel):
     retry_backoff_max_s: float = Field(default=0.5, ge=0)
     suspect_s: float = Field(default=5.0, ge=0)
     """How long an engine that just failed a leg is avoided (when another exists)."""
+    overload_max_wait_s: float = Field(default=10.0, ge=0)
+    """How long a request may go on waiting for an engine with room after the first
+    "full" answer; then 503 with Retry-After (the deadline bounds it too)."""
     poll_interval_s: float = Field(default=0.5, gt=0)
     """Static view: how often each engine's Health and Stats are read."""
     max_tokens_default: int = Field(default=16, ge=1)
     api_key_file: str | None = None
     """File holding the API key (e.g. a mounted Secret); None: no auth."""
+    admin_key_file: str | None = None
+    """File holding the admin key: also accepted as the API key, and the only one
+    that sees engine addresses in a request's timings. None: nobody sees them."""
+
+    http_keep_alive_s: float = Field(default=5.0, gt=0)
+    """An idle keep-alive connection is closed after this long."""
+    http_header_timeout_s: float = Field(default=5.0, gt=0)
+    """A connection must send a request's headers within this long of opening (or of
+    its previous response), else it is closed."""
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
+    """A request's body must arrive within this long of its headers, else 408."""
+    max_connections: int = Field(default=4096, ge=1)
+    """Open HTTP connections (or requests in flight) beyond which new requests get 503."""
 
     @model_validator(mode="after")
     def _one_source(self) -> CoordinatorSettings:

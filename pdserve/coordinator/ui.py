@@ -1,5 +1,8 @@
 """The status page: ``/ui`` (plain HTML + JS, no build step), ``/ui/state`` (its JSON), ``/``.
 
+It lists the engines and their addresses, so with an API or admin key configured the
+guard (``guard.py``) lets only requests with one of them reach ``/ui`` and ``/ui/*``.
+
 ``StatusBoard`` builds the state from what the Coordinator already has: its
 settings (model, cluster, routing, fallback and KV mode), the instance registry
 (role, health, load, view mode), its own metrics (request, TTFT and TPOT

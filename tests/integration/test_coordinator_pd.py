@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import logging
 import signal
 import threading
 import time
@@ -137,20 +139,21 @@ def test_stage_timings_add_up_to_the_clients_ttft(engines, loop):
                       stage="decode_queue") == 5
 
 
-def test_short_prompts_prefill_on_decode_by_default(engines, loop):
+def test_short_prompts_prefill_on_decode_by_default(engines, loop, tmp_path):
     _, addrs = engines
+    (tmp_path / "admin-key").write_text("admin")  # engine addresses in timings: admin only
     settings = CoordinatorSettings(engines=(addrs["P1"], addrs["D1"]), block_size=8,
-                                   poll_interval_s=0.2)
+                                   poll_interval_s=0.2, admin_key_file=str(tmp_path / "admin-key"))
+    admin = {"x-pdserve-timings": "1", "Authorization": "Bearer admin"}
     with AppServer(loop, create_app(settings)) as app:
         short = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0}
-        r = httpx.post(app.url + "/v1/completions", json=short, timeout=30,
-                       headers={"x-pdserve-timings": "1"})
+        r = httpx.post(app.url + "/v1/completions", json=short, timeout=30, headers=admin)
         t = r.json()["pdserve_timings"]
         assert t["prefill_instance"] == t["decode_instance"] == addrs["D1"]
         assert r.json()["choices"][0]["text"] == TOK.decode(reference(addrs, "hi", 4))
         long = {**short, "prompt": "a longer prompt " * 10}
         t = httpx.post(app.url + "/v1/completions", json=long, timeout=30,
-                       headers={"x-pdserve-timings": "1"}).json()["pdserve_timings"]
+                       headers=admin).json()["pdserve_timings"]
         assert (t["prefill_instance"], t["decode_instance"]) == (addrs["P1"], addrs["D1"])
         assert metric(app, "pdserve_coordinator_prefill_decisions_total",
                       where="decode", reason="short_prompt") == 1
@@ -289,6 +292,53 @@ def test_client_disconnect_frees_kv_on_both_engines(engines, loop):
         assert_all_free(addrs, "P1", "D1")
         running = engine_call(addrs["D1"], lambda c: c.stats()).num_running
         assert running == 0
+
+
+def test_client_request_ids_are_labels_never_engine_ids(engines, loop):
+    """The same x-request-id twice at once, and the longest one, on real engines: each
+    request runs under the Coordinator's own ids (unique, far below the engines' limits)."""
+    _, addrs = engines
+    with serve(loop, addrs, ["P1", "D1"], kv_mode="push") as app:
+        def post(rid: str, max_tokens: int) -> httpx.Response:
+            return httpx.post(app.url + "/v1/completions", timeout=60, headers={"x-request-id": rid},
+                              json={"model": "tiny", "prompt": "request ids", "temperature": 0,
+                                    "max_tokens": max_tokens, "ignore_eos": True})
+
+        longest = post("L" * 128, 8)
+        assert longest.status_code == 200, longest.text
+        assert longest.headers["x-request-id"] == "L" * 128
+        results: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: results.append(post("same", 300)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
+        assert [r.json()["usage"]["completion_tokens"] for r in results] == [300, 300]
+        assert results[0].json()["choices"][0]["text"] == results[1].json()["choices"][0]["text"]
+        assert metric(app, "pdserve_coordinator_continuations_total") == 0  # nothing aborted
+    assert_all_free(addrs, "P1", "D1")
+
+
+def test_an_over_long_prompt_is_a_400_without_a_traceback(engines, loop, caplog):
+    """Both engines refuse the prompt (past their KV capacity): the client's error, one
+    log line, no traceback and no task left with an unretrieved error."""
+    _, addrs = engines
+    caplog.set_level(logging.INFO)
+    with serve(loop, addrs, ["P1", "D1"]) as app:
+        for _ in range(3):
+            r = httpx.post(app.url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": [65] * 3000, "max_tokens": 2})
+            assert r.status_code == 400 and "limit" in r.json()["error"]["message"], r.text
+        loop.run(_collect_garbage())
+    assert not [f"{r.name}: {r.getMessage()}" for r in caplog.records
+                if r.levelno >= logging.ERROR or r.exc_info]
+    assert_all_free(addrs, "P1", "D1")
+
+
+async def _collect_garbage() -> None:
+    gc.collect()  # a forgotten task's error is reported when it is collected
 
 
 def test_decode_killed_mid_stream_continues_with_the_same_tokens(engines, loop):

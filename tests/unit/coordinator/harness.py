@@ -1,5 +1,5 @@
 """Helpers shared by the Coordinator's tests: an event loop thread, a real HTTP server
-for a ``create_app`` app, and instance factories."""
+for a ``create_app`` app (``serve`` builds one on stub engines), and instance factories."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ import threading
 
 import uvicorn
 
+from pdserve.coordinator.app import create_app
+from pdserve.coordinator.http_server import build_config
 from pdserve.coordinator.instances import EngineEndpoint
+from pdserve.coordinator.settings import CoordinatorSettings
 
 # Tests of the PD path turn conditional disaggregation off, so short prompts still
 # take both legs; tests of conditional disaggregation set it themselves.
 ALWAYS_PD = {"local_prefill_max_tokens": 0, "load_aware_local_prefill": False}
 ALWAYS_PD_ARGS = ["--local-prefill-max-tokens", "0", "--no-load-aware-local-prefill"]
+BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 
 
 def inst(iid: str, role: str, h: str = "h", **load) -> EngineEndpoint:
@@ -48,8 +52,8 @@ class AppServer:
         sock.bind(("127.0.0.1", 0))
         self.sock = sock
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    loop="asyncio", http="httptools"))
+        # The Coordinator's own server config: the same HTTP limits as ``pdserve coordinator``.
+        self.server = uvicorn.Server(build_config(app, app.state.deps.settings, "warning"))
         self._task = None
 
     def __enter__(self) -> AppServer:
@@ -74,3 +78,14 @@ class AppServer:
     @property
     def deps(self):
         return self.app.state.deps
+
+
+def serve(loop: LoopThread, engines, **overrides) -> AppServer:
+    """A Coordinator on static ``engines`` (always PD unless ``overrides`` say otherwise)."""
+    settings = CoordinatorSettings(engines=tuple(engines), poll_interval_s=0.2,
+                                   **{**ALWAYS_PD, **overrides})
+    return AppServer(loop, create_app(settings))
+
+
+def metric(app: AppServer, name: str, **labels) -> float:
+    return app.deps.metrics.registry.get_sample_value(name, labels) or 0.0

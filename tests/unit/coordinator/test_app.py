@@ -7,45 +7,8 @@ import logging
 import threading
 
 import httpx
-import pytest
 
-from pdserve.coordinator.app import create_app
-from pdserve.coordinator.settings import CoordinatorSettings
-from tests.stub_engine import StubEngine, start_stub
-from tests.unit.coordinator.harness import ALWAYS_PD, AppServer, LoopThread
-
-BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
-@pytest.fixture
-def stubs(loop):
-    servers = []
-
-    def make(**kwargs) -> str:
-        server, address = loop.run(start_stub(StubEngine(**kwargs)))
-        servers.append(server)
-        return address
-
-    yield make
-    for server in servers:
-        loop.run(server.stop(grace=None))
-
-
-def serve(loop, engines, **overrides) -> AppServer:
-    settings = CoordinatorSettings(engines=tuple(engines), poll_interval_s=0.2,
-                                   **{**ALWAYS_PD, **overrides})
-    return AppServer(loop, create_app(settings))
-
-
-def metric(app: AppServer, name: str, **labels) -> float:
-    return app.deps.metrics.registry.get_sample_value(name, labels) or 0.0
+from tests.unit.coordinator.harness import BODY, metric, serve
 
 
 def test_pd_with_stubs_and_openai_errors(loop, stubs):

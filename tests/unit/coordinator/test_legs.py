@@ -5,6 +5,7 @@ and the one conversion of a request's parameters to the engine's wire type."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import grpc
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from pdserve.api.engine_client import build_generate_request
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.coordinator.errors import ServeError
-from pdserve.coordinator.legs import DecodeLeg, Leg, LegFailure, PairedLegs, PrefillLeg
+from pdserve.coordinator.legs import DecodeLeg, EngineFull, Leg, LegFailure, PairedLegs, PrefillLeg
 from pdserve.coordinator.lifecycle import GenerationParams
 from pdserve.coordinator.metrics import CoordinatorMetrics
 from pdserve.coordinator.timings import RequestTimings
@@ -199,3 +200,52 @@ def test_engine_request_is_what_is_left_of_the_stream():
     first = GenerationParams(max_tokens=4, seed=7).engine_request("r1", [1, 2], 0)
     assert first.sampling.seed == 7 and first.sampling.max_tokens == 4
     assert not first.HasField("kv_transfer")
+
+
+def test_both_legs_failing_at_once_leaves_no_error_unretrieved():
+    async def scenario():
+        reported = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: reported.append(ctx))
+        aborts = Aborts()
+        _, _, pair = make_pair(aborts, RequestTimings("r1", CoordinatorMetrics()))
+        pair.start(10.0)
+        call_of(pair.prefill).fail(grpc.StatusCode.INVALID_ARGUMENT)  # e.g. a prompt too long:
+        call_of(pair.decode).fail(grpc.StatusCode.INVALID_ARGUMENT)  # both engines refuse it
+        with pytest.raises(ServeError):
+            async for _ in pair.tokens():
+                pass
+        pair.close()
+        del pair  # the request is over: nothing holds its legs
+        await asyncio.sleep(0)
+        gc.collect()  # a forgotten future's error is reported when it is collected
+        await asyncio.sleep(0)
+        assert reported == []
+
+    asyncio.run(scenario())
+
+
+def test_a_full_engine_is_load_not_a_failure():
+    async def scenario():
+        engine, aborts = inst("d1", "decode"), Aborts()
+        leg = make_leg(DecodeLeg, engine, aborts, RequestTimings("r1", CoordinatorMetrics()))
+        leg.start(10.0)
+        call_of(leg).queue.put_nowait(grpc.aio.AioRpcError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+            "decode full: 12 blocks wanted, 3 free"))
+        with pytest.raises(EngineFull) as info:
+            async for _ in leg.tokens():
+                pass
+        leg.close()
+        assert (info.value.leg, info.value.engine, info.value.details) == (
+            "decode", engine, "decode full: 12 blocks wanted, 3 free")
+        assert engine.num_inflight == 0
+        # gRPC's own RESOURCE_EXHAUSTED (a message too large) stays an engine failure.
+        leg = make_leg(DecodeLeg, engine, aborts, RequestTimings("r1", CoordinatorMetrics()))
+        leg.start(10.0)
+        call_of(leg).fail(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        with pytest.raises(LegFailure):
+            async for _ in leg.tokens():
+                pass
+        leg.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,112 @@
+"""The Coordinator's HTTP server: uvicorn (httptools) with the limits a public endpoint needs.
+
+uvicorn closes an idle keep-alive connection ``timeout_keep_alive`` after its last
+response, but arms that timer only after a response and disarms it at the first
+byte: a connection that never sends a request, or stops halfway through its
+headers, stays open for good. ``build_config`` adds what is missing:
+
+  keep-alive      an idle connection closes ``http_keep_alive_s`` after its last response
+  header timeout  a request's headers must be complete ``http_header_timeout_s`` after
+                  the connection opened or its previous response ended; else the
+                  connection closes (with 408 if a request had begun)
+  header size     at most ``MAX_HEADER_BYTES`` of request line and headers (431)
+  connections     past ``max_connections`` open connections (or requests in flight),
+                  uvicorn answers 503
+  body timeout    the guard's (``guard.py``), which reads the body: 408
+
+Called by ``pdserve coordinator`` (``cli.run``) and by the tests' server harness, so
+both serve with the same limits. The protocol runs on the event loop; its timers
+are the loop's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .settings import CoordinatorSettings
+
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class _LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol plus the header timeout and size limit. One per
+    connection; ``header_timeout_s`` is set on the subclass ``build_config`` makes."""
+
+    header_timeout_s = 5.0
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._is_reading_headers = True  # between two requests, or before the first
+        self._num_header_bytes = 0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._is_reading_headers:
+            self._num_header_bytes += len(data)
+        super().data_received(data)
+        if self._is_reading_headers and self._num_header_bytes > MAX_HEADER_BYTES:
+            self._refuse(b"431 Request Header Fields Too Large",
+                         f"request headers larger than {MAX_HEADER_BYTES} bytes")
+
+    def on_headers_complete(self) -> None:
+        self._is_reading_headers = False
+        self._num_header_bytes = 0
+        self._disarm_header_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._is_reading_headers = True  # the next bytes are the next request's
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        is_pipelined = bool(self.pipeline)  # the next request's headers are in already
+        super().on_response_complete()
+        if not is_pipelined and not self.transport.is_closing():
+            self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _on_header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self._num_header_bytes:
+            self._refuse(b"408 Request Timeout",
+                         f"request headers not complete within {self.header_timeout_s:g}s")
+        else:
+            self.transport.close()  # idle: nothing to answer
+
+    def _refuse(self, status: bytes, message: str) -> None:
+        body = message.encode()
+        self.transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8"
+                             b"\r\nconnection: close\r\ncontent-length: " + str(len(body)).encode()
+                             + b"\r\n\r\n" + body)
+        self.transport.close()
+
+
+def build_config(app, settings: CoordinatorSettings, log_level: str = "info") -> uvicorn.Config:
+    """The uvicorn config serving ``app`` with ``settings``' HTTP limits."""
+    protocol = type("CoordinatorHttpProtocol", (_LimitedHttpToolsProtocol,),
+                    {"header_timeout_s": settings.http_header_timeout_s})
+    return uvicorn.Config(app, log_level=log_level, access_log=False, loop="asyncio",
+                          http=protocol, lifespan="on",
+                          timeout_keep_alive=settings.http_keep_alive_s,
+                          limit_concurrency=settings.max_connections)
