@@ -7,36 +7,55 @@ import argparse
 from pdserve.api.common import bytes_arg
 from pdserve.engine.config import DTYPES, ROLES, EngineConfig
 
+# The KV transfer's deadlines: flag, EngineConfig field (the default), help.
+KV_DEADLINES = (
+    ("--kv-transfer-timeout", "kv_transfer_timeout_s", "one batch of KV writes or reads may take this long"),
+    ("--kv-descriptor-timeout", "kv_descriptor_timeout_s", "P waits this long for D's destination blocks"),
+    ("--kv-done-timeout", "kv_done_timeout_s",
+     "D waits this long for the KV from admission (above --kv-descriptor-timeout)"),
+    ("--kv-lease", "kv_lease_s", "pull mode: P holds prefilled blocks this long for D to read"),
+    ("--kv-abort-ack-timeout", "kv_abort_ack_timeout_s",
+     "D keeps reserved blocks this long after an abort, waiting for P to confirm"),
+    ("--kv-reserve-wait-s", "kv_reserve_wait_s", "D waits this long for free KV blocks, then "
+     "refuses the leg with RESOURCE_EXHAUSTED 'decode full' (below --kv-descriptor-timeout)"),
+)
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag has a help text, so ``--help`` (``pdserve.cli.HelpFormatter``) shows
+    its default."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default="tiny", help="preset name (tiny, small) or a local HF checkpoint dir")
     g.add_argument("--device", default="cpu", help="cpu | cuda[:N] | npu[:N]")
-    g.add_argument("--dtype", default="float32", choices=DTYPES)
-    g.add_argument("--role", default="hybrid", choices=ROLES)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
+    g.add_argument("--role", default="hybrid", choices=ROLES,
+                   help="prefill or decode (one leg of a disaggregated request), or hybrid (both)")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV cache block (a power of two; P and D must agree)")
     g.add_argument("--kv-cache-bytes", type=bytes_arg, default=256 * 2**20,
                    help="KV cache budget in bytes, or a size as in the spec (20Gi, 512Mi)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (wins over bytes)")
-    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in the running batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step (decodes and prefill chunks together)")
     g.add_argument("--prefill-chunk-tokens", type=int, default=512,
                    help="most prompt tokens one step prefills, all requests together")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens per request (default: the model's context length)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share KV blocks between requests with the same prompt prefix")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     k = parser.add_argument_group("KV transfer")
-    k.add_argument("--kv-transport", default="tcp", choices=("tcp", "shm", "mooncake", "none"))
+    k.add_argument("--kv-transport", default="tcp", choices=("tcp", "shm", "mooncake", "none"),
+                   help="how KV moves between engines (shm: same node only; none: no disaggregation)")
     k.add_argument("--kv-host", default="127.0.0.1", help="address peers reach the KV transport on")
-    k.add_argument("--kv-port", type=int, default=0)
-    k.add_argument("--kv-auth-token", default=None, help="shared secret peers must present")
-    k.add_argument("--decode-allocation", default="dispatch", choices=("dispatch", "prefill_complete"))
-    k.add_argument("--kv-transfer-timeout", type=float, default=10.0, help="seconds per batch")
-    k.add_argument("--kv-descriptor-timeout", type=float, default=10.0)
-    k.add_argument("--kv-done-timeout", type=float, default=30.0)
-    k.add_argument("--kv-lease", type=float, default=30.0)
-    k.add_argument("--kv-abort-ack-timeout", type=float, default=5.0)
+    k.add_argument("--kv-port", type=int, default=0, help="KV transport port (0: a free one)")
+    k.add_argument("--kv-auth-token", default=None,
+                   help="shared secret peers must present (default: the cluster token)")
+    k.add_argument("--decode-allocation", default="dispatch", choices=("dispatch", "prefill_complete"),
+                   help="when D reserves destination blocks: at admission, or once P's prefill is done")
+    for flag, field, text in KV_DEADLINES:
+        k.add_argument(flag, type=float, dest=field, default=getattr(EngineConfig, field),
+                       metavar="SECONDS", help=text)
     k.add_argument("--fault-kv-send-delay", type=float, default=0.0,
                    help="fault injection: delay each KV write job (seconds; tests and drills)")
 
@@ -51,8 +70,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
         kv_transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
         kv_auth_token=args.kv_auth_token, decode_allocation=args.decode_allocation,
-        kv_transfer_timeout_s=args.kv_transfer_timeout,
-        kv_descriptor_timeout_s=args.kv_descriptor_timeout, kv_done_timeout_s=args.kv_done_timeout,
-        kv_lease_s=args.kv_lease, kv_abort_ack_timeout_s=args.kv_abort_ack_timeout,
         fault_kv_send_delay_s=args.fault_kv_send_delay,
+        **{field: getattr(args, field) for _, field, _ in KV_DEADLINES},
     )

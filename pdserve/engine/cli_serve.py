@@ -21,13 +21,13 @@ from pdserve.engine.config import ConfigError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC (and metrics) on")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics over HTTP on this port (0: a free one)")
     parser.add_argument("--shutdown-grace-s", type=float, default=10.0,
                         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -139,6 +139,9 @@ class EngineConfig:
     kv_done_timeout_s: float = 30.0  # D waiting for P's DONE/READY (longer than P's)
     kv_lease_s: float = 30.0  # P (pull) holding prefilled blocks for D
     kv_abort_ack_timeout_s: float = 5.0
+    # D waiting for free KV blocks to reserve before it refuses the leg ("decode full");
+    # below kv_descriptor_timeout_s, so P hears "decode full" rather than timing out.
+    kv_reserve_wait_s: float = 2.0
     # Fault injection for tests and drills: delay every KV write job by this long, to
     # widen the window in which a peer can be killed mid-transfer. 0 in production.
     fault_kv_send_delay_s: float = 0.0
@@ -167,6 +170,11 @@ class EngineConfig:
             )
         if self.kv_done_timeout_s <= self.kv_descriptor_timeout_s:
             raise ConfigError("kv_done_timeout_s must exceed kv_descriptor_timeout_s (D waits longer than P)")
+        if not 0 <= self.kv_reserve_wait_s < self.kv_descriptor_timeout_s:
+            raise ConfigError(
+                f"kv_reserve_wait_s must be at least 0 and below kv_descriptor_timeout_s "
+                f"({self.kv_descriptor_timeout_s:g}; D refuses before P gives up), "
+                f"got {self.kv_reserve_wait_s:g}")
         if self.prefill_chunk_tokens < 1:
             raise ConfigError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
         if self.max_num_batched_tokens < self.block_size:

@@ -7,7 +7,8 @@ Two sources, one explicit registry per engine process:
 - KV transfers are observed one by one through the connector's transfer-done hook
   (``observe_transfer``, called on the engine thread for every finished transfer):
   bytes, duration, failures and exposed (not hidden behind prefill) time, by mode,
-  transport and the engine's side of the transfer.
+  transport and the engine's side of the transfer; and refusals for want of D's
+  blocks ("decode full": load, so never counted as failures), by side.
 
 Labels are bounded: role (prefill | decode | hybrid), mode (pull | push | layerwise),
 transport (tcp | shm | mooncake). On the load gauges ``role`` is the engine's role; on
@@ -91,7 +92,12 @@ class EngineMetrics:
         self.transfer_bytes = Counter(p + "bytes", "KV bytes moved by finished transfers.",
                                       labels, registry=r)
         self.transfer_failures = Counter(p + "failures", "KV transfers that failed or were "
-                                         "aborted.", labels, registry=r)
+                                         "aborted (refusals excepted).", labels, registry=r)
+        self.reserve_refused = Counter("pdserve_engine_kv_reserve_refused", "KV transfers "
+                                       "refused because D had no free blocks within its "
+                                       "reserve wait (\"decode full\"); role: this engine's "
+                                       "side (decode refused, prefill was refused).",
+                                       ["role"], registry=r)
         self.transfer_duration = Histogram(p + "duration_seconds", "Successful KV transfers, "
                                            "start to settled.", labels, buckets=TRANSFER_BUCKETS,
                                            registry=r)
@@ -102,6 +108,8 @@ class EngineMetrics:
                                           registry=r)
         self.transport = transport
         if transport != "none":  # every series exists from the start: rate() works at once
+            for role in KV_ROLES:
+                self.reserve_refused.labels(role)
             for mode in MODES:
                 self.transfer_exposed.labels(mode, transport)
                 for role in KV_ROLES:
@@ -113,7 +121,10 @@ class EngineMetrics:
         params = xfer.params
         key = (params.mode, self.transport, params.role)
         if not ok:
-            self.transfer_failures.labels(*key).inc()
+            if xfer.is_full:
+                self.reserve_refused.labels(params.role).inc()
+            else:
+                self.transfer_failures.labels(*key).inc()
             return
         now = time.monotonic()
         self.transfer_bytes.labels(*key).inc(sum(h.num_bytes for h in xfer.handles))

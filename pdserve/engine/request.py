@@ -8,6 +8,7 @@ is a no-op once finished, so abort is idempotent):
        └────preempt─────────┘   (blocks freed, recomputed from scratch)
 
     WAITING_FOR_REMOTE_KV ──KV arrived──▶ RUNNING   (decode role: KV comes from a P)
+    a leg whose KV found no room on D ──▶ FINISHED_FULL   (load, not an error)
 
 ``num_computed_tokens`` counts tokens whose KV is in the cache; everything else
 (which blocks, which tokens are cached) is derived from it.
@@ -32,6 +33,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ERROR = "error"
     # Prefill role: first token produced, the rest continues on a decode engine.
     FINISHED_HANDOFF = "handoff"
+    # Either leg: D had no KV blocks for it ("decode full"); the engine is healthy, the
+    # server answers RESOURCE_EXHAUSTED and the Coordinator waits or goes elsewhere.
+    FINISHED_FULL = "full"
 
     @property
     def is_finished(self) -> bool:

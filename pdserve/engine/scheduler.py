@@ -221,9 +221,12 @@ class Scheduler:
         for request in events.handed_off:
             if self.finish(request, RequestStatus.FINISHED_HANDOFF):
                 changes.append((request, []))
-        for request, reason in events.failed:
-            if self.finish(request, RequestStatus.FINISHED_ERROR, reason):
-                changes.append((request, []))
+        # "full": D had no room for the KV, which is load, not an error.
+        for status, ended in ((RequestStatus.FINISHED_ERROR, events.failed),
+                              (RequestStatus.FINISHED_FULL, events.full)):
+            for request, reason in ended:
+                if self.finish(request, status, reason):
+                    changes.append((request, []))
         for request in events.released:  # kept at the end; no write can land any more
             self._free(request)
         return changes

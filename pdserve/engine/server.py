@@ -8,6 +8,12 @@ cancelled, even during admission) aborts its own request and no other, so its KV
 blocks are freed at once. The Abort RPC ends a request's stream with a last message
 (``finish_reason`` "abort").
 
+How a stream ends is decided in one place, ``end_status``: a request the engine had
+no room for (``finish_reason`` "full": D found no KV blocks within its reserve wait,
+or P heard so from D) ends with status RESOURCE_EXHAUSTED and details starting
+"decode full", the Coordinator's sign of load; every other end, errors included, is
+a last message with ``finished`` set.
+
 Shutdown (SIGTERM or SIGINT, the same path)::
 
     serving ──signal──▶ draining: new requests UNAVAILABLE, Health/Stats still answer
@@ -32,11 +38,13 @@ import grpc
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
 from pdserve.api.security import SecuritySettings, add_port, server_interceptors
+from pdserve.engine.kv_transfer.messages import DECODE_FULL
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.metrics import attach_metrics, start_metrics_server
 from pdserve.engine.output import RequestOutput
+from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -72,6 +80,13 @@ def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
         error=out.error or "",
         timings=pb.Timings(**out.timings) if out.timings else None,
     )
+
+
+def end_status(out: RequestOutput) -> tuple[grpc.StatusCode, str] | None:
+    """The status a stream ends with instead of sending ``out``; None: send it."""
+    if out.finished and out.finish_reason == RequestStatus.FINISHED_FULL.value:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, out.error or DECODE_FULL
+    return None
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -110,6 +125,9 @@ class EngineService(pb_grpc.EngineServicer):
             while not finished:
                 out = await outputs.get()
                 finished = out.finished
+                status = end_status(out)
+                if status is not None:
+                    await context.abort(*status)
                 yield output_to_proto(out)
         finally:
             if not finished:  # refused, the client went away, or the call was cancelled

@@ -19,7 +19,7 @@ from tests.procs import start_engine
 
 TIMEOUTS = ["--num-kv-blocks", "64", "--block-size", "8", "--kv-transport", "tcp",
             "--kv-transfer-timeout", "2", "--kv-descriptor-timeout", "2",
-            "--kv-done-timeout", "4", "--kv-abort-ack-timeout", "1"]
+            "--kv-done-timeout", "4", "--kv-abort-ack-timeout", "1", "--kv-reserve-wait-s", "1"]
 PROMPT = list(range(1, 41))
 
 
@@ -219,3 +219,41 @@ def test_abort_of_both_legs_mid_transfer_ends_both_streams(procs):
     assert p_rest[-1].finished and p_rest[-1].finish_reason in ("abort", "error"), p_rest[-1]
     assert_all_free(p_addr)
     assert_all_free(d_addr)
+
+
+def test_a_full_decode_answers_resource_exhausted_within_its_reserve_wait(procs):
+    """D has 6 blocks and each request needs 5: while the first holds them (P's write is
+    delayed), the second is refused on both legs with RESOURCE_EXHAUSTED "decode full"
+    after D's reserve wait, not after the transfer deadlines; nothing leaks."""
+    reserve_wait_s = 0.5
+    p, p_addr, p_kv = engine("prefill", "--fault-kv-send-delay", "1.5")
+    d, d_addr, d_kv = engine("decode", "--num-kv-blocks", "6",
+                             "--kv-reserve-wait-s", str(reserve_wait_s))
+    procs += [p, d]
+    addrs = (p_addr, p_kv, d_addr, d_kv)
+
+    async def second_after_first():
+        first = asyncio.ensure_future(run_pair(*addrs, "first", mode="push"))
+        await asyncio.sleep(0.3)  # the first's D leg holds the blocks now
+        started_s = time.monotonic()
+        second = await run_pair(*addrs, "second", mode="push")
+        return await first, second, time.monotonic() - started_s
+
+    first, second, second_s = asyncio.run(second_after_first())
+    p_msgs, p_error, d_msgs, d_error = second
+    assert d_error is not None and d_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert d_error.details().startswith("decode full: 5 KV blocks wanted"), d_error.details()
+    assert d_msgs == []
+    assert p_error is not None and p_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert p_error.details() == f"decode full (peer {d_kv})"
+    assert len(p_msgs) == 1 and not p_msgs[0].finished  # P prefilled, then heard D was full
+    assert second_s < reserve_wait_s + 1.0  # not the 2-4 s transfer deadlines
+    assert first[1] is None and first[3] is None
+    assert first[2][-1].finish_reason == "length" and len(tokens(first[2])) == 8
+    assert_all_free(p_addr)
+    assert_all_free(d_addr)
+    for address in (p_addr, d_addr):  # load, not a failed transfer
+        assert asyncio.run(_stats(address)).kv_transfers_failed == 0
+    # The first request's output is what the same request gets with D to itself.
+    _, _, again, _ = asyncio.run(run_pair(*addrs, "again", mode="push"))
+    assert tokens(again) == tokens(first[2])

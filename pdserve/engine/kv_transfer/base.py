@@ -12,6 +12,11 @@ ends (finished, aborted, failed, handed off), ``Scheduler.finish`` asks
 ``request_finished`` once; True means "writes may still land, I keep the blocks",
 and the connector later hands them back as ``ConnectorEvents.released``, which the
 scheduler frees. The connector allocates destination blocks (D) but never frees one.
+
+Overload is not failure: a decode leg for which D finds no free blocks within
+``ConnectorTimeouts.reserve_wait_s`` is refused, and so is its prefill leg on P; both
+are raised as ``full`` (not ``failed``), and the requests end ``FINISHED_FULL`` with
+an error starting "decode full", which the server answers as RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class ConnectorEvents:
     exposed: list[tuple[Request, int, int | None]] = field(default_factory=list)  # D: (req, token, seed)
     handed_off: list[Request] = field(default_factory=list)  # P: done, D has the KV
     failed: list[tuple[Request, str]] = field(default_factory=list)
+    # No room for the KV: D found no blocks within reserve_wait_s, or P heard so from D.
+    full: list[tuple[Request, str]] = field(default_factory=list)
     released: list[Request] = field(default_factory=list)  # blocks kept at the end, free now
 
     def take(self) -> ConnectorEvents:

@@ -6,6 +6,11 @@ waiting state has a deadline on the monotonic clock) and its quarantine: transfe
 that ended while a write could still land, whose blocks wait for a ``released``
 event. Both run on the engine thread; only ``Transfer.lock`` guards what the
 worker's sender thread also touches.
+
+A transfer that ends because D had no blocks for it (``Transfer.is_full``: D gave up
+reserving after ``reserve_wait_s``, or P heard so in D's ABORT) is load, not a
+failure: it is raised as ``full`` instead of ``failed`` and its request ends
+``FINISHED_FULL`` ("decode full").
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_transfer.base import ConnectorEvents
+from pdserve.engine.kv_transfer.messages import DECODE_FULL
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.kv_transfer.worker import ConnectorWorker
 from pdserve.engine.request import Request
@@ -44,6 +50,9 @@ class ConnectorTimeouts:
     done_s: float = 30.0  # D: waiting for DONE/READY from admission (longer than P's)
     lease_s: float = 30.0  # P (pull): holding prefilled blocks for D to read
     abort_ack_s: float = 5.0  # D: waiting for P to confirm an abort
+    # D: waiting for free blocks to reserve (from the first try that found none), then
+    # "decode full"; shorter than P's descriptor_s, so P hears of it before giving up.
+    reserve_wait_s: float = 2.0
 
 
 @dataclass
@@ -58,6 +67,7 @@ class Transfer:
     first_token: int | None = None
     handles: list = field(default_factory=list)  # submitted batches (sender thread appends on P)
     error: str | None = None
+    is_full: bool = False  # ended for want of D's blocks: load, not a failure
     lock: threading.Lock = field(default_factory=threading.Lock)
     started_s: float = field(default_factory=time.monotonic)
 
@@ -159,8 +169,12 @@ class Side(abc.ABC):
             log.warning("transfer %s: %s from unexpected peer %s", xfer.transfer_id, kind, msg["from"])
             return
         if kind in ("ABORT", "FAILED"):
-            verb = "aborted" if kind == "ABORT" else "failed"
-            self.on_peer_ended(xfer, f"peer {xfer.peer} {verb}: {msg.get('reason', '')}")
+            reason = str(msg.get("reason", ""))
+            if kind == "ABORT" and reason.startswith(DECODE_FULL):
+                self.on_peer_ended(xfer, f"{DECODE_FULL} (peer {xfer.peer})", is_full=True)
+            else:
+                verb = "aborted" if kind == "ABORT" else "failed"
+                self.on_peer_ended(xfer, f"peer {xfer.peer} {verb}: {reason}", is_full=False)
         elif not self.on_message(xfer, kind, msg):
             log.warning("transfer %s: unexpected %s in state %s", xfer.transfer_id, kind,
                         xfer.state.value)
@@ -181,8 +195,16 @@ class Side(abc.ABC):
         self.quarantine.pop(xfer.transfer_id, None)
         self.events.released.append(xfer.request)
 
-    def warn_failed(self, xfer: Transfer, reason: str) -> None:
-        log.warning("transfer %s (%s) failed: %s", xfer.transfer_id, xfer.params.role, reason)
+    def report_failed(self, xfer: Transfer, reason: str) -> None:
+        """Raise the event of a transfer that ended badly: ``full`` for want of D's
+        blocks (load), ``failed`` otherwise. Called once, from ``fail``."""
+        (self.events.full if xfer.is_full else self.events.failed).append((xfer.request, reason))
+
+    def log_failed(self, xfer: Transfer, reason: str) -> None:
+        if xfer.is_full:  # load: the Coordinator sends the request elsewhere or waits
+            log.info("transfer %s (%s) refused: %s", xfer.transfer_id, xfer.params.role, reason)
+        else:
+            log.warning("transfer %s (%s) failed: %s", xfer.transfer_id, xfer.params.role, reason)
 
     @abc.abstractmethod
     def on_handshake(self, xfer: Transfer) -> None:
@@ -202,10 +224,10 @@ class Side(abc.ABC):
         """A protocol message other than ABORT/FAILED; False when unexpected."""
 
     @abc.abstractmethod
-    def on_peer_ended(self, xfer: Transfer, reason: str) -> None:
-        """The peer sent ABORT or FAILED."""
+    def on_peer_ended(self, xfer: Transfer, reason: str, is_full: bool) -> None:
+        """The peer sent ABORT or FAILED; ``is_full`` when D's ABORT said "decode full"."""
 
     @abc.abstractmethod
-    def fail(self, xfer: Transfer, reason: str, notify_peer: bool) -> None:
+    def fail(self, xfer: Transfer, reason: str, notify_peer: bool, *, is_full: bool = False) -> None:
         """End ``xfer`` with an error (no-op once ended); keeps its blocks while a write
-        may land, and raises ``failed``."""
+        may land, and raises ``failed`` (``full`` with ``is_full``: D had no blocks)."""

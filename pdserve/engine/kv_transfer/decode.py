@@ -7,12 +7,16 @@ every waiting state (monotonic clock; ``done_s`` from admission):
       push, layerwise: ─blocks reserved, RESERVE sent─▶ … ─DONE─▶ SUCCESS (request exposed)
       pull:            ─READY, blocks allocated─▶ TRANSFERRING (reading)
                        ─read done, RELEASE sent─▶ SUCCESS (request exposed)
+    no blocks within reserve_wait_s ─▶ FAILED, is_full ("decode full")
     any waiting state past its deadline, an abort, P's FAILED/ABORT ─▶ FAILED,
       or ─▶ ABORTING (P may still write) ─ABORT_ACK, or the transport fenced P─▶ FAILED
 
 With ``decode_allocation=dispatch`` D reserves destination blocks as soon as the
-peer is known; with ``prefill_complete`` it waits for P's WANT_DEST. A READY that
-finds no free blocks waits (retried each step, until the deadline).
+peer is known; with ``prefill_complete`` it waits for P's WANT_DEST; in pull mode it
+allocates on READY. Without free blocks it retries each step for at most
+``reserve_wait_s`` from the first try that found none, then refuses: ABORT to P with
+reason "decode full: ...", and the request ends ``FINISHED_FULL`` (load, not a
+failure). Nothing was promised to P yet, so nothing is kept.
 
 Invariants:
 - D exposes a request only after DONE, which P sends after every write settled DONE;
@@ -30,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from pdserve.engine.kv_transfer.common import ENDED, Side, Transfer, XferState
+from pdserve.engine.kv_transfer.messages import DECODE_FULL
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.request import Request, RequestStatus
 
@@ -42,6 +47,7 @@ class DecodeTransfer(Transfer):
     should_reserve: bool = False  # reserve destination blocks as soon as possible
     pending_ready: dict | None = None  # pull: READY waiting for handshake or free blocks
     seed: int | None = None  # pull: P's sampler seed, from READY
+    no_room_since_s: float | None = None  # the first try to allocate that found no blocks
 
 
 class DecodeSide(Side):
@@ -89,16 +95,17 @@ class DecodeSide(Side):
             return False
         return True
 
-    def on_peer_ended(self, xfer: DecodeTransfer, reason: str) -> None:
+    def on_peer_ended(self, xfer: DecodeTransfer, reason: str, is_full: bool) -> None:
         # P settled its writes before sending FAILED/ABORT: nothing more will land.
-        self.fail(xfer, reason, notify_peer=False, write_may_land=False)
+        self.fail(xfer, reason, notify_peer=False, write_may_land=False, is_full=is_full)
 
     def fail(self, xfer: DecodeTransfer, reason: str, notify_peer: bool,
-             write_may_land: bool = True) -> None:
+             write_may_land: bool = True, *, is_full: bool = False) -> None:
         if xfer.state in ENDED:
             return
-        self.warn_failed(xfer, reason)
         xfer.error = reason
+        xfer.is_full = is_full
+        self.log_failed(xfer, reason)
         if notify_peer:
             self.send(xfer, "ABORT", reason=reason)
         if xfer.reserve_sent and self.worker.revoke(xfer):
@@ -107,11 +114,11 @@ class DecodeSide(Side):
             # P may still write into our blocks: keep them until it confirms.
             xfer.state = XferState.ABORTING
             xfer.deadline = time.monotonic() + self.timeouts.abort_ack_s
-            self.events.failed.append((xfer.request, reason))
+            self.report_failed(xfer, reason)
             return
         xfer.state = XferState.FAILED
         self.end(xfer, ok=False)
-        self.events.failed.append((xfer.request, reason))
+        self.report_failed(xfer, reason)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -119,11 +126,27 @@ class DecodeSide(Side):
         req = xfer.request
         if xfer.reserve_sent or self.worker.handshake(xfer.peer) != "ready":
             return
-        if not self.block_manager.allocate_slots(req, req.num_prompt_tokens):
-            return  # retried next step until the deadline
+        if not self._allocate(xfer):
+            return  # retried next step, for at most reserve_wait_s
         xfer.reserve_sent = True
         self.worker.grant_blocks(xfer)
         self.send(xfer, "RESERVE", blocks=req.block_table)
+
+    def _allocate(self, xfer: DecodeTransfer) -> bool:
+        """Allocate the request's destination blocks (all or nothing). Without room,
+        refuse once ``reserve_wait_s`` passed since the first try that found none."""
+        req, bm = xfer.request, self.block_manager
+        if bm.allocate_slots(req, req.num_prompt_tokens):
+            return True
+        now = time.monotonic()
+        if xfer.no_room_since_s is None:
+            xfer.no_room_since_s = now
+        wait_s = self.timeouts.reserve_wait_s
+        if now - xfer.no_room_since_s >= wait_s:
+            reason = (f"{DECODE_FULL}: {bm.num_blocks_for(req.num_prompt_tokens)} KV blocks "
+                      f"wanted, {bm.num_free_blocks} free after {wait_s:g} s")
+            self.fail(xfer, reason, notify_peer=True, is_full=True)
+        return False
 
     def _on_done(self, xfer: DecodeTransfer, msg: dict) -> None:
         if not xfer.reserve_sent:
@@ -148,8 +171,8 @@ class DecodeSide(Side):
         xfer.pending_ready = msg
         if xfer.state is not XferState.WAITING_FOR_INPUT:
             return  # handshake pending: retried by drive
-        if not self.block_manager.allocate_slots(req, req.num_prompt_tokens):
-            return  # no room yet: retried next step, until the deadline
+        if not self._allocate(xfer):
+            return  # retried by drive, for at most reserve_wait_s
         xfer.pending_ready = None
         xfer.remote_blocks = blocks
         xfer.first_token = msg.get("token")

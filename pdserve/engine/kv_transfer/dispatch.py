@@ -26,10 +26,12 @@ from pdserve.engine.request import Request
 
 @dataclass
 class TransferStats:
-    """Running totals of finished KV transfers (``stats()`` reports them)."""
+    """Running totals of finished KV transfers (``stats()`` reports them). A transfer
+    refused for want of D's blocks counts in ``num_refused``, not as failed."""
 
     num_ok: int = 0
     num_failed: int = 0
+    num_refused: int = 0
     num_bytes: int = 0
     exposed_s_total: float = 0.0  # P: time from prefill end to every write settled
     duration_s_total: float = 0.0
@@ -37,7 +39,10 @@ class TransferStats:
     def record(self, xfer, ok: bool) -> None:
         now = time.monotonic()
         if not ok:
-            self.num_failed += 1
+            if xfer.is_full:
+                self.num_refused += 1
+            else:
+                self.num_failed += 1
             return
         self.num_ok += 1
         self.num_bytes += sum(h.num_bytes for h in xfer.handles)
@@ -94,7 +99,9 @@ class DispatchConnector(KVConnector):
             found = self._route(msg["x"])
             if found is not None:
                 found[0].receive(found[1], msg)
-            elif msg["t"] != "ABORT":  # an ABORT for a transfer we never had needs no answer
+            elif msg["t"] not in ("ABORT", "ABORT_ACK"):
+                # An ABORT for a transfer we never had needs no answer; an ABORT_ACK
+                # answers a transfer that already ended here (e.g. refused, "decode full").
                 self._early.setdefault(msg["x"], []).append((time.monotonic(), msg))
         now = time.monotonic()
         for side in self._sides.values():

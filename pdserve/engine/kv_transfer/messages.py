@@ -13,6 +13,9 @@ message never breaks an engine.
     RELEASE             D → P  pull: read finished, free the blocks
     ABORT / ABORT_ACK   either way / P → D: stop; after the ack no write lands
     FAILED              P → D  the transfer failed on P's side
+
+An ABORT's ``reason`` says why; D's starts with ``DECODE_FULL`` when it had no blocks
+to reserve within its reserve wait: load, so P ends its leg "decode full", not failed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 TYPES = {"HELLO", "HELLO_ACK", "HELLO_REJECT", "RESERVE", "WANT_DEST", "DONE", "READY",
          "RELEASE", "ABORT", "ABORT_ACK", "FAILED"}
 MAX_MESSAGE_BYTES = 1 << 20
+DECODE_FULL = "decode full"  # D's ABORT reason (and the gRPC details) when it had no room
 
 
 class MessageError(ValueError):

@@ -8,6 +8,7 @@ every waiting state (monotonic clock; none while the prefill itself runs):
                        SUCCESS (DONE sent)
       pull:            ─prefill done─▶ TRANSFERRING (READY sent, lease) ─RELEASE─▶ SUCCESS
     any waiting state past its deadline, an abort, D's ABORT/FAILED ─▶ FAILED
+      (D's ABORT "decode full ...": FAILED, is_full; the request ends "decode full")
 
 Layer-wise with ``decode_allocation=dispatch`` *holds* the prefill: the request is
 not scheduled until D's RESERVE names the destination (bounded by ``descriptor_s``,
@@ -115,23 +116,25 @@ class PrefillSide(Side):
             return False
         return True
 
-    def on_peer_ended(self, xfer: PrefillTransfer, reason: str) -> None:
-        self.fail(xfer, reason, notify_peer=False)
+    def on_peer_ended(self, xfer: PrefillTransfer, reason: str, is_full: bool) -> None:
+        self.fail(xfer, reason, notify_peer=False, is_full=is_full)
         self.send(xfer, "ABORT_ACK")  # D's writes can no longer come from us: it may free
 
-    def fail(self, xfer: PrefillTransfer, reason: str, notify_peer: bool) -> None:
+    def fail(self, xfer: PrefillTransfer, reason: str, notify_peer: bool, *,
+             is_full: bool = False) -> None:
         if xfer.state in ENDED:
             return
-        self.warn_failed(xfer, reason)
         xfer.cancelled = True
         xfer.error = reason
+        xfer.is_full = is_full
+        self.log_failed(xfer, reason)
         if notify_peer:
             self.send(xfer, "FAILED", reason=reason)
         xfer.state = XferState.FAILED
         if not xfer.settled()[0]:
             self.quarantine[xfer.transfer_id] = xfer  # released by the sweep once writes settle
         self.end(xfer, ok=False)
-        self.events.failed.append((xfer.request, reason))
+        self.report_failed(xfer, reason)
 
     # -- internals -----------------------------------------------------------------------
 

@@ -68,6 +68,7 @@ def build_connector(config: EngineConfig, model_config: ModelConfig, runner,
     timeouts = ConnectorTimeouts(
         descriptor_s=config.kv_descriptor_timeout_s, done_s=config.kv_done_timeout_s,
         lease_s=config.kv_lease_s, abort_ack_s=config.kv_abort_ack_timeout_s,
+        reserve_wait_s=config.kv_reserve_wait_s,
     )
     worker = ConnectorWorker(transport, layout, fault_send_delay_s=config.fault_kv_send_delay_s)
     return DispatchConnector(worker, block_manager, timeouts, config.decode_allocation)

@@ -2,16 +2,19 @@
 
 Weight loading logs tensors, bytes and the rate at most every 2 s, then a final line
 (checked with a stepped clock, then on a real checkpoint with a sharded index); the
-``--kv-cache-bytes`` flag reads sizes as the PDCluster spec writes them.
+``--kv-cache-bytes`` flag reads sizes as the PDCluster spec writes them; every flag
+has a help text, so ``--help`` shows its default.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 
 import pytest
 
+from pdserve.cli import COMMANDS, main
 from pdserve.engine.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.engine.loader import LoadProgress, load_model
 from tests.unit.engine.hf_models import build_hf_model, save_hf_model
@@ -61,3 +64,18 @@ def test_a_kv_cache_size_that_is_not_one_is_a_usage_error(capsys):
         parse("--kv-cache-bytes", "20GB")
     assert exc.value.code == 2
     assert "20Gi or 512Mi" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["engine", "generate"])
+def test_every_engine_flag_has_a_help_text_so_help_shows_its_default(command, capsys):
+    module = importlib.import_module(COMMANDS[command][0])
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
+    for shown in ("(default: 16)", "(default: 64)", "--kv-reserve-wait-s", "(default: 2.0)"):
+        assert shown in text, text
+    if command == "engine":
+        assert "(default: INFO)" in text

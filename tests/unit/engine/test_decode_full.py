@@ -1,0 +1,122 @@
+"""Overload is backpressure: a D whose KV cache is full refuses a decode leg within its
+reserve wait ("decode full"), tells P, and both legs end FINISHED_FULL with every block
+free, while the request that holds D's blocks goes on untouched.
+
+In-process P and D over TCP (``pd_harness``); D has 6 blocks of 8 tokens and each
+prompt needs 5, so the second request cannot be reserved while the first holds them.
+P's KV writes are delayed (fault injection) so the first one holds D's blocks longer
+than D's reserve wait.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve.engine.metrics import attach_metrics
+from pdserve.engine.sampling_params import SamplingParams
+from tests.unit.engine.pd_harness import (
+    assert_all_free,
+    make_engine,
+    run_until_idle,
+    submit_pair,
+    tokens,
+)
+
+FIRST, SECOND = list(range(1, 41)), list(range(100, 140))  # 5 blocks each
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+RESERVE_WAIT_S = 0.3
+CHUNK = dict(max_num_batched_tokens=64)  # one prefill chunk: one write job per layer
+
+
+@pytest.fixture(scope="module")
+def reference():
+    hybrid = make_engine("hybrid", transport="none", **CHUNK)
+    return hybrid.generate([FIRST], PARAMS)[0]
+
+
+def make_pair(reserve_wait_s: float, send_delay_s: float = 0.0):
+    p = make_engine("prefill", fault_kv_send_delay_s=send_delay_s, **CHUNK)
+    d = make_engine("decode", num_kv_blocks=6, kv_reserve_wait_s=reserve_wait_s, **CHUNK)
+    return p, d
+
+
+def run_and_time(p, d) -> tuple[dict, dict]:
+    """Step both until idle; returns the outputs and when each request finished."""
+    started_s = time.monotonic()
+    ended_s: dict[str, float] = {}
+
+    def on_output(engine, out):
+        if out.finished:
+            ended_s[out.request_id] = time.monotonic() - started_s
+
+    return run_until_idle(p, d, on_outputs=on_output), ended_s
+
+
+def assert_refused(outs, rid: str, peer: str) -> None:
+    d_last, p_last = outs[f"d-{rid}"][-1], outs[f"p-{rid}"][-1]
+    assert d_last.finish_reason == "full" and d_last.error.startswith("decode full: 5 KV blocks wanted"), d_last
+    assert p_last.finish_reason == "full" and p_last.error == f"decode full (peer {peer})", p_last
+    assert tokens(outs[f"d-{rid}"]) == []
+
+
+@pytest.mark.parametrize("mode, send_delay_s", [("push", 1.0), ("layerwise", 0.4)])
+def test_a_full_decode_refuses_within_its_reserve_wait(reference, mode, send_delay_s):
+    p, d = make_pair(RESERVE_WAIT_S, send_delay_s)
+    metrics = attach_metrics(d)
+    try:
+        submit_pair(p, d, "first", FIRST, PARAMS, mode)
+        submit_pair(p, d, "second", SECOND, PARAMS, mode)
+        outs, ended_s = run_and_time(p, d)
+
+        assert_refused(outs, "second", d.connector.endpoint)
+        assert ended_s["d-second"] < RESERVE_WAIT_S + 1.0  # not the 3-6 s deadlines
+        assert ended_s["p-second"] < RESERVE_WAIT_S + 1.0
+        assert ended_s["d-second"] < ended_s["d-first"]  # refused while the first held the blocks
+        assert tokens(outs["d-first"]) == reference and outs["d-first"][-1].finish_reason == "length"
+        assert outs["p-first"][-1].finish_reason == "handoff"
+        for engine in (p, d):  # a refusal is not a failed transfer
+            stats = engine.connector.transfer_stats
+            assert (stats.num_ok, stats.num_failed, stats.num_refused) == (1, 0, 1)
+        text = metrics.render(d.stats()).decode()
+        assert 'pdserve_engine_kv_reserve_refused_total{role="decode"} 1.0' in text
+        failures = f'pdserve_engine_kv_transfer_failures_total{{mode="{mode}",role="decode",transport="tcp"}}'
+        assert f"{failures} 0.0" in text
+        assert_all_free(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_pull_refuses_when_ready_finds_no_blocks(reference):
+    """Pull: D allocates on READY. Both READYs reach D in one step; with no wait at all
+    the second is refused at once, and P frees the blocks it held for D to read."""
+    p, d = make_pair(reserve_wait_s=0.0)
+    try:
+        submit_pair(p, d, "first", FIRST, PARAMS, "pull")
+        submit_pair(p, d, "second", SECOND, PARAMS, "pull")
+        first_tokens: dict[str, list] = {}
+        deadline = time.monotonic() + 10
+        while len(first_tokens) < 2:  # P alone: both prefilled, READY sent for each
+            assert time.monotonic() < deadline
+            for out in p.step():
+                first_tokens.setdefault(out.request_id, out.new_token_ids)
+        outs = run_until_idle(p, d)
+
+        assert_refused(outs, "second", d.connector.endpoint)
+        assert first_tokens["p-first"] == reference[:1]
+        assert tokens(outs["d-first"]) == reference
+        assert_all_free(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_reserve_wait_must_stay_below_the_descriptor_timeout():
+    from pdserve.engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="kv_reserve_wait_s must be at least 0 and below"):
+        EngineConfig(kv_reserve_wait_s=10.0, kv_descriptor_timeout_s=10.0).validate()
+    with pytest.raises(ConfigError, match="kv_reserve_wait_s"):
+        EngineConfig(kv_reserve_wait_s=-1.0).validate()
