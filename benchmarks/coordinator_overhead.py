@@ -25,7 +25,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.api.engine_client import EngineClient, build_generate_request  # noqa: E402
+from pdserve.runtime.engine_client import EngineClient, build_generate_request  # noqa: E402
 from tests.procs import PDSERVE, Proc  # noqa: E402
 from tests.stub_engine import StubEngine, start_stub  # noqa: E402
 

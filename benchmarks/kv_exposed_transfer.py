@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pdserve.api.engine_client import EngineClient, build_generate_request  # noqa: E402
+from pdserve.runtime.engine_client import EngineClient, build_generate_request  # noqa: E402
 from tests.procs import PDSERVE, Proc  # noqa: E402
 
 NS_P, NS_D = "pdbench-p", "pdbench-d"

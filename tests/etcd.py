@@ -1,7 +1,8 @@
 """A real etcd for tests: free loopback ports, a temp data dir, reaped on stop.
 
 ``EtcdServer(tmp_path).start()`` returns once etcd answers; ``restart()`` keeps the
-data dir (the cluster's state survives, as with a real etcd restart). With ``tls``
+data dir (the cluster's state survives, as with a real etcd restart); ``kill()`` is a
+crash (SIGKILL), after which ``start()`` brings it back on the same data. With ``tls``
 (a server certificate and its CA, ``tests/pki.py``) it serves HTTPS only and asks
 clients for a certificate the CA signed. ``enable_auth`` turns on etcd's users:
 a root user, and one user allowed a key prefix only. Skips the test when no
@@ -28,7 +29,7 @@ import grpc
 import pytest
 from aetcd import rpc
 
-from pdserve.api.security import SecuritySettings
+from pdserve.runtime.security import SecuritySettings
 
 
 def free_port() -> int:
@@ -91,6 +92,13 @@ class EtcdServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash (no clean shutdown); ``start()`` brings it back on its data dir."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
     def enable_auth(self, user: str, password: str, prefix: str) -> None:
         """Users on: ``root`` (password ``root-<password>``) and ``user``, who may read

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.api.security import SecuritySettings
+from pdserve.runtime.security import SecuritySettings
 
 EXTENSIONS = "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
 

@@ -1,4 +1,6 @@
-"""Schemas shared by every component: cluster specs, wire types. The bottom layer."""
+"""Schemas shared by every component: cluster specs and status, manifests, CRDs, wire
+types, and the spec-to-arguments mapping. The bottom layer: it imports nothing else
+from pdserve (what processes run at runtime lives in ``pdserve.runtime``)."""
 
 from pdserve.api.cluster import PDCluster, PDClusterSpec, PDClusterStatus
 from pdserve.api.conditions import Condition, get_condition, is_condition_true, set_condition

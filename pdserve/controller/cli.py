@@ -18,10 +18,7 @@ import asyncio
 import os
 
 from pdserve.api import PDCluster
-from pdserve.api.http_runtime import run_component
-from pdserve.api.logs import configure_logging
 from pdserve.api.manifest import default_cluster
-from pdserve.api.security import SecuritySettings
 from pdserve.controller.cluster import ClusterSettings
 from pdserve.controller.core import Controller, ControllerSettings
 from pdserve.controller.etcd_store import EtcdAccess
@@ -30,6 +27,9 @@ from pdserve.controller.health import HealthThresholds
 from pdserve.controller.rebalance import RebalanceSettings
 from pdserve.controller.service import create_grpc_server, create_http_app
 from pdserve.controller.store import open_store
+from pdserve.runtime.http import run_component
+from pdserve.runtime.logs import configure_logging
+from pdserve.runtime.security import SecuritySettings
 
 WILDCARDS = ("0.0.0.0", "::", "")
 

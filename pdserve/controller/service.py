@@ -16,12 +16,12 @@ import grpc
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.api.http_runtime import alive, create_side_app, registry_of
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.api.security import SecuritySettings, add_port, server_interceptors
 from pdserve.controller.core import Controller, NotLeader
 from pdserve.controller.health import DRAINING, FAILED, READY, STARTING, SUSPECT
+from pdserve.runtime.http import alive, create_side_app, registry_of
+from pdserve.runtime.security import SecuritySettings, add_port, server_interceptors
 
 
 def leader_only(handler):

@@ -28,8 +28,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from pdserve import __version__
-from pdserve.api.logs import RequestLogMiddleware
-from pdserve.api.security import SecuritySettings
+from pdserve.runtime.logs import RequestLogMiddleware
+from pdserve.runtime.security import SecuritySettings
 
 from .admission import Admission
 from .discovery import StaticDiscovery

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from pdserve.api.cluster import FallbackPolicy, RoutingPolicy, TransferMode
 from pdserve.api.common import bytes_arg
-from pdserve.api.logs import configure_logging
+from pdserve.runtime.logs import configure_logging
 
 from .settings import CoordinatorSettings
 

@@ -19,8 +19,8 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from pdserve.api.engine_client import EngineClient
-from pdserve.api.security import SecuritySettings
+from pdserve.runtime.engine_client import EngineClient
+from pdserve.runtime.security import SecuritySettings
 
 
 @dataclass

@@ -38,8 +38,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pdserve.api.engine_client import EngineClient
 from pdserve.api.proto import engine_pb2 as pb
+from pdserve.runtime.engine_client import EngineClient
 
 from .errors import ServeError
 from .instances import EngineEndpoint, InstanceRegistry

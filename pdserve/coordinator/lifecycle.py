@@ -49,11 +49,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pdserve.api.proto import engine_pb2 as pb
+from pdserve.runtime.log_throttle import ThrottledLog
 
 from .errors import ServeError
 from .instances import EngineEndpoint, InstanceRegistry
 from .legs import Aborter, DecodeLeg, EngineFull, Leg, LegFailure, PairedLegs, PrefillLeg
-from .log_throttle import ThrottledLog
 from .metrics import CoordinatorMetrics
 from .policies import RouteContext
 from .router import Plan, Router

@@ -18,8 +18,8 @@ from pathlib import Path
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pdserve.api.detokenizer import Detokenizer
-from pdserve.api.tokenizer import ByteTokenizer, load_tokenizer
+from pdserve.runtime.detokenizer import Detokenizer
+from pdserve.runtime.tokenizer import ByteTokenizer, load_tokenizer
 
 from .errors import ServeError
 

@@ -36,7 +36,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from pdserve.api.detokenizer import Detokenizer
+from pdserve.runtime.detokenizer import Detokenizer
 
 from .admission import Admission
 from .errors import ServeError

@@ -32,7 +32,7 @@ from fastapi import FastAPI
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse
 
 from pdserve import __version__
-from pdserve.api.security import SecuritySettings
+from pdserve.runtime.security import SecuritySettings
 
 from .lifecycle import Deps
 

@@ -19,7 +19,7 @@ import grpc
 
 from pdserve.api.proto import controller_pb2 as cpb
 from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
-from pdserve.api.security import SecuritySettings, create_channel
+from pdserve.runtime.security import SecuritySettings, create_channel
 
 from .instances import EngineEndpoint, InstanceRegistry
 

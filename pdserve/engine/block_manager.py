@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pdserve.api.block_hash import hash_block
 from pdserve.engine.request import Request
+from pdserve.runtime.block_hash import hash_block
 
 
 class BlockManager:

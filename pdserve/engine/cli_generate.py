@@ -59,7 +59,7 @@ def _run_local(args, ids):
 def _run_remote(args, ids):
     import asyncio
 
-    from pdserve.api.engine_client import EngineClient, build_generate_request
+    from pdserve.runtime.engine_client import EngineClient, build_generate_request
 
     async def go():
         async with EngineClient(args.server) as client:

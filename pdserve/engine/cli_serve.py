@@ -14,9 +14,9 @@ import asyncio
 import signal
 import sys
 
-from pdserve.api.logs import configure_logging
 from pdserve.engine.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.engine.config import ConfigError
+from pdserve.runtime.logs import configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,9 +42,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pdserve.api.security import SecuritySettings
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.server import serve
+    from pdserve.runtime.security import SecuritySettings
 
     try:
         security = SecuritySettings.from_env()

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.api.tokenizer import ByteTokenizer, load_tokenizer
 from pdserve.engine.config import ConfigError, ModelConfig
 from pdserve.engine.model import Transformer
+from pdserve.runtime.tokenizer import ByteTokenizer, load_tokenizer
 
 PRESETS: dict[str, dict] = {
     # ~2M parameters: tests and the default local cluster.

@@ -25,8 +25,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.api.http_runtime import start_http
 from pdserve.engine.kv_transfer.params import KV_ROLES, MODES
+from pdserve.runtime.http import start_http
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.api.detokenizer import Detokenizer
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.runtime.detokenizer import Detokenizer
 
 _FLUSHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)  # held text goes out
 

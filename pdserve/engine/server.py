@@ -37,7 +37,6 @@ import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
-from pdserve.api.security import SecuritySettings, add_port, server_interceptors
 from pdserve.engine.kv_transfer.messages import DECODE_FULL
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine
@@ -46,6 +45,7 @@ from pdserve.engine.metrics import attach_metrics, start_metrics_server
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.runtime.security import SecuritySettings, add_port, server_interceptors
 
 log = logging.getLogger(__name__)
 

@@ -54,8 +54,8 @@ from pdserve.api.instance import instance_name
 from pdserve.api.manifest import default_cluster, dump_manifest
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.api.security import TOKEN_FILE_ENV, SecuritySettings, create_channel
 from pdserve.local.runstate import RunState, default_run_dir, stop_in_order
+from pdserve.runtime.security import TOKEN_FILE_ENV, SecuritySettings, create_channel
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 POOLS = ("prefill", "decode", "hybrid")

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.api.engine_client import EngineClient
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.api.security import SecuritySettings, create_channel
 from pdserve.nodeagent.engine_args import with_role
 from pdserve.nodeagent.process import Backoff, EngineProcess
+from pdserve.runtime.engine_client import EngineClient
+from pdserve.runtime.security import SecuritySettings, create_channel
 
 log = logging.getLogger(__name__)
 

@@ -21,15 +21,15 @@ import socket
 
 from pdserve.api import PDCluster
 from pdserve.api.common import bytes_arg
-from pdserve.api.http_runtime import run_component
 from pdserve.api.instance import instance_ordinal
-from pdserve.api.logs import configure_logging
 from pdserve.api.manifest import default_cluster
-from pdserve.api.security import SecuritySettings
 from pdserve.nodeagent.agent import Agent, AgentSettings, SupervisedEngine
 from pdserve.nodeagent.engine_args import build_engine_argv
 from pdserve.nodeagent.http import create_http_app
 from pdserve.nodeagent.process import Backoff
+from pdserve.runtime.http import run_component
+from pdserve.runtime.logs import configure_logging
+from pdserve.runtime.security import SecuritySettings
 
 ROLES = ("prefill", "decode", "hybrid")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.api.http_runtime import alive, create_side_app, registry_of
 from pdserve.nodeagent.agent import Agent
+from pdserve.runtime.http import alive, create_side_app, registry_of
 
 
 class AgentCollector:

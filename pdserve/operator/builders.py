@@ -200,7 +200,7 @@ def model_volume(cluster: PDCluster) -> dict | None:
 def shared_mounts(cluster: PDCluster, *, with_model: bool) -> tuple[list[dict], list[dict], list[dict]]:
     """(env, volumes, volumeMounts) every component container gets: the cluster token
     (``PDSERVE_CLUSTER_TOKEN_FILE``), the TLS files when ``spec.security.tlsSecret`` is
-    set (``PDSERVE_TLS_*``, read by ``pdserve.api.security.SecuritySettings.from_env``),
+    set (``PDSERVE_TLS_*``, read by ``pdserve.runtime.security.SecuritySettings.from_env``),
     and, ``with_model``, the pvc or image model at ``MODEL_DIR``."""
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            {"name": "PDSERVE_CLUSTER_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"}]

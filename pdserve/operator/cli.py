@@ -15,8 +15,6 @@ import logging
 import kopf
 from aiohttp import web
 
-from pdserve.api.logs import configure_logging
-from pdserve.api.security import SecuritySettings
 from pdserve.operator import builders as b
 from pdserve.operator.controller_client import ControllerClients
 from pdserve.operator.handlers import register
@@ -24,6 +22,8 @@ from pdserve.operator.kube import KubeClient
 from pdserve.operator.metrics import OperatorMetrics, create_http_app
 from pdserve.operator.reconcile import Reconciler
 from pdserve.operator.settings import OperatorSettings
+from pdserve.runtime.logs import configure_logging
+from pdserve.runtime.security import SecuritySettings
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import grpc
 
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.api.security import TOKEN_METADATA_KEY, SecuritySettings, create_channel
+from pdserve.runtime.security import TOKEN_METADATA_KEY, SecuritySettings, create_channel
 
 CALL_TIMEOUT_S = 5.0
 

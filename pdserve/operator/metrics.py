@@ -15,7 +15,7 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.api.http_runtime import create_side_app
+from pdserve.runtime.http import create_side_app
 
 
 class OperatorMetrics:

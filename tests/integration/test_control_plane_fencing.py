@@ -18,13 +18,13 @@ import pytest
 
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.api.security import SecuritySettings, create_channel
 from pdserve.controller.cluster import ClusterSettings
 from pdserve.controller.core import Controller, ControllerSettings
 from pdserve.controller.election import LEAD_FRACTION
 from pdserve.controller.health import HealthThresholds
 from pdserve.controller.service import create_grpc_server
 from pdserve.controller.store import FencedError, open_store
+from pdserve.runtime.security import SecuritySettings, create_channel
 from tests.etcd import EtcdServer, TcpProxy
 
 LEADER_TTL_S = 2

@@ -19,7 +19,7 @@ import pytest
 
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.api.security import SecuritySettings, create_channel
+from pdserve.runtime.security import SecuritySettings, create_channel
 from tests.pki import issue, make_ca
 from tests.procs import PDSERVE, Proc
 

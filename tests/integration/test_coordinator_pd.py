@@ -20,10 +20,10 @@ import openai
 import orjson
 import pytest
 
-from pdserve.api.engine_client import EngineClient, build_generate_request
-from pdserve.api.tokenizer import ByteTokenizer
 from pdserve.coordinator.app import create_app
 from pdserve.coordinator.settings import CoordinatorSettings
+from pdserve.runtime.engine_client import EngineClient, build_generate_request
+from pdserve.runtime.tokenizer import ByteTokenizer
 from tests.procs import PDSERVE, Proc
 from tests.stub_engine import StubEngine, start_stub
 from tests.unit.coordinator.harness import ALWAYS_PD, AppServer, LoopThread

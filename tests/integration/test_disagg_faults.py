@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from pdserve.api.engine_client import EngineClient, build_generate_request
+from pdserve.runtime.engine_client import EngineClient, build_generate_request
 from tests.procs import start_engine
 
 TIMEOUTS = ["--num-kv-blocks", "64", "--block-size", "8", "--kv-transport", "tcp",

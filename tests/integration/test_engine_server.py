@@ -13,11 +13,11 @@ import time
 import grpc
 import pytest
 
-from pdserve.api.engine_client import EngineClient, build_generate_request
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.runtime.engine_client import EngineClient, build_generate_request
 from tests.procs import PDSERVE, REPO, start_engine
 
 PROMPTS = [[1, 2, 3], [50, 60, 70, 80, 90] * 7, list(range(100, 140))]
@@ -149,7 +149,7 @@ def test_cli_errors_exit_with_code_2(engine_server):
 def test_cluster_token_is_required_when_configured():
     import os
 
-    from pdserve.api.security import SecuritySettings
+    from pdserve.runtime.security import SecuritySettings
     from tests.procs import Proc
 
     proc = Proc([*PDSERVE, "engine", "--model", "tiny", "--port", "0", "--num-kv-blocks", "32"],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.api.block_hash import hash_chain
+from pdserve.runtime.block_hash import hash_chain
 
 from ..instances import EngineEndpoint
 

@@ -9,11 +9,11 @@ import asyncio
 
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.api.security import SecuritySettings, create_channel
 from pdserve.controller.cluster import ClusterSettings
 from pdserve.controller.core import Controller, ControllerSettings
 from pdserve.controller.service import create_grpc_server
 from pdserve.controller.store import MemoryStore
+from pdserve.runtime.security import SecuritySettings, create_channel
 
 
 def report(instance_id: str, num_running: int = 0, state: str = "running") -> pb.InstanceReport:

@@ -10,10 +10,10 @@ import pytest
 
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.api.security import SecuritySettings
 from pdserve.controller.core import Controller, ControllerSettings
 from pdserve.controller.service import create_grpc_server
 from pdserve.controller.store import MemoryStore
+from pdserve.runtime.security import SecuritySettings
 
 
 def test_token_is_required_and_refusals_are_logged(caplog):

@@ -10,13 +10,13 @@ import gc
 import grpc
 import pytest
 
-from pdserve.api.engine_client import build_generate_request
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.coordinator.errors import ServeError
 from pdserve.coordinator.legs import DecodeLeg, EngineFull, Leg, LegFailure, PairedLegs, PrefillLeg
 from pdserve.coordinator.lifecycle import GenerationParams
 from pdserve.coordinator.metrics import CoordinatorMetrics
 from pdserve.coordinator.timings import RequestTimings
+from pdserve.runtime.engine_client import build_generate_request
 from tests.unit.coordinator.harness import inst
 
 PROMPT = [1, 2, 3, 4]

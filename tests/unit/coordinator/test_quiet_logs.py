@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.coordinator.log_throttle import ThrottledLog
+from pdserve.runtime.log_throttle import ThrottledLog
 from tests.unit.coordinator.harness import BODY, metric, serve
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.api.block_hash import hash_chain
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.runtime.block_hash import hash_chain
 
 BS = 4
 

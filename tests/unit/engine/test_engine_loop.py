@@ -15,12 +15,12 @@ import threading
 
 import pytest
 
-from pdserve.api.engine_client import build_generate_request
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.server import EngineService
+from pdserve.runtime.engine_client import build_generate_request
 
 
 class Context:

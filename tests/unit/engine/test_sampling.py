@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.api.detokenizer import Detokenizer
-from pdserve.api.tokenizer import ByteTokenizer
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.runtime.detokenizer import Detokenizer
+from pdserve.runtime.tokenizer import ByteTokenizer
 
 PROMPT = list(b"Sampling on the tiny preset")
 OTHERS = [list(b"a"), list(b"another prompt of some length"), list(range(60, 110))]

@@ -1,4 +1,4 @@
-"""The NodeAgent's side server (built by ``pdserve.api.http_runtime.create_side_app``):
+"""The NodeAgent's side server (built by ``pdserve.runtime.http.create_side_app``):
 /readyz names the engines that are not ready, /healthz always answers, /metrics renders,
 /status says why an engine died and whether it cannot start."""
 

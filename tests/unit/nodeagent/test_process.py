@@ -100,8 +100,8 @@ def test_the_excerpt_is_the_last_traceback_or_the_last_error_line():
 
 
 def test_a_heartbeat_after_an_exit_reports_why_the_engine_died_not_the_last_probe():
-    from pdserve.api.security import SecuritySettings
     from pdserve.nodeagent.agent import Agent, AgentSettings, SupervisedEngine
+    from pdserve.runtime.security import SecuritySettings
 
     inst = SupervisedEngine("e0", "decode", "decode", ["engine"])
     Agent(AgentSettings(), [inst], SecuritySettings())

@@ -1,4 +1,4 @@
-"""``pdserve.api.logs``: JSON or text lines chosen by PDSERVE_LOG_FORMAT, and the access
+"""``pdserve.runtime.logs``: JSON or text lines chosen by PDSERVE_LOG_FORMAT, and the access
 log middleware that puts the request id on the Coordinator's line."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 
-from pdserve.api.logs import JsonFormatter, RequestLogMiddleware, configure_logging
+from pdserve.runtime.logs import JsonFormatter, RequestLogMiddleware, configure_logging
 
 
 def test_json_lines_carry_request_id(monkeypatch, capsys):

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.api.security import SecuritySettings
 from pdserve.operator import builders as b
 from pdserve.operator.desired import build_cluster_objects
 from pdserve.operator.kube import KubeError
 from pdserve.operator.settings import OperatorSettings
 from pdserve.operator.tokens import KEY_BYTES, derive_cluster_token, load_operator_key
+from pdserve.runtime.security import SecuritySettings
 from tests.unit.operator.test_builders import cluster
 
 TOKEN = "f" * 64

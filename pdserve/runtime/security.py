@@ -21,6 +21,8 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.runtime.log_throttle import ThrottledLog
+
 log = logging.getLogger(__name__)
 
 TOKEN_METADATA_KEY = "x-pdserve-token"
@@ -60,17 +62,20 @@ class SecuritySettings:
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call that does not present the cluster token (UNAUTHENTICATED)."""
+    """Refuses every call that does not present the cluster token (UNAUTHENTICATED);
+    each method and reason is logged at most once per ``ThrottledLog`` interval."""
 
     def __init__(self, token: str) -> None:
         self._token = token.encode()
+        self._refusals = ThrottledLog(log)
 
     async def intercept_service(self, continuation, handler_call_details):
         presented = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_METADATA_KEY)
         if presented is not None and hmac.compare_digest(str(presented).encode(), self._token):
             return await continuation(handler_call_details)
         reason = "no cluster token" if presented is None else "wrong cluster token"
-        log.warning("refused %s: %s", handler_call_details.method, reason)
+        method = handler_call_details.method
+        self._refusals.log(logging.WARNING, (method, reason), "refused %s: %s", method, reason)
         return _refusal(reason)
 
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
-from pdserve.api.security import SecuritySettings, create_channel
+from pdserve.runtime.security import SecuritySettings, create_channel
 
 
 class EngineClient:
