@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import sys
 import time
@@ -45,8 +46,11 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000)[int(q * 10) - 1] if len(values) > 1 else values[0]
 
 
+_ids = itertools.count()
+
+
 async def direct_once(client: EngineClient) -> None:
-    req = build_generate_request("", prompt_token_ids=[104, 105], max_tokens=1)
+    req = build_generate_request(f"direct-{next(_ids)}", prompt_token_ids=[104, 105], max_tokens=1)
     async for _ in client.generate(req, timeout_s=10):
         pass
 
