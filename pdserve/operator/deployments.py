@@ -73,7 +73,7 @@ def build_controller_deployment(cluster: PDCluster, settings: OperatorSettings) 
     container = {
         "name": "controller",
         "args": ["controller", "-f", b.CONFIG_FILE, "--store", settings.store_url,
-                 "--host", "0.0.0.0", "--port", str(b.CONTROLLER_GRPC_PORT),
+                 "--host", "$(POD_IP)", "--port", str(b.CONTROLLER_GRPC_PORT),
                  "--http-port", str(b.CONTROLLER_HTTP_PORT),
                  "--advertise", f"$(POD_IP):{b.CONTROLLER_GRPC_PORT}"],
         "ports": [{"name": "grpc", "containerPort": b.CONTROLLER_GRPC_PORT},

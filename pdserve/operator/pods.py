@@ -84,7 +84,7 @@ def engine_host(cluster: PDCluster, instance: str) -> str:
 def agent_args(cluster: PDCluster, instance: str, pool: Pool) -> list[str]:
     args = ["nodeagent", "--controller", b.controller_address(cluster),
             "--instance", f"{instance}={pool}",
-            "-f", b.CONFIG_FILE, "--agent-id", instance, "--host", "0.0.0.0",
+            "-f", b.CONFIG_FILE, "--agent-id", instance, "--host", "$(POD_IP)",
             "--http-port", str(b.AGENT_HTTP_PORT),
             # peers reach the engine and its KV transport on the Pod's address
             f"--engine-arg=--host={engine_host(cluster, instance)}", "--engine-arg=--kv-host=$(POD_IP)",

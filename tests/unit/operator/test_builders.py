@@ -243,3 +243,18 @@ def test_every_object_is_part_of_pdserve():
     for obj in build_static_objects(cluster(), OperatorSettings()):
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdserve"
         assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "pdserve"
+
+
+def test_controller_and_agents_listen_only_on_their_pod_address():
+    """Secure by default: the internal listeners bind the address they announce, which
+    the kubelet expands from the Pod's ``POD_IP`` (fieldRef status.podIP)."""
+    c = cluster(prefill={"replicas": 1})
+    controller = build_controller_deployment(c, OperatorSettings())["spec"]["template"]["spec"]
+    agent = build_engine_pod(c, "c-prefill-0", "prefill", "inst-uid", "img:1")["spec"]
+    for spec in (controller, agent):
+        container = spec["containers"][0]
+        args = container["args"]
+        assert args[args.index("--host") + 1] == "$(POD_IP)"
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert "0.0.0.0" not in args
