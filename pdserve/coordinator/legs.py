@@ -258,8 +258,16 @@ class PairedLegs:
         self.prefill.start(timeout_s)
         self._prefill_task = asyncio.ensure_future(self.prefill.until_handoff())
 
-    def tokens(self) -> AsyncIterator[list[int]]:
-        return self.decode.tokens(self._prefill_task)
+    async def tokens(self) -> AsyncIterator[list[int]]:
+        """D's tokens. P relays D's "decode full" when D gave up reserving blocks for the
+        transfer: that is D's load, so it is reported as D's (without D's address)."""
+        try:
+            async for ids in self.decode.tokens(self._prefill_task):
+                yield ids
+        except EngineFull as full:
+            if full.leg == "prefill" and full.details.startswith("decode full"):
+                raise EngineFull(self.decode.engine, "decode", "decode full") from None
+            raise
 
     def close(self) -> None:
         self.decode.close()

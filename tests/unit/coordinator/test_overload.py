@@ -90,3 +90,16 @@ def test_the_coordinators_own_queue_full_is_429_with_retry_after(loop, stubs):
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         t.join()
         assert first["r"].status_code == 503 and first["r"].headers["retry-after"]
+
+
+def test_a_prefill_relaying_its_decodes_full_marks_the_decode_engine_full(loop, stubs):
+    relaying = stubs(role="prefill", behavior="peer_full")
+    full_decode = stubs(role="decode")
+    engines = [relaying, full_decode, stubs(role="prefill"), stubs(role="decode", num_tokens=2)]
+    with serve(loop, engines, prefill_policy="round_robin", decode_policy="round_robin") as app:
+        for _ in range(4):
+            assert httpx.post(app.url + "/v1/completions", json=BODY, timeout=10).status_code == 200
+        assert overloads(app, "decode") >= 1 and overloads(app, "prefill") == 0
+        assert retries(app) == 0
+        assert app.deps.registry.get(full_decode).full_until > 0
+        assert app.deps.registry.get(relaying).full_until == 0
