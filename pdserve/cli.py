@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("pdserve.controller.cli", "run the Controller (registry, health, failover, view)"),
     "nodeagent": ("pdserve.nodeagent.cli", "supervise engines and heartbeat to the Controller"),
     "up": ("pdserve.local.up", "run a whole cluster locally as processes"),
+    "doctor": ("pdserve.local.doctor", "check a cluster (or a spec) before sending traffic"),
     "operator": ("pdserve.operator.cli", "run the kopf operator"),
     "bench": ("pdserve.bench.cli", "measure goodput under SLO of a server, or compare two specs"),
 }

@@ -8,7 +8,9 @@ token, then "handoff"); "fail" ends every Generate with an engine error after
 Coordinator; "full" refuses the first ``num_full`` Generate calls (None: all) as an
 engine with no room does, then answers as "ok"; "refuse" refuses every Generate
 with INVALID_ARGUMENT, as an engine does a prompt longer than its context. Health reports the given role, KV
-endpoint and compat hash, so a stub can be paired with real engines.
+endpoint and compat hash, so a stub can be paired with real engines. ProbePeer
+passes for every peer except those in ``probe_failures`` (KV endpoint -> reason);
+``probed`` lists the endpoints asked.
 
 Like a real engine it refuses (INVALID_ARGUMENT) a request id already in flight and
 a transfer id longer than 128 characters, and Abort ends the stream of the request
@@ -38,7 +40,8 @@ class StubEngine(pb_grpc.EngineServicer):
     def __init__(self, role: str = "hybrid", behavior: str = "ok", num_tokens: int = 1,
                  kv_compat_hash: str = "stub", kv_endpoint: str = "127.0.0.1:1",
                  fail_after: int = 0, token_delay_s: float = 0.0,
-                 token_ids: list[int] | None = None, num_full: int | None = None) -> None:
+                 token_ids: list[int] | None = None, num_full: int | None = None,
+                 probe_failures: dict[str, str] | None = None) -> None:
         self.role, self.behavior, self.num_tokens = role, behavior, num_tokens
         self.kv_compat_hash, self.kv_endpoint = kv_compat_hash, kv_endpoint
         self.fail_after = fail_after
@@ -49,6 +52,8 @@ class StubEngine(pb_grpc.EngineServicer):
         self.request_ids: list[str] = []
         self.aborted: list[str] = []
         self.max_inflight = 0
+        self.probe_failures = probe_failures or {}
+        self.probed: list[str] = []
         self._inflight: dict[str, asyncio.Event] = {}  # request id -> set by Abort
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -68,6 +73,10 @@ class StubEngine(pb_grpc.EngineServicer):
             side = "decode" if leg == "decode" else "prefill"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{side} full: no free KV blocks for the request (stub)")
+        if self.behavior == "peer_full" and leg == "prefill":
+            # What a real P answers when its D gave up reserving: D's refusal, relayed.
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode full (peer {request.kv_transfer.peer})")
         aborted = self._inflight[rid] = asyncio.Event()
         self.max_inflight = max(self.max_inflight, len(self._inflight))
         try:
@@ -120,6 +129,12 @@ class StubEngine(pb_grpc.EngineServicer):
         return pb.HealthResponse(serving=True, role=self.role, model="tiny", device="cpu",
                                  kv_transport="tcp", kv_endpoint=self.kv_endpoint,
                                  kv_compat_hash=self.kv_compat_hash)
+
+    async def ProbePeer(self, request, context) -> pb.ProbePeerResponse:
+        self.probed.append(request.endpoint)
+        reason = self.probe_failures.get(request.endpoint)
+        return pb.ProbePeerResponse(ok=reason is None, reason=reason or "", handshake_s=0.001,
+                                    compat_hash=self.kv_compat_hash, transport="tcp")
 
     async def Stats(self, request, context) -> pb.StatsResponse:
         return pb.StatsResponse(role=self.role, model="tiny", block_size=16,

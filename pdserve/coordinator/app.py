@@ -1,8 +1,9 @@
 """``create_app(settings, ...)``: the Coordinator's ASGI app, with no module-level state.
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON or SSE), GET /v1/models,
-/health (the process serves), /ready (some route exists: a compatible PD pair or,
-under the hybrid fallback, a hybrid engine), /metrics (Prometheus text from this
+/health (the process serves), /ready (some route exists: a PD pair whose KV path
+passed its probe (``pairs.py``) or, under the hybrid fallback, a hybrid engine;
+``?verbose=1`` lists every P/D pair, usable or why not), /metrics (Prometheus text from this
 app's own registry). Every error body is OpenAI's error JSON; pydantic validation
 failures are 400 (OpenAI's code for them), not FastAPI's 422. Every error answer,
 refusals before routing included (auth, body size, validation, unknown model or
@@ -12,7 +13,7 @@ timeouts are the guard's (``guard.py``); connection limits the HTTP server's
 (``http_server.py``).
 
 The app owns, through its lifespan, the instance view source (static poller or
-Controller watcher), the engine clients and the background aborts.
+Controller watcher), the pair checks, the engine clients and the background aborts.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .instances import InstanceRegistry
 from .legs import Aborter
 from .lifecycle import Deps
 from .metrics import CoordinatorMetrics
+from .pairs import PairChecks
 from .prefix_index import PrefixIndex
 from .prompts import PromptBuilder
 from .router import Router
@@ -110,14 +112,21 @@ def read_api_key(path: str | None, what: str = "API key") -> str | None:
 
 
 def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | None = None,
-               registry: InstanceRegistry | None = None, start_view: bool = True) -> FastAPI:
+               registry: InstanceRegistry | None = None, start_view: bool = True,
+               pairs: PairChecks | None = None) -> FastAPI:
     """Called by ``pdserve coordinator`` and by tests. ``registry`` with ``start_view=False``
-    lets a test feed the instance view by hand."""
+    lets a test feed the instance view by hand; such a view has no pair checks unless
+    ``pairs`` is given (a view source always runs them)."""
     security = security or SecuritySettings.from_env()
     metrics = CoordinatorMetrics()
     registry = registry or InstanceRegistry(security, settings.suspect_s)
+    if pairs is None and start_view:
+        pairs = PairChecks(registry, settings.pair_probe_interval_s, settings.pair_probe_retry_s,
+                           settings.pair_probe_timeout_s, settings.pair_probe_concurrency)
+    if pairs is not None:
+        registry.on_failed = pairs.recheck
     index = PrefixIndex(settings.prefix_index_max_blocks)
-    deps = Deps(settings, registry, Router(settings, registry, index, metrics), metrics,
+    deps = Deps(settings, registry, Router(settings, registry, index, metrics, pairs), metrics,
                 Aborter(registry))
     admission = Admission(settings.max_concurrency, settings.max_queue, metrics)
     completions = Completions(deps, PromptBuilder(settings.model), admission)
@@ -133,9 +142,13 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
             source = StaticDiscovery(registry, list(settings.engines), settings.poll_interval_s)
         if source is not None:
             await source.start()
+        if pairs is not None:
+            await pairs.start()
         try:
             yield
         finally:
+            if pairs is not None:
+                await pairs.stop()
             if source is not None:
                 await source.stop()
             await deps.aborter.close()
@@ -199,15 +212,19 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
         return {"status": "ok"}
 
     @app.get("/ready", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
-    async def ready() -> Response:
+    async def ready(verbose: bool = False) -> Response:
         pools = registry.pools()
-        can_pd = not Router.compatible(pools)[2]
+        reason = deps.router.compatible(pools)[2]
         can_hybrid = bool(pools.hybrid) and (
             settings.fallback_policy == "hybrid" or deps.router.is_colocated())
-        ok = can_pd or can_hybrid
+        ok = not reason or can_hybrid
         detail = {"prefill": len(pools.prefill), "decode": len(pools.decode),
-                  "hybrid": len(pools.hybrid), "mode": registry.mode}
+                  "hybrid": len(pools.hybrid), "mode": registry.mode,
+                  "pd": reason or "ok"}
         body = {"status": "ready" if ok else "not ready", "detail": detail}
+        if verbose:
+            body["pairs"] = pairs.describe() if pairs is not None else []
+            body["pairs_checked"] = pairs is not None
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})

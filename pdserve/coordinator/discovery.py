@@ -18,37 +18,29 @@ import logging
 import grpc
 
 from .instances import EngineEndpoint, InstanceRegistry
+from .rounds import Rounds
 
 log = logging.getLogger(__name__)
 
 MAX_SLOW_PROBES = 3  # consecutive timed-out probes before a silent engine is unroutable
 
 
-class StaticDiscovery:
+class StaticDiscovery(Rounds):
+    """Started by the app: one poll first, so routing starts with a view (``Rounds``)."""
+
+    task_name = "static-discovery"
+
     def __init__(self, registry: InstanceRegistry, addresses: list[str], interval_s: float) -> None:
         self.registry = registry
         self.addresses = list(addresses)
         self.interval_s = interval_s
         self._num_slow: dict[str, int] = {}
-        self._task: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        """Called by the app at startup: one poll first, so routing starts with a view."""
+    async def wait(self) -> None:
+        await asyncio.sleep(self.interval_s)
+
+    async def round(self) -> None:
         await self.poll_once()
-        self._task = asyncio.create_task(self._run(), name="static-discovery")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.poll_once()
-            except Exception:  # a bug here must not end discovery
-                log.exception("engine poll failed")
 
     async def poll_once(self) -> None:
         found = await asyncio.gather(*(self._probe(a) for a in self.addresses))

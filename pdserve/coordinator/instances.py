@@ -96,6 +96,7 @@ class InstanceRegistry:
         self.fallback_reason = ""
         self.recent_events: list[str] = []  # the Controller's, newest last
         self.version = 0
+        self.on_failed = None  # called with an instance id after mark_failed (pair checks)
 
     # -- written by the view source (static poller / Controller watcher) --
 
@@ -121,6 +122,10 @@ class InstanceRegistry:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def notify_changed(self) -> None:
+        """Called by the pair checks when the usable pairs changed: waiters re-plan."""
+        self._notify()
 
     async def wait_changed(self, timeout_s: float) -> None:
         """Called by the router while a request queues for a pool to come back."""
@@ -156,6 +161,8 @@ class InstanceRegistry:
         inst = self._instances.get(instance_id)
         if inst is not None:
             inst.suspect_until = time.monotonic() + self._suspect_s
+        if self.on_failed is not None:
+            self.on_failed(instance_id)
 
     def mark_full(self, instance_id: str, seconds: float) -> None:
         """Called by the lifecycle when this instance answered "full": other requests

@@ -1,12 +1,14 @@
 """The router: turns a request's prompt into a plan (which engines, which path).
 
-Plans: ``pd`` (a prefill engine and a decode engine with equal ``kv_compat_hash``,
-chosen by the per-pool policies; decode first for push and layerwise, whose D must
+Plans: ``pd`` (a prefill engine and a decode engine with equal ``kv_compat_hash``
+whose pair passed its probe (``pairs.PairChecks``, when the app runs them), chosen
+by the per-pool policies; decode first for push and layerwise, whose D must
 reserve blocks before P writes, prefill first for pull) or ``single`` (one engine
 runs the whole request: conditional disaggregation on the chosen D, decided by
 ``conditional.decide``, or the hybrid fallback).
 
-Fallback, when no PD pair exists (a pool is empty, or no compatible pair):
+Fallback, when no PD pair exists (a pool is empty, no compatible pair, or no pair
+whose probe passed: reason ``no_probed_pair``):
 ``hybrid`` runs whole requests on hybrid engines (with a Controller, it switches
 engines to hybrid and says so with view mode FALLBACK); while none exists the
 request waits as with ``queue``; ``queue`` waits for the view to change until the
@@ -25,6 +27,7 @@ from .conditional import decide
 from .errors import ServeError
 from .instances import EngineEndpoint, InstanceRegistry, Pools
 from .metrics import CoordinatorMetrics
+from .pairs import PairChecks
 from .policies import RouteContext, build_policy
 from .prefix_index import PrefixIndex
 from .settings import CoordinatorSettings
@@ -44,9 +47,13 @@ class Plan:
 
 class Router:
     def __init__(self, settings: CoordinatorSettings, registry: InstanceRegistry,
-                 index: PrefixIndex, metrics: CoordinatorMetrics) -> None:
+                 index: PrefixIndex, metrics: CoordinatorMetrics,
+                 pairs: PairChecks | None = None) -> None:
+        """``pairs``: the probe results pairs must pass (None: pair on compat hash alone,
+        for views fed by hand)."""
         self.settings = settings
         self.registry = registry
+        self.pairs = pairs
         self.index = index
         self.metrics = metrics
         self.prefill_policy = build_policy(settings.prefill_policy, index, "prefill")
@@ -96,9 +103,13 @@ class Router:
         instances = self.registry.all()
         return bool(instances) and all(i.role in ("hybrid", "unknown") for i in instances)
 
-    @staticmethod
-    def compatible(pools: Pools) -> tuple[list[EngineEndpoint], list[EngineEndpoint], str]:
-        """The P and D candidates that can pair (equal kv_compat_hash), or a reason label."""
+    def can_pair(self, p: EngineEndpoint, d: EngineEndpoint) -> bool:
+        """Equal compat hashes and, with pair checks, a probe of the pair that passed."""
+        return p.kv_compat_hash == d.kv_compat_hash and (self.pairs is None or self.pairs.usable(p, d))
+
+    def compatible(self, pools: Pools) -> tuple[list[EngineEndpoint], list[EngineEndpoint], str]:
+        """The P and D candidates that can pair (``can_pair`` with some engine of the
+        other pool), or a reason label. Also /ready's test."""
         if not pools.prefill and not pools.decode:
             return [], [], "no_prefill_or_decode_engine"
         if not pools.prefill:
@@ -108,8 +119,10 @@ class Router:
         common = {p.kv_compat_hash for p in pools.prefill} & {d.kv_compat_hash for d in pools.decode}
         if not common:
             return [], [], "no_compatible_pair"
-        prefill = [p for p in pools.prefill if p.kv_compat_hash in common]
-        decode = [d for d in pools.decode if d.kv_compat_hash in common]
+        prefill = [p for p in pools.prefill if any(self.can_pair(p, d) for d in pools.decode)]
+        decode = [d for d in pools.decode if any(self.can_pair(p, d) for p in pools.prefill)]
+        if not prefill:
+            return [], [], "no_probed_pair"
         return prefill, decode, ""
 
     def plan_now(self, pools: Pools, ctx: RouteContext) -> tuple[Plan | None, str]:
@@ -119,10 +132,10 @@ class Router:
             return None, reason
         if self.settings.kv_mode == "pull":
             p = self.prefill_policy.choose(prefill, ctx)
-            d = self.decode_policy.choose([i for i in decode if i.kv_compat_hash == p.kv_compat_hash], ctx)
+            d = self.decode_policy.choose([i for i in decode if self.can_pair(p, i)], ctx)
         else:  # decode first: D reserves its blocks before P writes into them
             d = self.decode_policy.choose(decode, ctx)
-            p = self.prefill_policy.choose([i for i in prefill if i.kv_compat_hash == d.kv_compat_hash], ctx)
+            p = self.prefill_policy.choose([i for i in prefill if self.can_pair(i, d)], ctx)
         s = self.settings
         cached = self.index.match(d.instance_id, ctx.hashes) * ctx.block_size
         decision = decide(p, d, ctx.num_tokens - cached, s.local_prefill_max_tokens,

@@ -59,6 +59,12 @@ class CoordinatorSettings(BaseModel):
     "full" answer; then 503 with Retry-After (the deadline bounds it too)."""
     poll_interval_s: float = Field(default=0.5, gt=0)
     """Static view: how often each engine's Health and Stats are read."""
+    pair_probe_interval_s: float = Field(default=30.0, gt=0)
+    """How often each usable P/D pair's KV path is probed again (``pairs.py``)."""
+    pair_probe_retry_s: float = Field(default=2.0, gt=0)
+    """How often a pair whose probe failed is probed again."""
+    pair_probe_timeout_s: float = Field(default=3.0, gt=0)
+    pair_probe_concurrency: int = Field(default=8, ge=1)
     max_tokens_default: int = Field(default=16, ge=1)
     api_key_file: str | None = None
     """File holding the API key (e.g. a mounted Secret); None: no auth."""

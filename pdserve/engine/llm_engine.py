@@ -20,6 +20,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.device import prepare_device
 from pdserve.engine.kv_transfer.params import KVTransferError, KVTransferParams
+from pdserve.engine.kv_transfer.probe import ProbeResult
 from pdserve.engine.kv_transfer.setup import build_connector, kv_allocator
 from pdserve.engine.loader import load_model
 from pdserve.engine.output import OutputProcessor, RequestOutput
@@ -109,7 +110,7 @@ class LLMEngine:
                 raise EngineInputError("the prompt is empty: send prompt text or prompt token ids")
             if self.tokenizer is None:
                 raise EngineInputError("this model has no tokenizer: send prompt token ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            prompt_token_ids = self.tokenizer.encode(prompt, add_bos=True)
         prompt_token_ids = self._check_prompt(prompt_token_ids)
         try:
             params.validate(self.model_config.vocab_size)
@@ -183,6 +184,19 @@ class LLMEngine:
             raise EngineInputError(f"a {role} engine needs a KV transport (kv_transport=none)")
         log.info("role %s -> %s", self.config.role, role)
         self.config.role = role
+
+    def probe_peer(self, peer: str, test_transfer: bool, timeout_s: float, done) -> None:
+        """The ProbePeer RPC (through ``EngineLoop.call``): starts a connector probe;
+        ``done(ProbeResult)`` is called on this thread when it ends."""
+        if self.connector is None:
+            done(ProbeResult(False, "this engine has no KV transport (kv_transport=none)"))
+            return
+        self.connector.probe(peer, test_transfer, timeout_s, done)
+
+    def service_kv(self) -> list[RequestOutput]:
+        """Run the connector's message handling once without a model step: called by the
+        loop when a control message woke an idle engine (handshakes, probes)."""
+        return self._apply_kv_events()
 
     @property
     def has_unfinished(self) -> bool:

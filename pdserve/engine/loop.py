@@ -16,6 +16,10 @@ Every admitted request has a sink until its last output, and that output says
 ``finished``: a step's, an abort's (``finish_reason`` "abort") or a failure's. The
 inbox is one FIFO, so an ``abort`` queued after a ``submit`` is handled after it;
 admission is skipped for a caller that cancelled its admission future first.
+
+An idle engine does not step, so a KV control message (a peer's HELLO or PROBE)
+wakes it: the connector's wake-up queues one "kv" command (at most one queued at a
+time), and the loop runs ``service_kv`` for it when no step would.
 """
 
 from __future__ import annotations
@@ -47,6 +51,15 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.snapshot: StatsResponse = engine.stats()
         self.is_idle = True  # no request or transfer left, as of the last snapshot
+        self._kv_wake_queued = threading.Event()
+        if engine.connector is not None:
+            engine.connector.set_wakeup(self._wake_for_kv)
+
+    def _wake_for_kv(self) -> None:
+        """Transport threads: a control message arrived; queue one "kv" command."""
+        if not self._kv_wake_queued.is_set():
+            self._kv_wake_queued.set()
+            self._inbox.put(("kv",))
 
     def _publish(self) -> None:
         # One attribute store each: readers on other threads see the old or the new one whole.
@@ -151,6 +164,10 @@ class EngineLoop:
             elif kind == "call":
                 _, fn, result = cmd
                 _resolve(result, fn, self.engine)
+            elif kind == "kv":
+                self._kv_wake_queued.clear()
+                if not self.engine.has_unfinished:  # else the next step handles it
+                    self._deliver(self.engine.service_kv())
 
     def _step(self) -> None:
         try:
@@ -159,6 +176,9 @@ class EngineLoop:
             log.exception("engine step failed; failing its requests")
             self._fail_all(f"engine step failed: {exc}")
             return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if out.finished:

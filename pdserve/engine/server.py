@@ -1,6 +1,8 @@
 """The engine's gRPC server (``pdserve.engine.v1.Engine``) and its orderly shutdown.
 
-The asyncio server owns the network; ``EngineLoop`` owns the engine. A Generate
+The asyncio server owns the network; ``EngineLoop`` owns the engine. ProbePeer
+starts a KV connector probe of a peer's KV endpoint (kv_transfer/probe.py) on the
+loop thread and answers with its result. A Generate
 call submits the request, waits for admission (bad input → INVALID_ARGUMENT with the
 engine's message, logged at INFO without a traceback), then streams outputs from an
 asyncio queue fed by the loop thread. A call that ends early (client gone, RPC
@@ -39,6 +41,7 @@ from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
 from pdserve.engine.kv_transfer.messages import DECODE_FULL
 from pdserve.engine.kv_transfer.params import KVTransferParams
+from pdserve.engine.kv_transfer.probe import ProbeResult
 from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.metrics import attach_metrics, start_metrics_server
@@ -48,6 +51,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.runtime.security import SecuritySettings, add_port, server_interceptors
 
 log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 5.0  # ProbePeer's default when the request names none
 
 
 def sampling_from_proto(msg: pb.SamplingParams, has_sampling: bool) -> SamplingParams:
@@ -64,6 +69,11 @@ def sampling_from_proto(msg: pb.SamplingParams, has_sampling: bool) -> SamplingP
         ignore_eos=msg.ignore_eos,
         sample_offset=msg.sample_offset,
         min_tokens=msg.min_tokens,
+        min_p=msg.min_p,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=dict(msg.logit_bias),
     )
 
 
@@ -142,7 +152,38 @@ class EngineService(pb_grpc.EngineServicer):
         kv = engine.connector.describe() if engine.connector is not None else {"kv_transport": "none"}
         return pb.HealthResponse(
             serving=True, role=engine.config.role, model=engine.model_config.name,
-            device=engine.config.device, draining=engine.draining, **kv,
+            device=engine.config.device, draining=engine.draining, time_unix_s=time.time(),
+            max_model_len=engine.max_model_len, **kv,
+        )
+
+    async def ProbePeer(self, request: pb.ProbePeerRequest, context) -> pb.ProbePeerResponse:
+        """Starts a connector probe on the loop thread and waits for its result; the
+        probe ends within ``timeout_s`` (probe.py), so this always answers."""
+        timeout_s = request.timeout_s if request.timeout_s > 0 else PROBE_TIMEOUT_S
+        aio_loop = asyncio.get_running_loop()
+        ended: asyncio.Future[ProbeResult] = aio_loop.create_future()
+
+        def done(result: ProbeResult) -> None:  # the loop thread
+            def settle() -> None:
+                if not ended.done():
+                    ended.set_result(result)
+
+            with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                aio_loop.call_soon_threadsafe(settle)
+
+        engine = self.loop.engine
+        await asyncio.wrap_future(self.loop.call(
+            lambda e: e.probe_peer(request.endpoint, request.test_transfer, timeout_s, done)))
+        try:
+            result = await asyncio.wait_for(ended, timeout_s + 5.0)
+        except TimeoutError:
+            result = ProbeResult(False, "the engine did not finish the probe (engine loop stuck?)")
+        kv = engine.connector.describe() if engine.connector is not None else {}
+        return pb.ProbePeerResponse(
+            ok=result.ok, reason=result.reason, handshake_s=result.handshake_s,
+            transfer_s=result.transfer_s, transfer_bytes=result.transfer_bytes,
+            peer_compat_hash=result.peer_compat_hash, compat_hash=kv.get("kv_compat_hash", ""),
+            transport=kv.get("kv_transport", "none"),
         )
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:

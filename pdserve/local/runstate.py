@@ -2,7 +2,8 @@
 can clean up after a crash.
 
 ``processes.json`` lists the owner (the ``pdserve up`` pid) and every child's
-process group. Each child runs in its own session (group id = its pid), so one
+process group; ``addresses.json`` where the run's components listen (the Controller's
+gRPC address, the Coordinator's URL), for ``pdserve doctor -f``. Each child runs in its own session (group id = its pid), so one
 ``killpg`` stops it with everything it spawned.
 
 Invariants: a group is killed only if its leader still runs a ``pdserve`` command
@@ -42,6 +43,7 @@ class RunState:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.path = run_dir / "processes.json"
+        self.addresses_path = run_dir / "addresses.json"
         self.groups: dict[str, int] = {}  # name -> process group id
 
     def read(self) -> dict:
@@ -72,9 +74,24 @@ class RunState:
         tmp.write_text(json.dumps({"owner": os.getpid(), "groups": self.groups}))
         tmp.replace(self.path)
 
+    def write_addresses(self, **addresses: str) -> None:
+        """Called by ``pdserve up`` as components start; merges into what is there."""
+        merged = {**self.read_addresses(), **addresses}
+        tmp = self.addresses_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(merged))
+        tmp.replace(self.addresses_path)
+
+    def read_addresses(self) -> dict[str, str]:
+        """The live run's addresses ({} when none is running or recorded)."""
+        try:
+            return json.loads(self.addresses_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
     def clear(self) -> None:
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        for path in (self.path, self.addresses_path):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def stop_groups(pgids, timeout_s: float = 10.0) -> None:

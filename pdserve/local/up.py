@@ -300,6 +300,7 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     if (line := launcher.wait_line("controller", "controller serving on", 60)) is None:
         return 0
     controller = line.split("serving on ")[1].split()[0]
+    launcher.state.write_addresses(controller=controller)
     instances = instance_args(cluster)
     launcher.spawn("nodeagent", ["nodeagent", "-f", str(spec_file), "--controller", controller,
                                  "--host", "127.0.0.1", "--agent-id", f"{name}-local", "--pin-cpus",
@@ -309,6 +310,7 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     agent_http_port = int(re.search(r"http port (\d+)", line).group(1))
     if has_coordinator():
         launcher.spawn("coordinator", coordinator_argv(cluster, args.host, args.port, controller))
+        launcher.state.write_addresses(coordinator=f"http://{url_host(args.host)}:{args.port}")
     started, last, is_up = time.monotonic(), "", False
     reported: set[str] = set()  # engines whose start failure was shown (after the cluster was up)
     while not stop.is_set():

@@ -47,6 +47,14 @@ class EngineClient:
     async def drain(self, resume: bool = False, timeout_s: float = 2.0) -> pb.DrainResponse:
         return await self._stub.Drain(pb.DrainRequest(resume=resume), timeout=timeout_s, metadata=self._md)
 
+    async def probe_peer(self, endpoint: str, test_transfer: bool = False,
+                         timeout_s: float = 5.0) -> pb.ProbePeerResponse:
+        """Ask this engine to probe a peer's KV endpoint (the engine always answers
+        within ``timeout_s``; the RPC deadline leaves it room)."""
+        request = pb.ProbePeerRequest(endpoint=endpoint, test_transfer=test_transfer,
+                                      timeout_s=timeout_s)
+        return await self._stub.ProbePeer(request, timeout=timeout_s + 3.0, metadata=self._md)
+
     async def set_role(self, role: str, timeout_s: float = 2.0) -> pb.SetRoleResponse:
         return await self._stub.SetRole(pb.SetRoleRequest(role=role), timeout=timeout_s, metadata=self._md)
 

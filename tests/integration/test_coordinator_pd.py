@@ -229,7 +229,8 @@ def failing_stub_like(loop, addrs, name: str):
     ``addrs`` with it added as "BAD"."""
     health = engine_call(addrs[name], lambda c: c.health())
     server, bad = loop.run(start_stub(StubEngine(role=health.role, behavior="fail",
-                                                 kv_compat_hash=health.kv_compat_hash)))
+                                                 kv_compat_hash=health.kv_compat_hash,
+                                                 kv_endpoint=health.kv_endpoint)))
     try:
         yield {**addrs, "BAD": bad}
     finally:

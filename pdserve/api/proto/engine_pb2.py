@@ -24,43 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epdserve/api/proto/engine.proto\x12\x11pdserve.engine.v1\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06resume\x18\x01 \x01(\x08\"9\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x16\n\x0enum_unfinished\x18\x02 \x01(\x05\"\x1e\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"\x1f\n\x0fSetRoleResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\"\xd8\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\rsample_offset\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\rB\x07\n\x05_seed\"Q\n\x10KVTransferParams\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x0c\n\x04peer\x18\x04 \x01(\t\"\xbe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.pdserve.engine.v1.SamplingParams\x12\x38\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32#.pdserve.engine.v1.KVTransferParams\"\xfd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12\r\n\x05\x65rror\x18\t \x01(\t\x12+\n\x07timings\x18\n \x01(\x0b\x32\x1a.pdserve.engine.v1.Timings\"\x81\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x11\n\tkv_wait_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x06 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xa3\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x14\n\x0ckv_transport\x18\x05 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x06 \x01(\t\x12\x16\n\x0ekv_compat_hash\x18\x07 \x01(\t\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xee\x04\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1b\n\x13num_kv_blocks_total\x18\x03 \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\x05\x12\x1a\n\x12num_kv_blocks_free\x18\x05 \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12!\n\x19prefix_cache_query_tokens\x18\x08 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\t \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\x1f\n\x17num_prompt_tokens_total\x18\x0b \x01(\x03\x12#\n\x1bnum_generation_tokens_total\x18\x0c \x01(\x03\x12\x0c\n\x04role\x18\r \x01(\t\x12\r\n\x05model\x18\x0e \x01(\t\x12\x14\n\x0ckv_transport\x18\x0f \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x10 \x01(\t\x12\x16\n\x0ekv_compat_hash\x18\x11 \x01(\t\x12\x1f\n\x17num_kv_transfers_active\x18\x12 \x01(\x05\x12!\n\x19num_kv_blocks_quarantined\x18\x13 \x01(\x05\x12\x17\n\x0fkv_transfers_ok\x18\x14 \x01(\x03\x12\x1b\n\x13kv_transfers_failed\x18\x15 \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x16 \x01(\x03\x12\x1a\n\x12kv_exposed_s_total\x18\x17 \x01(\x01\x32\xe4\x03\n\x06\x45ngine\x12U\n\x08Generate\x12\".pdserve.engine.v1.GenerateRequest\x1a#.pdserve.engine.v1.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pdserve.engine.v1.AbortRequest\x1a .pdserve.engine.v1.AbortResponse\x12M\n\x06Health\x12 .pdserve.engine.v1.HealthRequest\x1a!.pdserve.engine.v1.HealthResponse\x12J\n\x05Stats\x12\x1f.pdserve.engine.v1.StatsRequest\x1a .pdserve.engine.v1.StatsResponse\x12J\n\x05\x44rain\x12\x1f.pdserve.engine.v1.DrainRequest\x1a .pdserve.engine.v1.DrainResponse\x12P\n\x07SetRole\x12!.pdserve.engine.v1.SetRoleRequest\x1a\".pdserve.engine.v1.SetRoleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epdserve/api/proto/engine.proto\x12\x11pdserve.engine.v1\"N\n\x10ProbePeerRequest\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x15\n\rtest_transfer\x18\x02 \x01(\x08\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\xb2\x01\n\x11ProbePeerResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bhandshake_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x03\x12\x18\n\x10peer_compat_hash\x18\x06 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x07 \x01(\t\x12\x11\n\ttransport\x18\x08 \x01(\t\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06resume\x18\x01 \x01(\x08\"9\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x16\n\x0enum_unfinished\x18\x02 \x01(\x05\"\x1e\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"\x1f\n\x0fSetRoleResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\"\xb0\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\rsample_offset\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\r\n\x05min_p\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0e \x01(\x02\x12\x44\n\nlogit_bias\x18\x0f \x03(\x0b\x32\x30.pdserve.engine.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"Q\n\x10KVTransferParams\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x0c\n\x04peer\x18\x04 \x01(\t\"\xbe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.pdserve.engine.v1.SamplingParams\x12\x38\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32#.pdserve.engine.v1.KVTransferParams\"\xfd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\x05\x12\r\n\x05\x65rror\x18\t \x01(\t\x12+\n\x07timings\x18\n \x01(\x0b\x32\x1a.pdserve.engine.v1.Timings\"\x81\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x11\n\tkv_wait_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x06 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xcf\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x14\n\x0ckv_transport\x18\x05 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x06 \x01(\t\x12\x16\n\x0ekv_compat_hash\x18\x07 \x01(\t\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x13\n\x0btime_unix_s\x18\t \x01(\x01\x12\x15\n\rmax_model_len\x18\n \x01(\x05\"\x0e\n\x0cStatsRequest\"\xee\x04\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1b\n\x13num_kv_blocks_total\x18\x03 \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x04 \x01(\x05\x12\x1a\n\x12num_kv_blocks_free\x18\x05 \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x06 \x01(\x03\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12!\n\x19prefix_cache_query_tokens\x18\x08 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\t \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x03\x12\x1f\n\x17num_prompt_tokens_total\x18\x0b \x01(\x03\x12#\n\x1bnum_generation_tokens_total\x18\x0c \x01(\x03\x12\x0c\n\x04role\x18\r \x01(\t\x12\r\n\x05model\x18\x0e \x01(\t\x12\x14\n\x0ckv_transport\x18\x0f \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x10 \x01(\t\x12\x16\n\x0ekv_compat_hash\x18\x11 \x01(\t\x12\x1f\n\x17num_kv_transfers_active\x18\x12 \x01(\x05\x12!\n\x19num_kv_blocks_quarantined\x18\x13 \x01(\x05\x12\x17\n\x0fkv_transfers_ok\x18\x14 \x01(\x03\x12\x1b\n\x13kv_transfers_failed\x18\x15 \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\x16 \x01(\x03\x12\x1a\n\x12kv_exposed_s_total\x18\x17 \x01(\x01\x32\xbc\x04\n\x06\x45ngine\x12U\n\x08Generate\x12\".pdserve.engine.v1.GenerateRequest\x1a#.pdserve.engine.v1.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pdserve.engine.v1.AbortRequest\x1a .pdserve.engine.v1.AbortResponse\x12M\n\x06Health\x12 .pdserve.engine.v1.HealthRequest\x1a!.pdserve.engine.v1.HealthResponse\x12J\n\x05Stats\x12\x1f.pdserve.engine.v1.StatsRequest\x1a .pdserve.engine.v1.StatsResponse\x12J\n\x05\x44rain\x12\x1f.pdserve.engine.v1.DrainRequest\x1a .pdserve.engine.v1.DrainResponse\x12P\n\x07SetRole\x12!.pdserve.engine.v1.SetRoleRequest\x1a\".pdserve.engine.v1.SetRoleResponse\x12V\n\tProbePeer\x12#.pdserve.engine.v1.ProbePeerRequest\x1a$.pdserve.engine.v1.ProbePeerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.api.proto.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAINREQUEST']._serialized_start=53
-  _globals['_DRAINREQUEST']._serialized_end=83
-  _globals['_DRAINRESPONSE']._serialized_start=85
-  _globals['_DRAINRESPONSE']._serialized_end=142
-  _globals['_SETROLEREQUEST']._serialized_start=144
-  _globals['_SETROLEREQUEST']._serialized_end=174
-  _globals['_SETROLERESPONSE']._serialized_start=176
-  _globals['_SETROLERESPONSE']._serialized_end=207
-  _globals['_SAMPLINGPARAMS']._serialized_start=210
-  _globals['_SAMPLINGPARAMS']._serialized_end=426
-  _globals['_KVTRANSFERPARAMS']._serialized_start=428
-  _globals['_KVTRANSFERPARAMS']._serialized_end=509
-  _globals['_GENERATEREQUEST']._serialized_start=512
-  _globals['_GENERATEREQUEST']._serialized_end=702
-  _globals['_GENERATERESPONSE']._serialized_start=705
-  _globals['_GENERATERESPONSE']._serialized_end=958
-  _globals['_TIMINGS']._serialized_start=961
-  _globals['_TIMINGS']._serialized_end=1090
-  _globals['_ABORTREQUEST']._serialized_start=1092
-  _globals['_ABORTREQUEST']._serialized_end=1126
-  _globals['_ABORTRESPONSE']._serialized_start=1128
-  _globals['_ABORTRESPONSE']._serialized_end=1160
-  _globals['_HEALTHREQUEST']._serialized_start=1162
-  _globals['_HEALTHREQUEST']._serialized_end=1177
-  _globals['_HEALTHRESPONSE']._serialized_start=1180
-  _globals['_HEALTHRESPONSE']._serialized_end=1343
-  _globals['_STATSREQUEST']._serialized_start=1345
-  _globals['_STATSREQUEST']._serialized_end=1359
-  _globals['_STATSRESPONSE']._serialized_start=1362
-  _globals['_STATSRESPONSE']._serialized_end=1984
-  _globals['_ENGINE']._serialized_start=1987
-  _globals['_ENGINE']._serialized_end=2471
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_PROBEPEERREQUEST']._serialized_start=53
+  _globals['_PROBEPEERREQUEST']._serialized_end=131
+  _globals['_PROBEPEERRESPONSE']._serialized_start=134
+  _globals['_PROBEPEERRESPONSE']._serialized_end=312
+  _globals['_DRAINREQUEST']._serialized_start=314
+  _globals['_DRAINREQUEST']._serialized_end=344
+  _globals['_DRAINRESPONSE']._serialized_start=346
+  _globals['_DRAINRESPONSE']._serialized_end=403
+  _globals['_SETROLEREQUEST']._serialized_start=405
+  _globals['_SETROLEREQUEST']._serialized_end=435
+  _globals['_SETROLERESPONSE']._serialized_start=437
+  _globals['_SETROLERESPONSE']._serialized_end=468
+  _globals['_SAMPLINGPARAMS']._serialized_start=471
+  _globals['_SAMPLINGPARAMS']._serialized_end=903
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=846
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=894
+  _globals['_KVTRANSFERPARAMS']._serialized_start=905
+  _globals['_KVTRANSFERPARAMS']._serialized_end=986
+  _globals['_GENERATEREQUEST']._serialized_start=989
+  _globals['_GENERATEREQUEST']._serialized_end=1179
+  _globals['_GENERATERESPONSE']._serialized_start=1182
+  _globals['_GENERATERESPONSE']._serialized_end=1435
+  _globals['_TIMINGS']._serialized_start=1438
+  _globals['_TIMINGS']._serialized_end=1567
+  _globals['_ABORTREQUEST']._serialized_start=1569
+  _globals['_ABORTREQUEST']._serialized_end=1603
+  _globals['_ABORTRESPONSE']._serialized_start=1605
+  _globals['_ABORTRESPONSE']._serialized_end=1637
+  _globals['_HEALTHREQUEST']._serialized_start=1639
+  _globals['_HEALTHREQUEST']._serialized_end=1654
+  _globals['_HEALTHRESPONSE']._serialized_start=1657
+  _globals['_HEALTHRESPONSE']._serialized_end=1864
+  _globals['_STATSREQUEST']._serialized_start=1866
+  _globals['_STATSREQUEST']._serialized_end=1880
+  _globals['_STATSRESPONSE']._serialized_start=1883
+  _globals['_STATSRESPONSE']._serialized_end=2505
+  _globals['_ENGINE']._serialized_start=2508
+  _globals['_ENGINE']._serialized_end=3080
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProbePeerRequest(_message.Message):
+    __slots__ = ("endpoint", "test_transfer", "timeout_s")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TEST_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    test_transfer: bool
+    timeout_s: float
+    def __init__(self, endpoint: _Optional[str] = ..., test_transfer: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ProbePeerResponse(_message.Message):
+    __slots__ = ("ok", "reason", "handshake_s", "transfer_s", "transfer_bytes", "peer_compat_hash", "compat_hash", "transport")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HANDSHAKE_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    reason: str
+    handshake_s: float
+    transfer_s: float
+    transfer_bytes: int
+    peer_compat_hash: str
+    compat_hash: str
+    transport: str
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ..., handshake_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., peer_compat_hash: _Optional[str] = ..., compat_hash: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ("resume",)
     RESUME_FIELD_NUMBER: _ClassVar[int]
@@ -33,7 +63,14 @@ class SetRoleResponse(_message.Message):
     def __init__(self, role: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "ignore_eos", "sample_offset", "min_tokens")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "ignore_eos", "sample_offset", "min_tokens", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +81,11 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -54,7 +96,12 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     sample_offset: int
     min_tokens: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., sample_offset: _Optional[int] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., sample_offset: _Optional[int] = ..., min_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
     __slots__ = ("role", "mode", "transfer_id", "peer")
@@ -139,7 +186,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "role", "model", "device", "kv_transport", "kv_endpoint", "kv_compat_hash", "draining")
+    __slots__ = ("serving", "role", "model", "device", "kv_transport", "kv_endpoint", "kv_compat_hash", "draining", "time_unix_s", "max_model_len")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +195,8 @@ class HealthResponse(_message.Message):
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     role: str
     model: str
@@ -156,7 +205,9 @@ class HealthResponse(_message.Message):
     kv_endpoint: str
     kv_compat_hash: str
     draining: bool
-    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    time_unix_s: float
+    max_model_len: int
+    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., draining: _Optional[bool] = ..., time_unix_s: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

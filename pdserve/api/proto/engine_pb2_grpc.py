@@ -64,6 +64,11 @@ class EngineStub:
                 request_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleResponse.FromString,
                 _registered_method=True)
+        self.ProbePeer = channel.unary_unary(
+                '/pdserve.engine.v1.Engine/ProbePeer',
+                request_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -111,6 +116,17 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbePeer(self, request, context):
+        """Check this engine's KV path to a peer's KV endpoint over the configured transport:
+        a fresh layout handshake (PROBE / PROBE_ACK, compatibility hash compared on both
+        sides) and, with test_transfer, a real read of one KV block run from the peer into
+        a private scratch buffer (no request's blocks are written on either side).
+        Always answers; ok=false says why in reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +159,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleRequest.FromString,
                     response_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleResponse.SerializeToString,
+            ),
+            'ProbePeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbePeer,
+                    request_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +328,33 @@ class Engine:
             '/pdserve.engine.v1.Engine/SetRole',
             pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleRequest.SerializeToString,
             pdserve_dot_api_dot_proto_dot_engine__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbePeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.engine.v1.Engine/ProbePeer',
+            pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerRequest.SerializeToString,
+            pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerResponse.FromString,
             options,
             channel_credentials,
             insecure,

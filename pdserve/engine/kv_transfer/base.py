@@ -32,6 +32,7 @@ from pdserve.engine.request import Request
 if TYPE_CHECKING:
     from pdserve.engine.kv_transfer.layout import KVLayout
     from pdserve.engine.kv_transfer.params import KVTransferParams
+    from pdserve.engine.kv_transfer.probe import ProbeDone
 
 LayerHook = Callable[[int], None]
 
@@ -84,6 +85,23 @@ class KVConnector(abc.ABC):
         return {"kv_transport": self.transport_name, "kv_endpoint": self.endpoint,
                 "kv_compat_hash": self.layout.compat_hash}
 
+    # -- probes and wake-ups ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def probe(self, peer: str, test_transfer: bool, timeout_s: float, done: ProbeDone) -> None:
+        """Check the KV path to ``peer`` now (probe.py): a fresh layout handshake and, with
+        ``test_transfer``, a real read of one block run from the peer into a scratch
+        buffer; no request's blocks are read into or written on either side. Calls
+        ``done(ProbeResult)`` exactly once on the engine thread, within ``timeout_s``
+        (from ``collect_events``, which the engine keeps calling while a probe is live:
+        probes count in ``num_pending``). Engine thread."""
+
+    @abc.abstractmethod
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """Call ``wake()`` from a transport thread whenever a control message arrives, so
+        an idle engine runs ``collect_events`` and answers handshakes and probes at once
+        instead of at its next request. Called once by ``EngineLoop`` before it starts."""
+
     # -- admission -----------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -129,7 +147,8 @@ class KVConnector(abc.ABC):
     @property
     @abc.abstractmethod
     def num_pending(self) -> int:
-        """Transfers and kept block sets that still need driving (the engine keeps stepping)."""
+        """Transfers, kept block sets and probes that still need driving (the engine keeps
+        stepping)."""
 
     @abc.abstractmethod
     def stats(self) -> dict:

@@ -1,6 +1,7 @@
 """The connector an engine holds: one prefill side, one decode side, one worker.
 
-Implements ``base.KVConnector``. A hybrid engine may take either leg, so both sides
+Implements ``base.KVConnector``. Probes of peers (probe.py) live beside the sides and
+are driven in the same ``collect_events``. A hybrid engine may take either leg, so both sides
 always exist; each admitted request goes to the side its ``KVTransferParams.role``
 names, each control message to the side whose transfer it names. A message for a
 transfer not admitted yet is kept (``done_s`` at most) and replayed on admission:
@@ -18,8 +19,10 @@ from pdserve.engine.kv_transfer.base import ConnectorEvents, KVConnector, LayerH
 from pdserve.engine.kv_transfer.common import ConnectorTimeouts, Side, Transfer
 from pdserve.engine.kv_transfer.decode import DecodeSide
 from pdserve.engine.kv_transfer.layout import KVLayout
+from pdserve.engine.kv_transfer.messages import PROBE_REPLIES
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.kv_transfer.prefill import PrefillSide
+from pdserve.engine.kv_transfer.probe import PeerProbes, ProbeDone
 from pdserve.engine.kv_transfer.worker import ConnectorWorker
 from pdserve.engine.request import Request
 
@@ -66,6 +69,7 @@ class DispatchConnector(KVConnector):
         self.decode = DecodeSide(*shared)
         self._sides: dict[str, Side] = {"prefill": self.prefill, "decode": self.decode}
         self._early: dict[str, list[tuple[float, dict]]] = {}  # messages before admission
+        self.probes = PeerProbes(worker)
 
     # -- pairing -----------------------------------------------------------------------
 
@@ -80,6 +84,14 @@ class DispatchConnector(KVConnector):
     @property
     def layout(self) -> KVLayout:
         return self._worker.layout
+
+    # -- probes and wake-ups ---------------------------------------------------------------
+
+    def probe(self, peer: str, test_transfer: bool, timeout_s: float, done: ProbeDone) -> None:
+        self.probes.start(peer, test_transfer, timeout_s, done)
+
+    def set_wakeup(self, wake) -> None:
+        self._worker.transport.set_notify_hook(wake)
 
     # -- admission -----------------------------------------------------------------------
 
@@ -96,6 +108,9 @@ class DispatchConnector(KVConnector):
     def collect_events(self) -> ConnectorEvents:
         self.prefill.sweep_quarantine()
         for msg in self._worker.receive():
+            if msg["t"] in PROBE_REPLIES:
+                self.probes.receive(msg)
+                continue
             found = self._route(msg["x"])
             if found is not None:
                 found[0].receive(found[1], msg)
@@ -106,6 +121,7 @@ class DispatchConnector(KVConnector):
         now = time.monotonic()
         for side in self._sides.values():
             side.advance(now)
+        self.probes.advance(now)
         for tid, early in list(self._early.items()):
             if now - early[0][0] > self.timeouts.done_s:
                 del self._early[tid]
@@ -139,7 +155,8 @@ class DispatchConnector(KVConnector):
 
     @property
     def num_pending(self) -> int:
-        return self.num_active + sum(len(side.quarantine) for side in self._sides.values())
+        return (self.num_active + sum(len(side.quarantine) for side in self._sides.values())
+                + self.probes.num_live)
 
     @property
     def num_quarantined_blocks(self) -> int:
@@ -160,4 +177,5 @@ class DispatchConnector(KVConnector):
         self._observers.append(observe)
 
     def close(self) -> None:
+        self.probes.close()
         self._worker.close()

@@ -13,6 +13,8 @@ message never breaks an engine.
     RELEASE             D → P  pull: read finished, free the blocks
     ABORT / ABORT_ACK   either way / P → D: stop; after the ack no write lands
     FAILED              P → D  the transfer failed on P's side
+    PROBE / PROBE_ACK   a probe (``x``: the probe id) and its answer: each side's KVLayout
+    PROBE_REJECT        the answer when the layouts do not match; ``reason`` says how
 
 An ABORT's ``reason`` says why; D's starts with ``DECODE_FULL`` when it had no blocks
 to reserve within its reserve wait: load, so P ends its leg "decode full", not failed.
@@ -23,7 +25,8 @@ from __future__ import annotations
 import json
 
 TYPES = {"HELLO", "HELLO_ACK", "HELLO_REJECT", "RESERVE", "WANT_DEST", "DONE", "READY",
-         "RELEASE", "ABORT", "ABORT_ACK", "FAILED"}
+         "RELEASE", "ABORT", "ABORT_ACK", "FAILED", "PROBE", "PROBE_ACK", "PROBE_REJECT"}
+PROBE_REPLIES = ("PROBE_ACK", "PROBE_REJECT")
 MAX_MESSAGE_BYTES = 1 << 20
 DECODE_FULL = "decode full"  # D's ABORT reason (and the gRPC details) when it had no room
 

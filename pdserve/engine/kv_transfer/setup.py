@@ -1,12 +1,14 @@
 """Builds an engine's KV connector from its configuration: transport, layout, worker, sides.
 
 Called once by ``LLMEngine`` at start-up. For the shm transport the KV cache itself
-must live in shared memory, so this module also supplies the runner's allocator.
+must live in shared memory, so this module also supplies the runner's allocator, and
+the probes' scratch buffer (one KV block, never part of the cache) lives there too.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import hashlib
 
 from pdserve.engine.config import EngineConfig, ModelConfig
@@ -15,7 +17,7 @@ from pdserve.engine.kv_transfer.common import ConnectorTimeouts
 from pdserve.engine.kv_transfer.dispatch import DispatchConnector
 from pdserve.engine.kv_transfer.layout import KVLayout
 from pdserve.engine.kv_transfer.transport import create_transport
-from pdserve.engine.kv_transfer.worker import ConnectorWorker
+from pdserve.engine.kv_transfer.worker import ConnectorWorker, Scratch
 
 
 def kv_allocator(config: EngineConfig):
@@ -34,6 +36,21 @@ def kv_allocator(config: EngineConfig):
 
     allocate.segment = None
     return allocate
+
+
+def probe_scratch(config: EngineConfig, num_bytes: int) -> Scratch:
+    """The buffer the probes' test transfer reads into (the transport registers it; no
+    request ever uses it). With shm it is a /dev/shm segment too, unlinked at close."""
+    if config.kv_transport == "shm":
+        import torch
+
+        from pdserve.engine.kv_transfer.transport.shm import allocate_shm_tensor
+
+        shm = allocate_shm_tensor((num_bytes,), torch.uint8)
+        atexit.register(shm.close)  # a crash-free exit without close leaves nothing either
+        return Scratch(shm.tensor.data_ptr(), num_bytes, owner=shm, release=shm.close)
+    buffer = bytearray(num_bytes)
+    return Scratch(ctypes.addressof(ctypes.c_char.from_buffer(buffer)), num_bytes, owner=buffer)
 
 
 def model_identity(config: EngineConfig, model_config: ModelConfig) -> str:
@@ -70,5 +87,6 @@ def build_connector(config: EngineConfig, model_config: ModelConfig, runner,
         lease_s=config.kv_lease_s, abort_ack_s=config.kv_abort_ack_timeout_s,
         reserve_wait_s=config.kv_reserve_wait_s,
     )
-    worker = ConnectorWorker(transport, layout, fault_send_delay_s=config.fault_kv_send_delay_s)
+    worker = ConnectorWorker(transport, layout, fault_send_delay_s=config.fault_kv_send_delay_s,
+                             scratch=probe_scratch(config, layout.block_bytes))
     return DispatchConnector(worker, block_manager, timeouts, config.decode_allocation)

@@ -6,6 +6,11 @@ write batches off the compute thread. The worker knows byte ranges and peers; it
 never decides when a request's blocks may be freed, and only the connector reaches
 it (the engine and the server go through ``base.KVConnector``).
 
+A probe (probe.py) uses two more things here: PROBE messages are answered in
+``receive`` like HELLO (a fresh layout check that leaves the handshake cache alone),
+and ``read_probe`` reads one block run of a peer's KV region into ``scratch``, a
+small buffer registered with the transport at start-up that no request ever uses.
+
 Invariant: a write job counts in ``PrefillTransfer.num_jobs_queued`` from the moment
 it is queued until its batch has been submitted, so the prefill side can tell "every
 write issued and settled" from "some still to come".
@@ -17,22 +22,40 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from pdserve.engine.kv_transfer import messages
 from pdserve.engine.kv_transfer.layout import KVLayout, token_range_items
-from pdserve.engine.kv_transfer.transport.base import BatchHandle, Transport
+from pdserve.engine.kv_transfer.transport.base import BatchHandle, TransferItem, Transport
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Scratch:
+    """The probes' buffer: ``num_bytes`` at ``addr``, kept alive by ``owner``; ``release``
+    (called once by ``close``, after the transport stopped) frees what must be freed."""
+
+    addr: int
+    num_bytes: int
+    owner: object = None
+    release: Callable[[], None] = lambda: None
+
+
 class ConnectorWorker:
-    def __init__(self, transport: Transport, layout: KVLayout, fault_send_delay_s: float = 0.0) -> None:
+    def __init__(self, transport: Transport, layout: KVLayout, fault_send_delay_s: float = 0.0,
+                 scratch: Scratch | None = None) -> None:
+        """``scratch``: the probes' private buffer (None: probes do no test transfer)."""
         self.transport = transport
         self._fault_send_delay_s = fault_send_delay_s
         self.layout = layout
         transport.register_memory(layout.base_addr, layout.region_bytes)
+        self.scratch = scratch
+        if scratch is not None:
+            transport.register_memory(scratch.addr, scratch.num_bytes)
         self.peers: dict[str, KVLayout] = {}  # handshake cache
         self.rejected: dict[str, str] = {}  # peer -> why it is incompatible
         self._hello_sent: set[str] = set()
@@ -48,6 +71,8 @@ class ConnectorWorker:
         self._jobs.put(None)
         self._sender.join(5.0)
         self.transport.close()
+        if self.scratch is not None:
+            self.scratch.release()
 
     # -- control messages ------------------------------------------------------
 
@@ -89,6 +114,8 @@ class ConnectorWorker:
                 self._on_hello(peer, msg, reply=kind == "HELLO")
             elif kind == "HELLO_REJECT":
                 self.rejected[peer] = str(msg.get("reason", "rejected by peer"))
+            elif kind == "PROBE":
+                self._on_probe(peer, msg)
             else:
                 out.append(msg)
         return out
@@ -113,6 +140,33 @@ class ConnectorWorker:
         self.rejected.pop(peer, None)
         if reply:
             self.send(peer, "HELLO_ACK", layout=self.layout.to_dict())
+
+    def _on_probe(self, peer: str, msg: dict) -> None:
+        """Answer a peer's probe with our layout, or with why the layouts differ."""
+        try:
+            reason = self.layout.mismatch(KVLayout.from_dict(msg["layout"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            reason = f"malformed probe: {exc}"
+        if reason is None:
+            self.send(peer, "PROBE_ACK", x=msg["x"], layout=self.layout.to_dict())
+        else:
+            self.send(peer, "PROBE_REJECT", x=msg["x"],
+                      reason=f"incompatible KV layout with {self.endpoint}: {reason}")
+
+    def read_probe(self, peer: str, remote: KVLayout) -> BatchHandle:
+        """A probe's test transfer: read the first run of the peer's KV region (its
+        block 0, layer 0, K; at most the scratch size) into ``scratch``. Reading moves
+        real bytes over the transport and changes nothing on either side; the bytes
+        are discarded. Requires ``scratch``."""
+        assert self.scratch is not None
+        num_bytes = min(self.scratch.num_bytes, remote.block_bytes)
+        item = TransferItem(self.scratch.addr, remote.block_addr(0, 0, 0), num_bytes)
+        return self.transport.read_batch(peer, [item])
+
+    def reach(self, peer: str) -> BatchHandle:
+        """An empty read: it connects (channel handshake and token check) without moving
+        bytes, so a dead or refusing endpoint fails it with the connection's error."""
+        return self.transport.read_batch(peer, [])
 
     # -- write grants (D) --------------------------------------------------------------
 

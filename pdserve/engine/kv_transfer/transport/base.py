@@ -213,6 +213,12 @@ class Transport(abc.ABC):
         """Drain (peer endpoint, message, received_s) received so far; never blocks.
         ``received_s`` is the monotonic time the message came off the wire."""
 
+    def set_notify_hook(self, hook) -> None:
+        """Call ``hook()`` (no arguments, from a transport thread, must not block) each
+        time a notification arrives, so an idle owner can drain them at once. Called
+        once at engine start-up; transports without a receive thread ignore it."""
+        return None
+
     def grant(self, peer: str, tag: str, ranges: np.ndarray) -> None:
         """Allow ``peer`` to write into ``ranges`` ([n, 2]: addr, length) until ``revoke(tag)``.
 

@@ -61,6 +61,7 @@ class Channel:
         self._admission = Admission(limits)
         self._refusals = RefusalLog(log, limits.refusal_log_every_s)
         self._notes: queue.SimpleQueue[tuple[str, bytes, float]] = queue.SimpleQueue()
+        self.on_notify: Callable[[], None] | None = None  # Transport.set_notify_hook
         self._lock = threading.Lock()
         self._links: dict[str, PeerLink] = {}
         self._conns: set[socket.socket] = set()
@@ -132,6 +133,8 @@ class Channel:
             for op, batch_id, body in frames:
                 if op == wire.OP_NOTIFY:
                     self._notes.put((peer, body, time.monotonic()))
+                    if self.on_notify is not None:
+                        self.on_notify()
                 elif op == wire.OP_FENCE:
                     wire.send_frame(sock, wire.OP_ACK, batch_id)
                 else:

@@ -95,6 +95,9 @@ class ChannelTransport(Transport):
     def recv_notifications(self) -> list[tuple[str, bytes, float]]:
         return self._channel.notifications()
 
+    def set_notify_hook(self, hook) -> None:
+        self._channel.on_notify = hook
+
     def close(self) -> None:
         self._channel.close()
 

@@ -1,0 +1,243 @@
+"""``pdserve doctor``: check a cluster before traffic and print one table of findings.
+
+Targets: ``-f cluster.yaml`` (the spec; its ``pdserve up`` run, found through the run
+dir's ``addresses.json`` and ``cluster-token``, when one is running), ``--controller
+ADDR`` (the engines the Controller's view lists) or ``--url`` (a Coordinator: its
+``/ready?verbose=1`` pair table). Checks, each one line pass / warn / fail with the
+reason and a fix:
+
+- host (``doctor_checks``): model source, tokenizer + chat template, KV transport
+  (mooncake importable, RDMA devices), TLS files, etcd (``--etcd``);
+- cluster: each pool has its replicas ready; every engine answers Health and Stats
+  with the model; its KV budget holds one request of the model's max length; P and D
+  compatibility hashes match; every P reaches every D's KV endpoint with a real test
+  transfer (the engines' ProbePeer RPC); clock skew to each engine;
+- the Coordinator's readiness and pairs, when its URL is known.
+
+Exit status 1 when any check fails, else 0. Reads ``pdserve.api`` and
+``pdserve.runtime`` only; talks to the components over the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+
+from pdserve.api import PDCluster
+from pdserve.api.proto import controller_pb2 as cpb
+from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
+from pdserve.local.doctor_checks import (
+    FAIL,
+    PASS,
+    WARN,
+    Check,
+    check_etcd,
+    check_model,
+    check_tls,
+    check_tokenizer,
+    check_transport,
+)
+from pdserve.local.runstate import RunState, default_run_dir
+from pdserve.local.up import TOKEN_FILE
+from pdserve.runtime.engine_client import EngineClient
+from pdserve.runtime.security import SecuritySettings, create_channel
+
+RPC_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 5.0
+SKEW_WARN_S, SKEW_FAIL_S = 1.0, 30.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-f", "--file", help="PDCluster YAML: checks the spec and its `pdserve up` run")
+    p.add_argument("--url", help="Coordinator URL: checks its readiness and P/D pairs")
+    p.add_argument("--controller", metavar="ADDR", help="Controller gRPC address: checks its engines")
+    p.add_argument("--run-dir", type=Path, help="the `pdserve up` run dir (default: per cluster)")
+    p.add_argument("--etcd", metavar="HOST:PORT", help="also check that this etcd is reachable and writable")
+    p.add_argument("--require-rdma", action="store_true",
+                   help="fail (not warn) when Mooncake is asked and this host has no RDMA device")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not (args.file or args.url or args.controller):
+        print("error: give -f cluster.yaml, --url COORDINATOR_URL or --controller ADDR", file=sys.stderr)
+        return 2
+    checks = diagnose(args)
+    print(json.dumps([c.__dict__ for c in checks], indent=1) if args.json else render(checks))
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def diagnose(args: argparse.Namespace) -> list[Check]:
+    cluster = PDCluster.from_file(args.file) if args.file else None
+    security = SecuritySettings.from_env()
+    controller, url = args.controller, args.url
+    checks: list[Check] = []
+    if cluster is not None:
+        checks += check_model(cluster) + check_tokenizer(cluster)
+        checks += check_transport(cluster, args.require_rdma)
+        state = RunState(args.run_dir or default_run_dir(cluster.metadata.name))
+        found = state.read_addresses()
+        controller = controller or found.get("controller")
+        url = url or found.get("coordinator")
+        token_file = state.run_dir / TOKEN_FILE
+        if not security.token and token_file.is_file():
+            security = replace(security, token=token_file.read_text().strip())
+        if controller is None:
+            checks.append(Check("cluster", FAIL, f"no running `pdserve up` for {cluster.metadata.name!r} "
+                                f"(nothing in {state.run_dir})", f"pdserve up -f {args.file}"))
+    checks += check_tls(security) + check_etcd(args.etcd)
+    if controller:
+        checks += asyncio.run(check_cluster(controller, security, cluster))
+    if url:
+        checks += check_coordinator(url)
+    return checks
+
+
+async def check_cluster(controller: str, security: SecuritySettings,
+                        cluster: PDCluster | None) -> list[Check]:
+    """Every engine of the Controller's view, and every P → D pair."""
+    try:
+        async with create_channel(controller, security) as channel:
+            view = await cpb_grpc.ControllerStub(channel).GetView(
+                cpb.WatchViewRequest(coordinator_id="pdserve-doctor"), timeout=RPC_TIMEOUT_S,
+                metadata=security.metadata())
+    except grpc.aio.AioRpcError as exc:
+        return [Check("controller", FAIL, f"{controller}: {exc.code().name}: {exc.details()}",
+                      "start the cluster, or check the address and PDSERVE_CLUSTER_TOKEN(_FILE)")]
+    checks = [Check("controller", PASS, f"{controller}: view mode {view.mode}, "
+                                        f"{len(view.instances)} ready instances")]
+    if cluster is not None:
+        checks += check_pools(cluster, view)
+    clients = {i.instance_id: EngineClient(i.engine_address, security) for i in view.instances}
+    try:
+        answers = await asyncio.gather(*(_engine_facts(clients[i.instance_id]) for i in view.instances))
+        for inst, (health, stats, skew_s, error) in zip(view.instances, answers, strict=True):
+            checks += check_engine(inst, health, stats, skew_s, error)
+        checks += check_hashes(view.instances)
+        prefill = [i for i in view.instances if i.role == "prefill"]
+        decode = [i for i in view.instances if i.role == "decode"]
+        probes = await asyncio.gather(*(clients[p.instance_id].probe_peer(
+            d.kv_endpoint, test_transfer=True, timeout_s=PROBE_TIMEOUT_S)
+            for p in prefill for d in decode), return_exceptions=True)
+        pairs = [(p, d) for p in prefill for d in decode]
+        checks += [check_probe(p, d, answer) for (p, d), answer in zip(pairs, probes, strict=True)]
+    finally:
+        for client in clients.values():
+            await client.close()
+    return checks
+
+
+async def _engine_facts(client: EngineClient):
+    """(health, stats, clock skew in s or None, error or "")."""
+    try:
+        sent = time.time()
+        health = await client.health(timeout_s=RPC_TIMEOUT_S)
+        received = time.time()
+        stats = await client.stats(timeout_s=RPC_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        return None, None, None, f"{exc.code().name}: {exc.details()}"
+    skew = health.time_unix_s - (sent + received) / 2 if health.time_unix_s else None
+    return health, stats, skew, ""
+
+
+def check_pools(cluster: PDCluster, view) -> list[Check]:
+    rows = []
+    for pool in ("prefill", "decode", "hybrid"):
+        want = getattr(cluster.spec, pool).replicas
+        have = sum(i.role == pool for i in view.instances)
+        if want or have:
+            ok = have >= want
+            rows.append(Check(f"{pool} pool", PASS if ok else FAIL, f"{have} of {want} instances ready",
+                              "" if ok else "see the NodeAgent's and engines' logs for why one is missing"))
+    return rows
+
+
+def check_engine(inst, health, stats, skew_s: float | None, error: str) -> list[Check]:
+    name = f"engine {inst.instance_id}"
+    if error:
+        return [Check(name, FAIL, f"{inst.engine_address} does not answer Health/Stats: {error}",
+                      "check the engine's log; restart it")]
+    rows = [Check(name, PASS if health.serving and health.model else FAIL,
+                  f"{health.role} serving model {health.model!r} on {health.device}, "
+                  f"KV {health.kv_transport} at {health.kv_endpoint or '-'}")]
+    capacity = stats.num_kv_blocks_total * stats.block_size
+    if health.max_model_len and capacity < health.max_model_len:
+        rows.append(Check(f"{name} kv budget", FAIL,
+                          f"{stats.num_kv_blocks_total} blocks x {stats.block_size} = {capacity} tokens "
+                          f"< max model length {health.max_model_len}",
+                          "raise spec.engine.kvCacheBytes (or lower spec.engine.maxModelLen)"))
+    else:
+        rows.append(Check(f"{name} kv budget", PASS,
+                          f"{capacity} tokens of KV >= max model length {health.max_model_len or '?'}"))
+    if skew_s is None:
+        rows.append(Check(f"{name} clock", WARN, "the engine reports no time; clock skew not checked",
+                          "upgrade the engine"))
+    else:
+        status = FAIL if abs(skew_s) >= SKEW_FAIL_S else WARN if abs(skew_s) >= SKEW_WARN_S else PASS
+        rows.append(Check(f"{name} clock", status, f"skew {skew_s:+.3f} s to this host",
+                          "" if status == PASS else "run NTP (chrony) on both hosts"))
+    return rows
+
+
+def check_hashes(instances) -> list[Check]:
+    hashes = {i.kv_compat_hash for i in instances if i.role in ("prefill", "decode")}
+    if len(hashes) <= 1:
+        return [Check("kv compatibility", PASS, f"P and D hashes match ({next(iter(hashes), 'none')})")]
+    listed = ", ".join(f"{i.instance_id}={i.kv_compat_hash}" for i in instances)
+    return [Check("kv compatibility", FAIL, f"hashes differ: {listed}",
+                  "run one model, dtype and block size on every P and D engine")]
+
+
+def check_probe(p, d, answer) -> Check:
+    name = f"kv {p.instance_id} -> {d.instance_id}"
+    if isinstance(answer, grpc.aio.AioRpcError):
+        return Check(name, FAIL, f"{p.instance_id} did not run the probe: {answer.code().name}: "
+                                 f"{answer.details()}", "upgrade or restart the prefill engine")
+    if isinstance(answer, BaseException):
+        return Check(name, FAIL, f"probe failed: {answer}", "")
+    if not answer.ok:
+        return Check(name, FAIL, answer.reason,
+                     "open the D's KV port to the P (firewall, NetworkPolicy), check both run one model")
+    return Check(name, PASS, f"handshake {answer.handshake_s * 1e3:.1f} ms, test transfer of "
+                             f"{answer.transfer_bytes} bytes {answer.transfer_s * 1e3:.1f} ms over "
+                             f"{answer.transport}")
+
+
+def check_coordinator(url: str) -> list[Check]:
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/ready?verbose=1", timeout=RPC_TIMEOUT_S) as r:
+            body = json.load(r)
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read() or b"{}")
+    except (OSError, ValueError) as exc:
+        return [Check("coordinator", FAIL, f"{url}: {exc}", "start the Coordinator or fix --url")]
+    ready = body.get("status") == "ready"
+    detail = body.get("detail", {})
+    rows = [Check("coordinator", PASS if ready else FAIL, f"{url}: {body.get('status')} "
+                  f"(PD: {detail.get('pd', '?')}, mode {detail.get('mode', '?')})",
+                  "" if ready else "see the pair rows below and the Coordinator's log")]
+    for pair in body.get("pairs", []):
+        rows.append(Check(f"route {pair['prefill']} -> {pair['decode']}",
+                          PASS if pair["usable"] else FAIL, pair["reason"] or "usable"))
+    return rows
+
+
+def render(checks: list[Check]) -> str:
+    width = max((len(c.name) for c in checks), default=10)
+    lines = [f"{'STATUS':6}  {'CHECK':{width}}  DETAIL"]
+    for c in checks:
+        lines.append(f"{c.status.upper():6}  {c.name:{width}}  {c.detail}")
+        if c.fix and c.status != PASS:
+            lines.append(f"{'':6}  {'':{width}}  fix: {c.fix}")
+    counts = {s: sum(c.status == s for c in checks) for s in (PASS, WARN, FAIL)}
+    lines.append(f"{counts[PASS]} pass, {counts[WARN]} warn, {counts[FAIL]} fail")
+    return "\n".join(lines)

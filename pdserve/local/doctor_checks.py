@@ -1,0 +1,182 @@
+"""The checks ``pdserve doctor`` runs on this host, without a running cluster: the
+model source, the tokenizer and chat template, transports, TLS files, etcd.
+
+Each check returns ``Check`` rows (pass / warn / fail, what was found, how to fix
+it); none raises. Called by ``doctor.py`` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.api import PDCluster
+from pdserve.runtime.security import SecuritySettings
+from pdserve.runtime.tokenizer import load_tokenizer
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+TLS_EXPIRY_WARN_DAYS = 14  # a certificate expiring sooner is a warning
+RDMA_DIR = Path("/sys/class/infiniband")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # pass | warn | fail
+    detail: str
+    fix: str = ""
+
+
+def check_model(cluster: PDCluster) -> list[Check]:
+    """The spec's model source, and (for a path) that a checkpoint is there."""
+    model = cluster.spec.model
+    if model.preset:
+        return [Check("model source", PASS, f"built-in preset {model.preset!r} (random weights)")]
+    if not model.path:
+        source = "a PVC" if model.pvc else f"image {model.image}"
+        return [Check("model source", WARN, f"the model comes from {source}; not checked from this host",
+                      "run doctor where the checkpoint is mounted, or with --url/--controller")]
+    path = Path(model.path)
+    if not path.is_dir():
+        return [Check("model source", FAIL, f"model path {model.path} does not exist",
+                      "point spec.model.path at a checkpoint directory holding config.json")]
+    if not (path / "config.json").is_file():
+        return [Check("model source", FAIL, f"{model.path} has no config.json",
+                      "point spec.model.path at a Hugging Face checkpoint directory")]
+    return [Check("model source", PASS, f"checkpoint {model.path}")]
+
+
+def check_tokenizer(cluster: PDCluster) -> list[Check]:
+    """The tokenizer and chat template load here, as the Coordinator loads them."""
+    model = cluster.spec.model
+    if model.preset:
+        return [Check("tokenizer + chat template", PASS,
+                      "built-in byte tokenizer and the default chat template")]
+    path = Path(model.path or "")
+    if not model.path or not path.is_dir():
+        return [Check("tokenizer + chat template", WARN, "no local checkpoint to load them from",
+                      "fix the model source first")]
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
+        return [Check("tokenizer + chat template", FAIL, f"tokenizer.json does not load: {exc}",
+                      "replace the checkpoint's tokenizer.json")]
+    if tokenizer is None:
+        return [Check("tokenizer + chat template", WARN,
+                      f"{path} has no tokenizer.json: only token-id prompts can be served",
+                      "add the model's tokenizer.json to the checkpoint")]
+    template = _chat_template(path)
+    if template is None:
+        return [Check("tokenizer + chat template", PASS, "tokenizer loads; default chat template")]
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+    except Exception as exc:  # noqa: BLE001
+        return [Check("tokenizer + chat template", FAIL, f"the chat template does not compile: {exc}",
+                      "fix chat_template in tokenizer_config.json")]
+    return [Check("tokenizer + chat template", PASS, "tokenizer and the checkpoint's chat template load")]
+
+
+def _chat_template(path: Path) -> str | None:
+    try:
+        template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
+
+
+def check_transport(cluster: PDCluster, require_rdma: bool) -> list[Check]:
+    """The spec's KV transport can run on this host (where ``pdserve up`` runs engines)."""
+    transport = cluster.spec.kv_transfer.transport
+    if transport == "tcp":
+        return [Check("kv transport", PASS, "tcp: built in")]
+    if transport == "shm":
+        ok = os.access("/dev/shm", os.W_OK)
+        return [Check("kv transport", PASS if ok else FAIL,
+                      "shm: /dev/shm is writable" if ok else "shm: /dev/shm is not writable",
+                      "" if ok else "mount a writable /dev/shm, or use transport tcp")]
+    rows = []
+    if importlib.util.find_spec("mooncake") is None:
+        rows.append(Check("kv transport", FAIL, "mooncake: the mooncake package is not importable here",
+                          "pip install mooncake-transfer-engine, or use transport tcp"))
+    else:
+        rows.append(Check("kv transport", PASS, "mooncake: importable"))
+    devices = sorted(p.name for p in RDMA_DIR.iterdir()) if RDMA_DIR.is_dir() else []
+    if devices:
+        rows.append(Check("rdma devices", PASS, ", ".join(devices)))
+    else:
+        rows.append(Check("rdma devices", FAIL if require_rdma else WARN,
+                          f"no RDMA devices in {RDMA_DIR}: Mooncake runs its TCP protocol",
+                          "run on nodes with RDMA NICs (and their device plugin) for RDMA"))
+    return rows
+
+
+def check_tls(security: SecuritySettings, now: dt.datetime | None = None) -> list[Check]:
+    """The configured TLS files parse, the certificate is valid and not near expiry."""
+    if not security.uses_tls:
+        return [Check("tls", PASS, "not configured (cluster token only)")]
+    now = now or dt.datetime.now(dt.UTC)
+    rows = []
+    for label, path in (("tls certificate", security.tls_cert), ("tls ca", security.tls_ca)):
+        ends, error = _cert_end(path)
+        if error:
+            rows.append(Check(label, FAIL, f"{path}: {error}", "install a valid PEM certificate"))
+        elif ends < now:
+            rows.append(Check(label, FAIL, f"{path} expired on {ends:%Y-%m-%d}", "renew the certificate"))
+        elif ends - now < dt.timedelta(days=TLS_EXPIRY_WARN_DAYS):
+            rows.append(Check(label, WARN, f"{path} expires on {ends:%Y-%m-%d}", "renew it soon"))
+        else:
+            rows.append(Check(label, PASS, f"{path} valid until {ends:%Y-%m-%d}"))
+    if not Path(security.tls_key or "").is_file():
+        rows.append(Check("tls key", FAIL, f"{security.tls_key} is not readable", "mount the key"))
+    return rows
+
+
+def _cert_end(path: str | None) -> tuple[dt.datetime, str]:
+    """(notAfter, "") or (_, why it cannot be read), with the openssl CLI."""
+    epoch = dt.datetime.fromtimestamp(0, dt.UTC)
+    if shutil.which("openssl") is None:
+        return epoch, "the openssl CLI is not installed; cannot check"
+    out = subprocess.run(["openssl", "x509", "-noout", "-enddate", "-in", str(path)],
+                         capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        return epoch, (out.stderr.strip().splitlines() or ["not a PEM certificate"])[0]
+    stamp = out.stdout.strip().split("=", 1)[1]
+    return dt.datetime.strptime(stamp, "%b %d %H:%M:%S %Y %Z").replace(tzinfo=dt.UTC), ""
+
+
+def check_etcd(endpoint: str | None, timeout_s: float = 5.0) -> list[Check]:
+    """etcd at ``endpoint`` (host:port) answers and takes a write (a scratch key, deleted)."""
+    if not endpoint:
+        return []
+    try:
+        return [asyncio.run(asyncio.wait_for(_etcd_round_trip(endpoint), timeout_s))]
+    except Exception as exc:  # noqa: BLE001 - unreachable, refused, timed out: the finding
+        reason = str(exc) or type(exc).__name__
+        return [Check("etcd", FAIL, f"{endpoint}: {reason}",
+                      "start etcd, or fix --etcd (and its TLS flags on the Controller)")]
+
+
+async def _etcd_round_trip(endpoint: str) -> Check:
+    import aetcd
+
+    host, _, port = endpoint.removeprefix("etcd://").rpartition(":")
+    key = f"/pdserve/doctor/{uuid.uuid4().hex}".encode()
+    async with aetcd.Client(host=host or "127.0.0.1", port=int(port or 2379)) as client:
+        await client.put(key, b"ok")
+        got = await client.get(key)
+        await client.delete(key)
+    if got is None or got.value != b"ok":
+        return Check("etcd", FAIL, f"{endpoint}: a written key did not read back", "check etcd's health")
+    return Check("etcd", PASS, f"{endpoint}: reachable and writable")

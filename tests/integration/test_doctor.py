@@ -1,0 +1,53 @@
+"""``pdserve doctor`` against a real ``pdserve up -f examples/minimal.yaml`` cluster
+(every check passes, exit 0, including a real P -> D test transfer), and against a
+spec whose model path does not exist (fail with the reason, exit non-zero)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+from tests.etcd import free_port
+from tests.procs import PDSERVE, Proc
+
+
+def doctor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*PDSERVE, "doctor", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_doctor_passes_on_a_running_minimal_cluster(tmp_path):
+    run_dir = tmp_path / "run"
+    up = Proc([*PDSERVE, "up", "-f", "examples/minimal.yaml", "--port", str(free_port()),
+               "--run-dir", str(run_dir)])
+    try:
+        up.wait_for(r"pdserve is up", timeout_s=180)
+        result = doctor("-f", "examples/minimal.yaml", "--run-dir", str(run_dir))
+        assert result.returncode == 0, result.stdout + result.stderr
+        rows = result.stdout.splitlines()
+        assert not [r for r in rows if r.startswith(("FAIL", "WARN"))], result.stdout
+        probe = next(r for r in rows if r.startswith("PASS") and "-> tiny-decode-0" in r and "kv " in r)
+        assert "test transfer of" in probe and "over tcp" in probe
+        assert any(r.startswith("PASS") and "coordinator" in r for r in rows)
+        assert rows[-1].endswith("0 warn, 0 fail")
+        up.popen.send_signal(signal.SIGINT)
+        assert up.popen.wait(60) == 0
+    finally:
+        up.stop()
+
+
+def test_doctor_fails_with_the_reason_on_a_missing_model_path(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(
+        "apiVersion: pdserve.io/v1alpha1\nkind: PDCluster\nmetadata:\n  name: nomodel\n"
+        "spec:\n  model:\n    path: /nonexistent/checkpoint\n"
+        "  prefill:\n    replicas: 1\n  decode:\n    replicas: 1\n")
+    result = doctor("-f", str(spec), "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    line = next(r for r in result.stdout.splitlines() if "model source" in r)
+    assert line.startswith("FAIL") and "/nonexistent/checkpoint does not exist" in line
+    assert "fix: point spec.model.path" in result.stdout
+
+
+def test_doctor_needs_a_target():
+    result = doctor()
+    assert result.returncode == 2 and "give -f cluster.yaml" in result.stderr
