@@ -93,18 +93,33 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: list[int] = field(default_factory=list)
 
     def engine_request(self, leg_id: str, prompt_ids: list[int], num_generated: int,
                        kv_transfer: pb.KVTransferParams | None = None) -> pb.GenerateRequest:
         """One leg's request. ``prompt_ids`` is the original prompt followed by the
         ``num_generated`` tokens already streamed: the leg asks for what is left and
-        samples from where the stream stands (a seeded stream draws the same numbers)."""
+        samples from where the stream stands (a seeded stream draws the same numbers,
+        and ``sample_offset`` tells the engine the prompt's last ``num_generated``
+        tokens are output, which the presence and frequency penalties count)."""
         return pb.GenerateRequest(
             request_id=leg_id, prompt_token_ids=prompt_ids, kv_transfer=kv_transfer,
             sampling=pb.SamplingParams(
                 max_tokens=self.max_tokens - num_generated, temperature=self.temperature,
                 top_p=self.top_p, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
-                sample_offset=num_generated, min_tokens=max(0, self.min_tokens - num_generated)))
+                sample_offset=num_generated, min_tokens=max(0, self.min_tokens - num_generated),
+                top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
+                stop_token_ids=self.stop_token_ids,
+                # The wire's 0 means "off" (1).
+                repetition_penalty=0.0 if self.repetition_penalty == 1.0
+                else self.repetition_penalty))
 
 
 class RequestRun:

@@ -66,11 +66,12 @@ class PromptBuilder:
             template = named.get("default")
         return template if isinstance(template, str) else None
 
-    def encode_text(self, text: str) -> list[int]:
-        """Called by the app for text prompts."""
+    def encode_text(self, text: str, add_bos: bool = False) -> list[int]:
+        """Called by the app: a text completion's prompt with ``add_bos`` (BOS first where
+        the checkpoint asks for it), a rendered chat prompt without (its template has it)."""
         if self.tokenizer is None:
             raise ServeError(400, "this model has no tokenizer: send prompt token ids", param="prompt")
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_bos=add_bos)
 
     def check_ids(self, token_ids: list[int]) -> list[int]:
         if self.vocab_size is not None and any(t >= self.vocab_size for t in token_ids):

@@ -1,10 +1,17 @@
 """OpenAI-compatible request and response bodies (the subset pdserve serves).
 
-Requests are validated here, before any routing: ``n`` must be 1, ``stop`` holds at
-most four strings, token-id prompts are non-negative integers, and every text is
-valid Unicode (a lone surrogate, which JSON's ``\ud800`` escapes can carry, is a
-400 naming the field, never an encoding error later). Unknown fields are ignored,
-as OpenAI's SDK sends fields this server does not use.
+Requests are validated here, before any routing: ``stop`` holds at most four
+strings, token-id prompts are non-negative integers, and every text is valid
+Unicode (a lone surrogate, which JSON's ``\ud800`` escapes can carry, is a 400
+naming the field, never an encoding error later).
+
+No parameter is silently ignored. OpenAI parameters pdserve does not implement
+(``NOT_SUPPORTED``: ``logprobs``, ``n > 1``, ``echo``, ``tools``, ...) are declared
+and refused with 400 "not supported yet" naming the parameter when they ask for
+anything but their default (``n: 1``, ``logprobs: false``, ``response_format:
+{"type": "text"}`` pass). Fields nobody declares are ignored, as vLLM does (OpenAI
+refuses them): SDKs and proxies add fields of their own, and ``user``, ``store`` or
+``metadata`` change nothing about the output.
 
 Response models exist for the OpenAPI document (the contract schemathesis checks).
 The hot path does not validate what it sends: ``ResponseBuilder`` builds the same
@@ -15,9 +22,10 @@ OpenAI's SDK types.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_SEED = 2**53 - 1  # exact in a JSON number
 
@@ -37,6 +45,39 @@ def _valid_unicode(value):
     return value
 
 
+# Each unimplemented OpenAI parameter and the values of it that ask for nothing.
+NOT_SUPPORTED: dict[str, tuple] = {
+    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+def _refuse_non_default(value, info):
+    """Field validator of ``NOT_SUPPORTED``: its defaults pass, anything else is a 400."""
+    harmless = NOT_SUPPORTED[info.field_name]
+    if any(value == d and type(value) is type(d) for d in harmless):  # 1 passes, True not
+        return value
+    raise PydanticCustomError("not_supported", "{name} is not supported yet (got {value})",
+                              {"name": info.field_name, "value": repr(value)[:80]})
+
+
+def _unsupported(description: str) -> Any:
+    return Field(default=None, description=f"Not supported yet: {description}")
+
+
+def _bias_keys(bias: dict[str, float] | None):
+    """``logit_bias`` keys are token ids written as strings, as OpenAI's are."""
+    for key in bias or ():
+        if not key.isdigit() or len(key) > 9:
+            raise ValueError(f"logit_bias keys must be token ids, got {key[:16]!r}")
+    return bias
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -51,7 +92,21 @@ class _Request(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: Annotated[str | Annotated[list[str], Field(max_length=4)] | None,
                     AfterValidator(_valid_unicode)] = None
-    n: Literal[1] = 1
+    top_k: int = Field(default=-1, ge=-1, le=1 << 20)
+    """Extension (as vLLM's): sample from the k likeliest tokens; -1 or 0: all."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Extension (as vLLM's): drop tokens below min_p times the likeliest one's probability."""
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    """Extension (as vLLM's): multiplicative, over prompt and output tokens; 1: off."""
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None,
+                          Field(max_length=1024), AfterValidator(_bias_keys)] = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64)
+    """Extension (as vLLM's): token ids that end the output (kept in it)."""
+    n: Any = _unsupported("more than one choice (n > 1)")
+    logprobs: Any = _unsupported("log probabilities")
+    top_logprobs: Any = _unsupported("log probabilities")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
@@ -61,6 +116,8 @@ class _Request(BaseModel):
     """Extension (as vLLM's and SGLang's): the model's EOS does not end the output."""
     min_tokens: int = Field(default=0, ge=0, le=1 << 20)
     """Extension (as vLLM's): no EOS or stop token before this many output tokens."""
+
+    _refuse_common = field_validator("n", "logprobs", "top_logprobs")(_refuse_non_default)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -73,7 +130,11 @@ class CompletionRequest(_Request):
     prompt: (Annotated[str, Field(min_length=1)]
              | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1 << 20)])
     """Text (tokenized by the Coordinator) or one prompt as token ids."""
-    echo: Literal[False] = False
+    echo: Any = _unsupported("echoing the prompt")
+    best_of: Any = _unsupported("best_of > 1")
+    suffix: Any = _unsupported("suffix (insertion)")
+
+    _refuse = field_validator("echo", "best_of", "suffix")(_refuse_non_default)
 
 
 class TextPart(BaseModel):
@@ -99,6 +160,23 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    response_format: Any = _unsupported("structured output (response_format other than text)")
+    tools: Any = _unsupported("tool calling")
+    tool_choice: Any = _unsupported("tool calling")
+    functions: Any = _unsupported("function calling")
+    function_call: Any = _unsupported("function calling")
+    audio: Any = _unsupported("audio output")
+    modalities: Any = _unsupported("modalities other than text")
+    prediction: Any = _unsupported("predicted outputs")
+    guided_json: Any = _unsupported("structured output")
+    guided_regex: Any = _unsupported("structured output")
+    guided_choice: Any = _unsupported("structured output")
+    guided_grammar: Any = _unsupported("structured output")
+
+    _refuse = field_validator(
+        "response_format", "tools", "tool_choice", "functions", "function_call", "audio",
+        "modalities", "prediction", "guided_json", "guided_regex", "guided_choice",
+        "guided_grammar")(_refuse_non_default)
 
 
 class Usage(BaseModel):

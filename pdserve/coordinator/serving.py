@@ -50,6 +50,9 @@ from .settings import CoordinatorSettings
 TIMINGS_HEADER = "x-pdserve-timings"
 REQUEST_ID_HEADER = "x-request-id"
 MAX_CLIENT_ID_CHARS = 128
+# A chat's max_tokens when it gives none: past any engine's capacity, so the engine
+# ends it at its context limit; fits the wire's int32.
+UNTIL_CONTEXT_LIMIT = 1 << 30
 _CLIENT_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_CLIENT_ID_CHARS}}}")  # visible ASCII, no spaces
 
 
@@ -71,10 +74,25 @@ def client_request_id(request: Request) -> str | None:
 
 
 def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
-                            settings: CoordinatorSettings) -> GenerationParams:
-    """The request's sampling and limits, from its OpenAI body; called once by ``handle``."""
-    max_tokens = body.max_tokens or getattr(body, "max_completion_tokens", None) \
-        or settings.max_tokens_default
+                            settings: CoordinatorSettings,
+                            vocab_size: int | None = None) -> GenerationParams:
+    """The request's sampling and limits, from its OpenAI body; called once by ``handle``.
+
+    Without ``max_tokens``, a completion gets ``settings.max_tokens_default`` (16, as
+    OpenAI's legacy completions) and a chat runs to the context limit, as OpenAI and
+    vLLM do: ``UNTIL_CONTEXT_LIMIT``, which the engine cuts at its capacity ("length").
+    ``logit_bias`` ids are checked against ``vocab_size`` where the Coordinator knows it
+    (else by the engine)."""
+    max_tokens = body.max_tokens or getattr(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        is_chat = isinstance(body, ChatCompletionRequest)
+        max_tokens = UNTIL_CONTEXT_LIMIT if is_chat else settings.max_tokens_default
+    bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+    for name, ids in (("logit_bias", bias), ("stop_token_ids", body.stop_token_ids)):
+        bad = [t for t in ids if vocab_size is not None and t >= vocab_size]
+        if bad:
+            raise ServeError(400, f"{name}: token ids must be in [0, {vocab_size}), got {bad[:8]}",
+                             param=name)
     # A sampled request without a seed gets one here, so that a stream continued
     # on another engine after a failure keeps drawing the same random numbers.
     seed = body.seed
@@ -83,8 +101,12 @@ def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
     if body.min_tokens > max_tokens:
         raise ServeError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens "
                          f"({max_tokens})", param="min_tokens")
-    return GenerationParams(max_tokens, body.temperature, body.top_p, seed, body.stop_list(),
-                            body.ignore_eos, body.min_tokens)
+    return GenerationParams(
+        max_tokens, body.temperature, body.top_p, seed, body.stop_list(), body.ignore_eos,
+        body.min_tokens, top_k=max(0, body.top_k), min_p=body.min_p,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, logit_bias=bias,
+        stop_token_ids=list(body.stop_token_ids))
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -103,7 +125,7 @@ class Completions:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             return self.prompts.encode_text(self.prompts.render_chat(messages))
         if isinstance(body.prompt, str):
-            ids = self.prompts.encode_text(body.prompt)
+            ids = self.prompts.encode_text(body.prompt, add_bos=True)
         else:
             ids = self.prompts.check_ids(body.prompt)
         if not ids:
@@ -119,7 +141,7 @@ class Completions:
                              f"{settings.model_name!r}", code="model_not_found", param="model")
         label = client_request_id(request)
         prompt_ids = self._prompt_ids(body)
-        params = build_generation_params(body, settings)
+        params = build_generation_params(body, settings, self.prompts.vocab_size)
         deadline = arrival + settings.request_timeout_s
         slot = await self.admission.acquire(deadline)
         run = RequestRun(self.deps, new_request_id(), prompt_ids, params, deadline, arrival, label)

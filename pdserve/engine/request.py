@@ -87,6 +87,16 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token this request's stream generated: a continued stream's prompt ends
+        with the ``sample_offset`` tokens earlier engines generated, then this engine's
+        output. What presence and frequency penalties count (read by the runner on the
+        step thread, for penalized requests only)."""
+        num_prior = min(self.sampling_params.sample_offset, len(self.prompt_token_ids))
+        prior = self.prompt_token_ids[len(self.prompt_token_ids) - num_prior:]
+        return prior + self.output_token_ids if num_prior else self.output_token_ids
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

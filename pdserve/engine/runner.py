@@ -13,7 +13,7 @@ import torch
 from pdserve.engine.attention import AttentionMetadata, PrefillChunk, build_decode_buckets
 from pdserve.engine.model import Transformer
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import TokenHistory, sample
 from pdserve.engine.scheduler import ScheduledBatch
 
 
@@ -111,8 +111,16 @@ class ModelRunner:
             [r.sampling_params for r in sampled],
             [r.sampling_params.sample_offset + len(r.output_token_ids) for r in sampled],
             [_banned_tokens(r) for r in sampled],
+            [_history(r) for r in sampled],
         )
         return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+
+
+def _history(request: Request) -> TokenHistory | None:
+    """The tokens a penalized request's penalties count; None (no copy) for the rest."""
+    if not request.sampling_params.has_penalties:
+        return None
+    return TokenHistory(request.all_token_ids, request.generated_token_ids)
 
 
 def _banned_tokens(request: Request) -> tuple[int, ...]:

@@ -1,4 +1,9 @@
-"""Token sampling (torch): greedy, temperature, top-k, top-p, seeded.
+"""Token sampling (torch): logit bias, penalties, greedy, temperature, min-p, top-k,
+top-p, seeded.
+
+Order per row, as vLLM's: banned tokens (``min_tokens``) and ``logit_bias``, then the
+repetition, frequency and presence penalties (these two affect greedy requests too),
+then temperature, min-p, top-k and top-p for sampled requests.
 
 Randomness is counter-based (see ``sampling_params.py``): output token ``i`` of a
 request is drawn with a generator seeded from ``(seed, i)`` using the exponential-race
@@ -7,6 +12,8 @@ draws the same tokens whatever batch it shares and whichever engine runs the ste
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -23,8 +30,39 @@ def _stream_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & _MASK64
 
 
+@dataclass(frozen=True)
+class TokenHistory:
+    """What a penalized row's penalties read: every token seen (prompt and output, for
+    the repetition penalty) and the generated ones (presence and frequency)."""
+
+    all_token_ids: list[int]
+    generated_token_ids: list[int]
+
+
+def _adjust(row: torch.Tensor, params: SamplingParams, history: TokenHistory | None) -> None:
+    """Logit bias and penalties, in place on one row of logits."""
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype,
+                                 device=row.device)
+    if history is None:
+        return
+    if params.repetition_penalty != 1.0 and history.all_token_ids:
+        seen = torch.tensor(history.all_token_ids, dtype=torch.long, device=row.device).unique()
+        logits = row[seen]
+        row[seen] = torch.where(logits > 0, logits / params.repetition_penalty,
+                                logits * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and history.generated_token_ids:
+        out = torch.tensor(history.generated_token_ids, dtype=torch.long, device=row.device)
+        counts = torch.bincount(out, minlength=row.shape[-1]).to(row.dtype)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+
+
 def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits / params.temperature
+    if params.min_p:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -41,17 +79,24 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
     banned: list[tuple[int, ...]] | None = None,
+    histories: list[TokenHistory | None] | None = None,
 ) -> list[int]:
-    """One token per row of ``logits`` ([N, V] float32).
+    """One token per row of ``logits`` ([N, V] float32). Called by the runner once per step.
 
     ``indices[i]`` is the output index of the token being drawn for row ``i``;
-    ``banned[i]`` lists token ids row ``i`` may not draw (``min_tokens`` not reached).
+    ``banned[i]`` lists token ids row ``i`` may not draw (``min_tokens`` not reached);
+    ``histories[i]`` is row ``i``'s token history, given where it has penalties.
     """
-    if banned is not None and any(banned):
+    has_banned = banned is not None and any(banned)
+    adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.has_penalties]
+    if has_banned or adjusted:
         logits = logits.clone()
+    if has_banned:
         for row, ids in enumerate(banned):
             if ids:
                 logits[row, list(ids)] = float("-inf")
+    for i in adjusted:
+        _adjust(logits[i], params[i], histories[i] if histories is not None else None)
     if all(p.is_greedy for p in params):
         return logits.argmax(-1).tolist()
     out = []

@@ -5,6 +5,15 @@ the step loop. The random stream is counter-based: the token at output index ``i
 is drawn with a generator seeded from ``(seed, i)``, so the sampler's whole random
 state is ``seed`` plus the number of tokens generated. That makes a request's
 sampling resumable on another engine with no opaque RNG blob.
+
+Penalties follow vLLM and OpenAI: ``presence_penalty`` and ``frequency_penalty``
+subtract from the logits of tokens already *generated* (once, and per occurrence);
+``repetition_penalty`` divides positive and multiplies negative logits of every
+token seen in the prompt or the output. Their state is the token history itself: a
+stream continued on another engine sends prompt + generated tokens with
+``sample_offset`` = the number generated, and those last ``sample_offset`` prompt
+tokens count as generated (``Request.generated_token_ids``), so the continuation
+penalizes exactly as the first engine would have.
 """
 
 from __future__ import annotations
@@ -29,6 +38,11 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     sample_offset: int = 0  # stream position of the first token (continued streams)
+    min_p: float = 0.0  # 0 disables min-p
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 disables it
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -49,14 +63,30 @@ class SamplingParams:
             raise SamplingError(f"sample_offset must be >= 0, got {self.sample_offset}")
         if any(not s for s in self.stop):
             raise SamplingError("stop strings must be non-empty")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise SamplingError("logit_bias values must be in [-100, 100]")
         if vocab_size is not None:
-            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-            if bad:
-                raise SamplingError(f"stop_token_ids out of vocabulary range: {bad}")
+            for name in ("stop_token_ids", "logit_bias"):
+                bad = sorted(t for t in getattr(self, name) if not 0 <= t < vocab_size)
+                if bad:
+                    raise SamplingError(f"{name} out of vocabulary range [0, {vocab_size}): {bad[:8]}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """The sampler needs the request's token history (``sampler.TokenHistory``)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     def with_seed(self) -> SamplingParams:
         """A copy with a concrete seed, so the request's random stream is reproducible."""
