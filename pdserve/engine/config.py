@@ -1,24 +1,128 @@
 """Engine and model configuration.
 
-``ModelConfig`` is the architecture read from a Hugging Face ``config.json`` (Llama
-and Qwen2 families) or from a built-in preset. ``EngineConfig`` is everything an
-operator sets: device, dtype, KV budget, batching limits. Both validate eagerly so
-that a bad value fails at start-up with a message naming the field.
+``ModelConfig`` is the architecture read from a Hugging Face ``config.json`` (Llama,
+Mistral, Qwen2 and Qwen3 families; ``generation_config.json`` adds EOS ids) or from a
+built-in preset. ``EngineConfig`` is everything an operator sets: device, dtype, KV
+budget, batching limits. Both validate eagerly so that a bad value fails at start-up
+with a message naming the field.
+
+Invariant: a checkpoint either loads with the positions, norms and attention span it
+was trained with, or is refused with ``ConfigError``. RoPE scaling is read from
+``rope_scaling`` (transformers 4.x files) or ``rope_parameters`` (5.x); a type
+``rope.py`` does not implement is refused, never run as plain RoPE. A sliding window
+shorter than ``max_position_embeddings`` caps the positions served at the window,
+where full attention and the window agree.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 ROLES = ("prefill", "decode", "hybrid")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+log = logging.getLogger(__name__)
+
+
 class ConfigError(ValueError):
     """A configuration or checkpoint that pdserve cannot serve; the message says why."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling type and its parameters, as ``rope.inv_freq`` reads them."""
+
+    rope_type: str
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+
+def _rope_dict(raw: dict) -> tuple[str, dict]:
+    """(field name, RoPE dict) of a config.json: ``rope_scaling`` wins over
+    ``rope_parameters``, as in transformers."""
+    key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    rope = raw.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{key} must be a JSON object, got {rope!r}")
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ConfigError(f"per-layer-type {key} is not supported: {rope!r}")
+    return key, rope
+
+
+def parse_rope_scaling(raw: dict, max_positions: int) -> RopeScaling | None:
+    """``None`` for plain RoPE; raises ``ConfigError`` for any type ``rope.py`` lacks."""
+    key, rope = _rope_dict(raw)
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"{key} type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}): {rope!r}"
+        )
+    if float(raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ConfigError("partial_rotary_factor other than 1.0 is not supported")
+    if rope_type == "default":
+        return None
+    original = int(raw.get("original_max_position_embeddings")
+                   or rope.get("original_max_position_embeddings") or max_positions)
+    factor = rope.get("factor")
+    if factor is None and rope_type == "yarn":
+        factor = max_positions / original
+    try:
+        scaling = RopeScaling(
+            rope_type=rope_type, factor=float(factor),
+            original_max_position_embeddings=original,
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
+            attention_factor=rope.get("attention_factor"),
+            truncate=bool(rope.get("truncate", True)),
+        )
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} type {rope_type!r} needs a numeric factor: {rope!r}") from None
+    if rope_type == "llama3" and ("low_freq_factor" not in rope or "high_freq_factor" not in rope):
+        raise ConfigError(f"{key} type llama3 needs low_freq_factor and high_freq_factor: {rope!r}")
+    if scaling.factor < 1.0:
+        raise ConfigError(f"{key} factor must be at least 1, got {scaling.factor}")
+    if rope_type == "llama3" and scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise ConfigError(f"{key} type llama3 needs high_freq_factor > low_freq_factor")
+    return scaling
+
+
+def _sliding_window(raw: dict, arch: str) -> int | None:
+    """The attention window, if any layer uses one: Mistral's ``sliding_window``; Qwen's
+    only with ``use_sliding_window``."""
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window"):
+        return None
+    if arch == "LlamaForCausalLM":
+        return None
+    window = raw.get("sliding_window")
+    return None if window is None else int(window)
+
+
+def _eos_ids(value, source: str) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else ([] if value is None else [value])
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"eos_token_id in {source} must be an int or a list of ints, got {value!r}")
+    return tuple(values)
 
 
 @dataclass(frozen=True)
@@ -35,6 +139,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     head_dim: int = 0
     attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
@@ -53,23 +159,23 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            model_type = raw.get("model_type")
-            arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(model_type)
+            arch = MODEL_TYPES.get(raw.get("model_type"))
         if arch is None:
             raise ConfigError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        scaling = raw.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ConfigError(f"rope_scaling {scaling!r} is not supported")
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        rope_theta = raw.get("rope_theta")
-        if rope_theta is None:
-            rope_theta = (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope_theta = _rope_dict(raw)[1].get("rope_theta", raw.get("rope_theta", 10000.0))
         try:
             num_heads = int(raw["num_attention_heads"])
+            max_positions = int(raw.get("max_position_embeddings", 2048))
+            rope_scaling = parse_rope_scaling(raw, max_positions)
+            window = _sliding_window(raw, arch)
+            if window is not None and window < max_positions:
+                log.warning("%s: sliding_window %d < max_position_embeddings %d: serving at most "
+                            "%d positions, where the window attends to everything", name, window,
+                            max_positions, window)
+                max_positions = window
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -78,14 +184,16 @@ class ModelConfig:
                 num_hidden_layers=int(raw["num_hidden_layers"]),
                 num_attention_heads=num_heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=max_positions,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
                 head_dim=int(raw.get("head_dim") or 0),
-                # Qwen2 always has a bias on q/k/v; Llama only when attention_bias is set.
+                # Qwen2 always has a bias on q/k/v; the others only when attention_bias is set.
                 attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                eos_token_ids=eos_ids,
+                eos_token_ids=_eos_ids(raw.get("eos_token_id"), "config.json"),
                 name=name,
             )
         except KeyError as exc:
@@ -96,17 +204,28 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ConfigError(f"{path} has no config.json")
-        try:
-            raw = json.loads(config_file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{config_file} is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{config_file} must hold a JSON object")
-        return cls.from_hf_dict(raw, name=path.name)
+        cfg = cls.from_hf_dict(_read_json_object(config_file), name=path.name)
+        gen_file = path / "generation_config.json"  # chat checkpoints list several EOS ids there
+        gen = _read_json_object(gen_file) if gen_file.is_file() else {}
+        gen_eos = _eos_ids(gen.get("eos_token_id"), gen_file.name)
+        extra = tuple(e for e in gen_eos if e not in cfg.eos_token_ids)
+        if extra:
+            object.__setattr__(cfg, "eos_token_ids", cfg.eos_token_ids + extra)
+        return cfg
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V for one token across all layers."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+def _read_json_object(file: Path) -> dict:
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file} must hold a JSON object")
+    return raw
 
 
 @dataclass

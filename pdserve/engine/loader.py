@@ -150,6 +150,9 @@ def _target(model: Transformer, name: str) -> tuple[torch.Tensor, int, int] | No
         "input_layernorm.weight": (layer.input_layernorm.weight, 0, cfg.hidden_size),
         "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, 0, cfg.hidden_size),
     }
+    if attn.q_norm is not None:
+        table["self_attn.q_norm.weight"] = (attn.q_norm.weight, 0, attn.head_dim)
+        table["self_attn.k_norm.weight"] = (attn.k_norm.weight, 0, attn.head_dim)
     if attn.qkv_bias is not None:
         table.update({
             "self_attn.q_proj.bias": (attn.qkv_bias, 0, q),

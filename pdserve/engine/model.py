@@ -1,7 +1,9 @@
-"""Decoder-only transformer compatible with Hugging Face Llama and Qwen2 checkpoints.
+"""Decoder-only transformer compatible with Hugging Face Llama, Mistral, Qwen2 and Qwen3
+checkpoints.
 
-RMSNorm, rotary embeddings (``rope_theta``, half-rotation layout as in HF), grouped-
-query attention, SwiGLU MLP, optional QKV bias (Qwen2) and tied embeddings. Q/K/V and
+RMSNorm, rotary embeddings (``rope.Rotary``: ``rope_theta`` and RoPE scaling, half-
+rotation layout as in HF), grouped-query attention, SwiGLU MLP, optional QKV bias
+(Qwen2), optional per-head q/k RMSNorm (Qwen3) and tied embeddings. Q/K/V and
 gate/up projections are fused into one matmul each; the loader splits checkpoint
 tensors into the fused parameters. Parameters are created empty (no random init),
 so building a large model costs nothing before its weights are copied in.
@@ -17,6 +19,7 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.rope import Rotary
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -36,32 +39,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(orig)
 
 
-class Rotary(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float, device: torch.device):
-        super().__init__()
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
-
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:
-            xf = x.float()
-            half = xf.shape[-1] // 2
-            rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-            out.append((xf * cos + rotated * sin).to(x.dtype))
-        return out
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -75,6 +52,8 @@ class Attention(nn.Module):
         self.qkv_weight = _param(qkv, cfg.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = _param(qkv, dtype=dtype, device=device) if cfg.attention_bias else None
         self.o_weight = _param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -91,6 +70,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, on_kv_written)
         return F.linear(o.reshape(t, self.q_size), self.o_weight)
@@ -128,7 +109,7 @@ class Transformer(nn.Module):
             None if cfg.tie_word_embeddings
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
-        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
+        self.rotary = Rotary(cfg, device)
 
     @torch.inference_mode()
     def forward(

@@ -4,6 +4,12 @@ The byte tokenizer serves the built-in presets: token ``i < 256`` is byte ``i``;
 ids above are specials (BOS, EOS). Both expose ``encode``/``decode`` and
 ``eos_token_ids``. A checkpoint without tokenizer files gets ``None`` and runs from
 token ids only.
+
+BOS: ``encode(text, add_bos=True)`` (for a text completion's prompt, as Hugging Face
+encodes ``tokenizer(text)``) puts ``bos_token_id`` first where the checkpoint asks for
+it: ``add_bos_token`` in ``tokenizer_config.json``, or, where that is absent, a
+``tokenizer.json`` post-processor that adds it. Chat prompts keep ``add_bos=False``:
+their template writes the BOS token into the text.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ class ByteTokenizer:
     def eos_token_ids(self) -> tuple[int, ...]:
         return (self.eos_token_id,)
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))  # presets are trained without BOS
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
@@ -36,23 +42,33 @@ class HFTokenizer:
 
         self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
         self._eos: tuple[int, ...] = ()
+        self.bos_token_id: int | None = None  # put first by encode(add_bos=True)
         config_file = path / "tokenizer_config.json"
         if config_file.is_file():
             try:
-                eos = json.loads(config_file.read_text()).get("eos_token")
-                if isinstance(eos, dict):
-                    eos = eos.get("content")
-                if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
-                    self._eos = (self._tok.token_to_id(eos),)
+                config = json.loads(config_file.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError):
-                pass
+                config = {}
+            config = config if isinstance(config, dict) else {}
+            eos, bos = self._special_id(config, "eos_token"), self._special_id(config, "bos_token")
+            self._eos = () if eos is None else (eos,)
+            add_bos = config.get("add_bos_token")
+            if add_bos is None:  # the fast tokenizer's post-processor decides, as in HF
+                add_bos = self._tok.encode("", add_special_tokens=True).ids[:1] == [bos]
+            self.bos_token_id = bos if add_bos else None
+
+    def _special_id(self, config: dict, key: str) -> int | None:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        return self._tok.token_to_id(value) if isinstance(value, str) else None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)

@@ -92,7 +92,7 @@ def test_valid_example_names_a_model_the_engine_loads(path):
 
 
 def test_a_refused_checkpoint_fails_the_model_check(tmp_path):
-    """What production.yaml named before: Llama 3.1's llama3 RoPE scaling is refused."""
+    """A RoPE scaling type the engine does not implement (Phi-3's longrope) is refused."""
     from pdserve.api.cluster import ModelSpec
     from pdserve.engine.config import ConfigError
 
@@ -100,8 +100,8 @@ def test_a_refused_checkpoint_fails_the_model_check(tmp_path):
         "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
         "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}}))
+        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 64,
+                         "long_factor": [4.0] * 64, "original_max_position_embeddings": 4096}}))
     with pytest.raises(ConfigError, match="rope_scaling"):
         engine_model_config(ModelSpec(path=str(tmp_path)))
 

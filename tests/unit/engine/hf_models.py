@@ -1,4 +1,5 @@
-"""Random-weight Hugging Face checkpoints saved to disk, for oracle tests."""
+"""Random-weight Hugging Face checkpoints saved to disk, for oracle tests, and the two
+sides of the comparison: pdserve's prefill logits and transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -6,21 +7,33 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.attention import AttentionMetadata, PrefillChunk
 
-def build_hf_model(kind: str, tie: bool = False, seed: int = 0):
+FAMILIES = {  # kind: (config class, model class, rope_theta)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", 10000.0),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", 1000000.0),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", 1000000.0),
+    "mistral": ("MistralConfig", "MistralForCausalLM", 10000.0),
+}
+
+
+def build_hf_model(kind: str, tie: bool = False, seed: int = 0, **overrides):
+    """A random ``kind`` model; ``overrides`` replace config fields (``rope_parameters``,
+    ``num_hidden_layers``, ``sliding_window``, ...)."""
     import transformers
 
-    common = dict(
+    config_cls, model_cls, rope_theta = FAMILIES[kind]
+    fields = dict(
         vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         rms_norm_eps=1e-6, tie_word_embeddings=tie, eos_token_id=None, bos_token_id=None,
+        rope_theta=rope_theta,
     )
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(rope_theta=10000.0, **common)
-        cls = transformers.LlamaForCausalLM
-    else:
-        cfg = transformers.Qwen2Config(rope_theta=1000000.0, **common)
-        cls = transformers.Qwen2ForCausalLM
+    if kind == "mistral":
+        fields["sliding_window"] = None
+    fields.update(overrides)
+    cfg = getattr(transformers, config_cls)(**fields)
+    cls = getattr(transformers, model_cls)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     # Wider than the default init so that greedy outputs depend on the input.
@@ -51,3 +64,23 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")
     tok.save(str(path / "tokenizer.json"))
+
+
+def full_prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """pdserve's logits for every position of one prompt prefilled at once."""
+    cfg = model.config
+    n = len(token_ids)
+    kv = torch.zeros(cfg.num_hidden_layers, 2, n, cfg.num_key_value_heads, cfg.head_dim)
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n, n, None, None)])
+    hidden = model(torch.tensor(token_ids), torch.arange(n), kv, meta)
+    return model.compute_logits(hidden)
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (no EOS: exactly ``max_new_tokens``)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()

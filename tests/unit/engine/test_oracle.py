@@ -5,24 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, PrefillChunk
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
-from tests.unit.engine.hf_models import build_hf_model, save_hf_model, save_word_tokenizer
+from tests.unit.engine.hf_models import (
+    build_hf_model,
+    full_prefill_logits,
+    hf_greedy,
+    save_hf_model,
+    save_word_tokenizer,
+)
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True)]
 PROMPT = [5, 17, 99, 3, 250, 42, 42, 7, 64, 128, 1, 300, 11, 23]
-
-
-def full_prefill_logits(model, token_ids: list[int]) -> torch.Tensor:
-    cfg = model.config
-    n = len(token_ids)
-    kv = torch.zeros(cfg.num_hidden_layers, 2, n, cfg.num_key_value_heads, cfg.head_dim)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillChunk(0, n, n, None, None)])
-    hidden = model(torch.tensor(token_ids), torch.arange(n), kv, meta)
-    return model.compute_logits(hidden)
 
 
 @pytest.mark.parametrize(("kind", "tie"), CASES)
@@ -47,12 +43,7 @@ def test_greedy_generation_matches_transformers(tmp_path, kind, tie):
     prompts = [PROMPT, [7, 8, 9], list(range(40, 70))]
     ours = engine.generate(prompts, SamplingParams(max_tokens=24))
     for prompt, out in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                pad_token_id=0,
-            )[0, len(prompt):].tolist()
+        ref = hf_greedy(hf, prompt, 24)
         assert out == ref
         assert len(set(out)) >= 3, f"degenerate reference output {out}"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
