@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Debian packages the test suite uses (installed only when missing).
-SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium
+# Debian packages the test suite uses (installed only when missing); gcc, libc6-dev,
+# util-linux (nsenter, unshare) and openssl serve the Kubernetes stand-in in tests/e2e.
+SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium gcc libc6-dev util-linux openssl
 
 .PHONY: install system-deps k8s-tools lint test run proto clean
 

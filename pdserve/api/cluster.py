@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pdserve.api.common import (
     API_VERSION,
@@ -45,6 +45,10 @@ def _rule(rule: str, message: str, field_path: str | None = None) -> dict:
 
 # CEL rules per model, attached as `x-kubernetes-validations`. Messages name the
 # field so `kubectl apply` says what to fix; the validators below say the same.
+MAX_CLUSTER_NAME = 51
+"""Longest PDCluster name: ``-coordinator`` and ``-prefill-1023`` (12 characters) must
+still fit the 63 of a Service name, a label value and a Pod hostname."""
+
 MODEL_RULES = [_rule(
     "(has(self.preset) ? 1 : 0) + (has(self.path) ? 1 : 0)"
     " + (has(self.pvc) ? 1 : 0) + (has(self.image) ? 1 : 0) == 1",
@@ -339,6 +343,18 @@ class PDCluster(ApiModel):
     metadata: ObjectMeta
     spec: PDClusterSpec
     status: PDClusterStatus | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _name_leaves_room_for_its_objects(cls, meta: ObjectMeta) -> ObjectMeta:
+        # Objects are named <name>-coordinator, <name>-<pool>-<ordinal> (also Pod
+        # hostnames and label values): all must fit Kubernetes' 63 characters.
+        if len(meta.name) > MAX_CLUSTER_NAME:
+            raise ValueError(
+                f"name {meta.name!r} is {len(meta.name)} characters; at most {MAX_CLUSTER_NAME}, "
+                f"so that the objects named after it (such as '{meta.name}-coordinator' and "
+                f"'{meta.name}-prefill-1023') stay within Kubernetes' limit of 63")
+        return meta
 
     @classmethod
     def from_file(cls, path) -> PDCluster:

@@ -98,3 +98,12 @@ def test_parse_quantity(value, expected):
 
 def test_instance_name():
     assert instance_name("demo", "decode", 3) == "demo-decode-3"
+
+
+def test_a_cluster_name_too_long_for_its_objects_is_refused_naming_the_limit():
+    doc = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+           "metadata": {"name": "a" * 52}, "spec": {"model": {"preset": "tiny"}}}
+    with pytest.raises(ManifestError) as info:
+        parse_manifest(doc, PDCluster, "test")
+    assert "at most 51" in str(info.value) and "63" in str(info.value)
+    parse_manifest({**doc, "metadata": {"name": "a" * 51}}, PDCluster, "test")
