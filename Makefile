@@ -3,15 +3,21 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 # Debian packages the test suite uses (installed only when missing); gcc, libc6-dev,
 # util-linux (nsenter, unshare) and openssl serve the Kubernetes stand-in in tests/e2e.
 SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium gcc libc6-dev util-linux openssl
 
 .PHONY: install system-deps k8s-tools lint test run proto clean
 
-$(STAMP): pyproject.toml
+# `make run` installs what running needs; `make test` adds the test extras.
+$(RUN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip >/dev/null
+	$(BIN)/pip install -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
 	$(BIN)/pip install -e '.[test]'
 	touch $(STAMP)
 
@@ -40,7 +46,7 @@ proto: install
 test: install system-deps k8s-tools lint
 	$(BIN)/python -m pytest -q tests
 
-run: install
+run: $(RUN_STAMP)
 	$(BIN)/pdserve up
 
 clean:
