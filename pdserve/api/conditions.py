@@ -15,9 +15,9 @@ from pydantic import Field
 
 from pdserve.api.common import StatusModel
 
-ConditionType = Literal["Ready", "Progressing", "Degraded", "HybridFallback"]
+ConditionType = Literal["Ready", "Progressing", "Degraded", "HybridFallback", "Doctor"]
 ConditionStatus = Literal["True", "False", "Unknown"]
-CONDITION_TYPES: tuple[str, ...] = ("Ready", "Progressing", "Degraded", "HybridFallback")
+CONDITION_TYPES: tuple[str, ...] = ("Ready", "Progressing", "Degraded", "HybridFallback", "Doctor")
 
 # metav1.Condition's reason syntax: CamelCase, no spaces.
 REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
@@ -27,7 +27,7 @@ class Condition(StatusModel):
     """One observation about the object, as in ``metav1.Condition``."""
 
     type: ConditionType
-    """Ready, Progressing, Degraded or HybridFallback."""
+    """Ready, Progressing, Degraded, HybridFallback or Doctor."""
     status: ConditionStatus
     """True, False or Unknown."""
     reason: str = Field(min_length=1, max_length=1024, pattern=REASON_PATTERN)

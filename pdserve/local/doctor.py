@@ -8,8 +8,10 @@ reason and a fix:
 
 - host (``doctor_checks``): model source, tokenizer + chat template, KV transport
   (mooncake importable, RDMA devices), TLS files, etcd (``--etcd``);
-- cluster: each pool has its replicas ready; every engine answers Health and Stats
-  with the model; its KV budget holds one request of the model's max length; P and D
+- cluster: each pool has its replicas ready (here); the rest is
+  ``pdserve.runtime.doctor_checks.check_engines``, which the operator runs too for the
+  PDCluster's ``Doctor`` condition: every engine answers Health and Stats with the
+  model; its KV budget holds one request of the model's max length; P and D
   compatibility hashes match; every P reaches every D's KV endpoint with a real test
   transfer (the engines' ProbePeer RPC); clock skew to each engine;
 - the Coordinator's readiness and pairs, when its URL is known.
@@ -24,7 +26,6 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -36,10 +37,6 @@ from pdserve.api import PDCluster
 from pdserve.api.proto import controller_pb2 as cpb
 from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
 from pdserve.local.doctor_checks import (
-    FAIL,
-    PASS,
-    WARN,
-    Check,
     check_etcd,
     check_model,
     check_tls,
@@ -48,12 +45,8 @@ from pdserve.local.doctor_checks import (
 )
 from pdserve.local.runstate import RunState, default_run_dir
 from pdserve.local.up import TOKEN_FILE
-from pdserve.runtime.engine_client import EngineClient
+from pdserve.runtime.doctor_checks import FAIL, PASS, RPC_TIMEOUT_S, WARN, Check, check_engines
 from pdserve.runtime.security import SecuritySettings, create_channel
-
-RPC_TIMEOUT_S = 5.0
-PROBE_TIMEOUT_S = 5.0
-SKEW_WARN_S, SKEW_FAIL_S = 1.0, 30.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,36 +110,7 @@ async def check_cluster(controller: str, security: SecuritySettings,
                                         f"{len(view.instances)} ready instances")]
     if cluster is not None:
         checks += check_pools(cluster, view)
-    clients = {i.instance_id: EngineClient(i.engine_address, security) for i in view.instances}
-    try:
-        answers = await asyncio.gather(*(_engine_facts(clients[i.instance_id]) for i in view.instances))
-        for inst, (health, stats, skew_s, error) in zip(view.instances, answers, strict=True):
-            checks += check_engine(inst, health, stats, skew_s, error)
-        checks += check_hashes(view.instances)
-        prefill = [i for i in view.instances if i.role == "prefill"]
-        decode = [i for i in view.instances if i.role == "decode"]
-        probes = await asyncio.gather(*(clients[p.instance_id].probe_peer(
-            d.kv_endpoint, test_transfer=True, timeout_s=PROBE_TIMEOUT_S)
-            for p in prefill for d in decode), return_exceptions=True)
-        pairs = [(p, d) for p in prefill for d in decode]
-        checks += [check_probe(p, d, answer) for (p, d), answer in zip(pairs, probes, strict=True)]
-    finally:
-        for client in clients.values():
-            await client.close()
-    return checks
-
-
-async def _engine_facts(client: EngineClient):
-    """(health, stats, clock skew in s or None, error or "")."""
-    try:
-        sent = time.time()
-        health = await client.health(timeout_s=RPC_TIMEOUT_S)
-        received = time.time()
-        stats = await client.stats(timeout_s=RPC_TIMEOUT_S)
-    except grpc.aio.AioRpcError as exc:
-        return None, None, None, f"{exc.code().name}: {exc.details()}"
-    skew = health.time_unix_s - (sent + received) / 2 if health.time_unix_s else None
-    return health, stats, skew, ""
+    return checks + await check_engines(view.instances, security)
 
 
 def check_pools(cluster: PDCluster, view) -> list[Check]:
@@ -159,57 +123,6 @@ def check_pools(cluster: PDCluster, view) -> list[Check]:
             rows.append(Check(f"{pool} pool", PASS if ok else FAIL, f"{have} of {want} instances ready",
                               "" if ok else "see the NodeAgent's and engines' logs for why one is missing"))
     return rows
-
-
-def check_engine(inst, health, stats, skew_s: float | None, error: str) -> list[Check]:
-    name = f"engine {inst.instance_id}"
-    if error:
-        return [Check(name, FAIL, f"{inst.engine_address} does not answer Health/Stats: {error}",
-                      "check the engine's log; restart it")]
-    rows = [Check(name, PASS if health.serving and health.model else FAIL,
-                  f"{health.role} serving model {health.model!r} on {health.device}, "
-                  f"KV {health.kv_transport} at {health.kv_endpoint or '-'}")]
-    capacity = stats.num_kv_blocks_total * stats.block_size
-    if health.max_model_len and capacity < health.max_model_len:
-        rows.append(Check(f"{name} kv budget", FAIL,
-                          f"{stats.num_kv_blocks_total} blocks x {stats.block_size} = {capacity} tokens "
-                          f"< max model length {health.max_model_len}",
-                          "raise spec.engine.kvCacheBytes (or lower spec.engine.maxModelLen)"))
-    else:
-        rows.append(Check(f"{name} kv budget", PASS,
-                          f"{capacity} tokens of KV >= max model length {health.max_model_len or '?'}"))
-    if skew_s is None:
-        rows.append(Check(f"{name} clock", WARN, "the engine reports no time; clock skew not checked",
-                          "upgrade the engine"))
-    else:
-        status = FAIL if abs(skew_s) >= SKEW_FAIL_S else WARN if abs(skew_s) >= SKEW_WARN_S else PASS
-        rows.append(Check(f"{name} clock", status, f"skew {skew_s:+.3f} s to this host",
-                          "" if status == PASS else "run NTP (chrony) on both hosts"))
-    return rows
-
-
-def check_hashes(instances) -> list[Check]:
-    hashes = {i.kv_compat_hash for i in instances if i.role in ("prefill", "decode")}
-    if len(hashes) <= 1:
-        return [Check("kv compatibility", PASS, f"P and D hashes match ({next(iter(hashes), 'none')})")]
-    listed = ", ".join(f"{i.instance_id}={i.kv_compat_hash}" for i in instances)
-    return [Check("kv compatibility", FAIL, f"hashes differ: {listed}",
-                  "run one model, dtype and block size on every P and D engine")]
-
-
-def check_probe(p, d, answer) -> Check:
-    name = f"kv {p.instance_id} -> {d.instance_id}"
-    if isinstance(answer, grpc.aio.AioRpcError):
-        return Check(name, FAIL, f"{p.instance_id} did not run the probe: {answer.code().name}: "
-                                 f"{answer.details()}", "upgrade or restart the prefill engine")
-    if isinstance(answer, BaseException):
-        return Check(name, FAIL, f"probe failed: {answer}", "")
-    if not answer.ok:
-        return Check(name, FAIL, answer.reason,
-                     "open the D's KV port to the P (firewall, NetworkPolicy), check both run one model")
-    return Check(name, PASS, f"handshake {answer.handshake_s * 1e3:.1f} ms, test transfer of "
-                             f"{answer.transfer_bytes} bytes {answer.transfer_s * 1e3:.1f} ms over "
-                             f"{answer.transport}")
 
 
 def check_coordinator(url: str) -> list[Check]:

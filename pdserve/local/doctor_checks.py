@@ -2,7 +2,9 @@
 model source, the tokenizer and chat template, transports, TLS files, etcd.
 
 Each check returns ``Check`` rows (pass / warn / fail, what was found, how to fix
-it); none raises. Called by ``doctor.py`` only.
+it: ``pdserve.runtime.doctor_checks.Check``); none raises. Called by ``doctor.py``
+only; the cluster-level checks, which need no local file, are in
+``pdserve.runtime.doctor_checks``.
 """
 
 from __future__ import annotations
@@ -15,24 +17,15 @@ import os
 import shutil
 import subprocess
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.api import PDCluster
+from pdserve.runtime.doctor_checks import FAIL, PASS, WARN, Check
 from pdserve.runtime.security import SecuritySettings
 from pdserve.runtime.tokenizer import load_tokenizer
 
-PASS, WARN, FAIL = "pass", "warn", "fail"
 TLS_EXPIRY_WARN_DAYS = 14  # a certificate expiring sooner is a warning
 RDMA_DIR = Path("/sys/class/infiniband")
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str  # pass | warn | fail
-    detail: str
-    fix: str = ""
 
 
 def check_model(cluster: PDCluster) -> list[Check]:

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from pdserve.operator import builders as b
 from pdserve.operator.controller_client import ControllerClients
+from pdserve.operator.doctor import DoctorRuns
 from pdserve.operator.handlers import register
 from pdserve.operator.kube import KubeClient
 from pdserve.operator.metrics import OperatorMetrics, create_http_app
@@ -42,11 +43,14 @@ async def serve(settings: OperatorSettings, kube: KubeClient | None = None,
                 stop_flag=None, ready_flag=None, metrics: OperatorMetrics | None = None) -> None:
     """Run until ``stop_flag`` is set (or forever). Called by ``run`` and the tests."""
     kube = kube or KubeClient.from_environment()
-    controllers = controllers or ControllerClients(
-        settings.controller_address, SecuritySettings.from_env(), b.CONTROLLER_GRPC_PORT)
+    security = SecuritySettings.from_env()
+    controllers = controllers or ControllerClients(settings.controller_address, security,
+                                                   b.CONTROLLER_GRPC_PORT)
     registry = registry if registry is not None else kopf.OperatorRegistry()
     metrics = metrics or OperatorMetrics()
-    register(registry, Reconciler(kube, controllers, settings), metrics, with_login=with_login)
+    doctor = DoctorRuns(security)
+    register(registry, Reconciler(kube, controllers, settings, doctor=doctor), metrics,
+             with_login=with_login)
     task = asyncio.create_task(kopf.operator(
         registry=registry, standalone=True, clusterwide=not settings.namespace,
         namespaces=[settings.namespace] if settings.namespace else (),
@@ -61,6 +65,7 @@ async def serve(settings: OperatorSettings, kube: KubeClient | None = None,
     finally:
         if runner is not None:
             await runner.cleanup()
+        await doctor.close()
         await controllers.close()
         await kube.close()
 

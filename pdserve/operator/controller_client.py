@@ -4,7 +4,7 @@ Owns one channel per Controller address and the calls the operator makes:
 ``drain`` (before deleting a scaled-down instance), ``list_replacements`` /
 ``ack_replacement`` (instances the Controller wants recreated), ``view`` (mode, and
 the routable instances' role and last heartbeat, for the PDCluster and PDInstance
-status) and ``forget`` (on PDCluster deletion: nothing of the cluster stays in the
+status; their engine addresses, for the doctor's checks) and ``forget`` (on PDCluster deletion: nothing of the cluster stays in the
 store). Each call presents the cluster's own token (``tokens.py``); TLS material,
 when configured, is the operator's own (its environment).
 
@@ -50,6 +50,7 @@ class RoutableInstance:
 class ControllerView:
     mode: str  # PD | FALLBACK | COLOCATED
     routable: dict[str, RoutableInstance] = field(default_factory=dict)
+    instances: tuple[pb.InstanceView, ...] = ()  # as sent: engine addresses etc., for the doctor
 
 
 class ControllerClient:
@@ -86,7 +87,8 @@ class ControllerClient:
         """The mode and the routable instances (the view lists READY ones only)."""
         reply = await self._call("GetView", pb.WatchViewRequest(coordinator_id="operator"))
         return ControllerView(reply.mode, {
-            i.instance_id: RoutableInstance(i.role, i.last_heartbeat_unix_s) for i in reply.instances})
+            i.instance_id: RoutableInstance(i.role, i.last_heartbeat_unix_s) for i in reply.instances},
+            tuple(reply.instances))
 
 
 class ControllerClients:

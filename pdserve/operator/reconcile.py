@@ -1,7 +1,7 @@
 """Reconcile one PDCluster: observe, build the desired objects, apply the difference,
 write status. Level-triggered: it reads everything each time and keeps no state
-between calls except per-cluster locks and the operator's key (read once), so
-running it again changes nothing.
+between calls except per-cluster locks, the operator's key (read once) and the
+doctor's latest findings (``doctor.DoctorRuns``), so running it again changes nothing.
 
 Order of a pass: the cluster token Secret (``_create_token_secret``, create only);
 the static objects of ``desired.build_static_objects`` (cluster and engine files,
@@ -12,7 +12,9 @@ surplus, then delete); the Controller's replacement requests
 (``_apply_engine_pods``, the one place that creates Pods, built by
 ``pods.build_engine_pod``: recreate failed ones, roll stale ones, create missing
 ones); static objects no longer built (``_prune``); PDInstance status (from the
-Pods and the Controller's view); PDCluster status.
+Pods and the Controller's view); PDCluster status, with the ``Doctor`` condition from
+the latest doctor findings; last, a doctor run starts in the background when one is
+due (``DoctorRuns.start_if_due``: the pass never waits for it).
 
 Rollout of engine settings: each pool's Pods carry the hash of what they run
 (``pods.engine_pod_hash``); a change of it replaces the pool's Pods one at a time,
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from pdserve.api import PDCluster
+from pdserve.api.conditions import is_condition_true
 from pdserve.api.manifest import ManifestError, parse_manifest
 from pdserve.operator import builders as b
 from pdserve.operator.controller_client import (
@@ -45,6 +48,7 @@ from pdserve.operator.controller_client import (
     ControllerView,
 )
 from pdserve.operator.desired import PRUNED, build_static_objects, engine_pod_hashes
+from pdserve.operator.doctor import DoctorRuns, apply_doctor_condition
 from pdserve.operator.kube import KubeClient, KubeError, is_subset
 from pdserve.operator.pods import build_engine_pod
 from pdserve.operator.rollout import EnginePod, choose_replacements
@@ -57,6 +61,7 @@ from pdserve.operator.status import (
     is_available,
     is_pod_serving,
     is_unhealthy,
+    parse_conditions,
 )
 from pdserve.operator.tokens import derive_cluster_token, load_operator_key
 
@@ -92,8 +97,9 @@ class Reconciler:
     """Called by the kopf handlers; one per operator process."""
 
     def __init__(self, kube: KubeClient, controllers: ControllerClients, settings: OperatorSettings,
-                 clock=lambda: datetime.now(UTC)) -> None:
+                 clock=lambda: datetime.now(UTC), doctor: DoctorRuns | None = None) -> None:
         self.kube, self.controllers, self.settings, self.clock = kube, controllers, settings, clock
+        self.doctor = doctor or DoctorRuns()
         self._locks: dict[tuple[str, str], asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._queued: set[tuple[str, str]] = set()
         self._key: bytes | None = None
@@ -163,8 +169,12 @@ class Reconciler:
             view = None
         obs.controller_mode = view.mode if view else None
         await self._write_instance_statuses(cluster, obs, view)
-        await self._write_status(body, build_status(cluster, generation, body.get("status"), obs,
-                                                    self.clock()))
+        status = build_status(cluster, generation, body.get("status"), obs, self.clock())
+        status = apply_doctor_condition(status, self.doctor.latest((ns, name)), generation, self.clock())
+        await self._write_status(body, status)
+        if view is not None:
+            self.doctor.start_if_due((ns, name), is_condition_true(parse_conditions(status), "Ready"),
+                                     view.instances, token)
         return events
 
     async def _create_token_secret(self, cluster: PDCluster, token: str, events: list[Event]) -> None:
@@ -377,6 +387,7 @@ class Reconciler:
                               f"Controller state may remain under /pdserve/{name}/: {exc}")
             finally:
                 self._locks.pop((ns, name), None)
+                await self.doctor.forget((ns, name))
             await self.controllers.close_cluster(name, ns)
             await self.kube.delete("Secret", ns, b.token_secret_name(name))
             return [event]

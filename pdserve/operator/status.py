@@ -14,6 +14,8 @@ Owns the meaning of each condition:
   without the Controller: a configured pool has no ready instance, the other has).
   Never for a colocated cluster (no prefill or decode replicas, only hybrid ones):
   its engines run whole requests by design, and ``mode`` says Colocated.
+- Doctor: set by reconcile after ``build_status``, from the doctor's background
+  checks (``doctor.py`` owns its meaning).
 
 A PDInstance's health (``build_instance_status``): the Controller's view lists its
 READY instances only, so the operator reads them as ``Ready`` (with their role and
