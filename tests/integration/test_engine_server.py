@@ -265,7 +265,7 @@ def test_sigterm_drains_then_removes_the_kv_segment():
     proc, address = start_engine("--num-kv-blocks", "4096", "--block-size", "8",
                                  "--kv-transport", "shm", "--shutdown-grace-s", "3")
     segments = glob.glob(f"/dev/shm/pdserve-kv-{proc.popen.pid}-*")
-    assert len(segments) == 1
+    assert len(segments) == 2  # the KV cache and the probes' scratch block
 
     async def go():
         async with EngineClient(address) as client:

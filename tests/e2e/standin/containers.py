@@ -38,10 +38,22 @@ from tests.e2e.standin.volumes import config_map_data, secret_data
 
 BIN_DIR = Path(sys.executable).parent
 PODINIT = Path(__file__).resolve().parent / "podinit.py"
+REPO_ROOT = Path(__file__).resolve().parents[3]
 HOME = "/home/pdserve"
 IMAGE_CMD = ["--help"]
 IMAGE_ENV = {"PATH": f"{BIN_DIR}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
              "HOME": HOME, "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
+
+
+def image_under_tmp(pod_tmp: Path) -> list[dict]:
+    """The image (this checkout and its interpreter's environment) where it lives under
+    /tmp, which the Pod's own /tmp would hide: bound back at the same path, read-only."""
+    mounts = []
+    for source in sorted({REPO_ROOT, Path(sys.prefix).resolve()}):
+        if source.is_relative_to("/tmp"):
+            (pod_tmp / source.relative_to("/tmp")).mkdir(parents=True, exist_ok=True)
+            mounts.append({"source": str(source), "target": str(source), "readonly": True})
+    return mounts
 
 
 class ConfigError(Exception):
@@ -354,7 +366,7 @@ class ContainerState:
         run.start({"root": str(run.dir / "root"), "hostname": worker.hostname, "cwd": self.spec.get("workingDir")
                    or HOME, "argv": container_argv(self.spec, env), "env": env,
                    "mounts": [*worker.sandbox_mounts(), {"source": str(run.dir / "tmp"), "target": "/tmp"},
-                              *mounts]})
+                              *image_under_tmp(run.dir / "tmp"), *mounts]})
         self.run = run
         worker.kubelet.runs.append(run)
         self.state = {"running": {"startedAt": now_rfc3339()}}
