@@ -57,7 +57,7 @@ def free_port(host: str) -> int:
 def etcd(cluster, tmp_path):
     """An etcd outside the Pods, on the node's address (as an external etcd would be)."""
     if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed: `make test` installs the Debian package etcd-server")
+        pytest.fail("etcd is not installed: `make test` installs the Debian package etcd-server")
     host = cluster.node_ip
     client, peer = f"http://{host}:{free_port(host)}", f"http://{host}:{free_port(host)}"
     proc = Proc(["etcd", "--name", "e2e", "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", client,
@@ -75,7 +75,7 @@ def chart(etcd, tmp_path) -> list[dict]:
     """``helm template`` of charts/pdserve for the stand-in (external etcd)."""
     helm = tool_path("helm")
     if helm is None:
-        pytest.skip("helm is not installed: `make k8s-tools` puts it into .venv/bin")
+        pytest.fail("helm is not installed: `make k8s-tools` puts it into .venv/bin")
     home = tmp_path / "helm"
     out = subprocess.run([str(helm), "template", "r", str(REPO / "charts" / "pdserve"), "--namespace", SYSTEM,
                           "--set", "etcd.enabled=false", "--set", f"etcd.endpoints={{{etcd}}}"],

@@ -354,10 +354,11 @@ def test_deleting_an_owner_garbage_collects_its_dependents(cluster):
 def test_real_clients_reach_the_api_through_the_kubeconfig(cluster):
     """kubectl and the kubernetes client use the kubeconfig's TLS endpoint, as against a
     real apiserver (kubectl apply needs --validate=false: no OpenAPI document is served)."""
-    kubernetes = pytest.importorskip("kubernetes")
+    import kubernetes
+
     kubectl = tool_path("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl is not installed: `make k8s-tools` puts it into .venv/bin")
+        pytest.fail("kubectl is not installed: `make k8s-tools` puts it into .venv/bin")
 
     def run(*args: str, stdin: str | None = None) -> str:
         out = subprocess.run([str(kubectl), "--kubeconfig", str(cluster.kubeconfig), *args], input=stdin,

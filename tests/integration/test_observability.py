@@ -74,8 +74,8 @@ def loaded(cluster):
     return cluster
 
 
-@pytest.mark.skipif(not PROMTOOL, reason="promtool (Debian package prometheus) is not installed")
 def test_every_components_metrics_pass_promtool(loaded):
+    assert PROMTOOL, "promtool (Debian package prometheus) is not installed: `make test` installs it"
     checked = []
     for component, addresses in loaded.targets.items():
         for address in addresses:
@@ -90,8 +90,8 @@ def test_every_components_metrics_pass_promtool(loaded):
     assert moved and float(moved.group(1)) > 0, "the prefill engine counted the KV it sent"
 
 
-@pytest.mark.skipif(not PROMETHEUS, reason="prometheus (Debian package) is not installed")
 def test_every_dashboard_panel_returns_data(loaded, workdir):
+    assert PROMETHEUS, "prometheus (Debian package prometheus) is not installed: `make test` installs it"
     (workdir / "prometheus").mkdir()
     prom = Prometheus(workdir / "prometheus", loaded.targets)
     try:
@@ -127,8 +127,8 @@ def resolve_variables(prom: Prometheus, board: dict) -> dict[str, str]:
     return values
 
 
-@pytest.mark.skipif(not CHROMIUM, reason="chromium (Debian package) is not installed")
 def test_status_page_in_a_real_browser(loaded, workdir):
+    assert CHROMIUM, "chromium (Debian package chromium) is not installed: `make test` installs it"
     with Browser(workdir / "chromium") as browser:
         page = browser.open(loaded.url + "/")  # redirects to /ui
         page.wait(lambda: page.eval("document.querySelectorAll('#instances tr').length") == 2)
