@@ -41,7 +41,8 @@ SYSTEM, SERVING = "pdserve-system", "serving"
 CLUSTER_LABEL = "pdserve.io/cluster"
 COMPLETION = """
 import json, sys, urllib.request
-body = json.dumps({"model": "tiny", "prompt": "Hello, Kubernetes", "max_tokens": 8}).encode()
+body = json.dumps({"model": "tiny", "prompt": "Hello, Kubernetes", "max_tokens": 8,
+                   "ignore_eos": True}).encode()
 request = urllib.request.Request(sys.argv[1], body, {"Content-Type": "application/json"})
 print(urllib.request.urlopen(request, timeout=60).read().decode())
 """

@@ -134,7 +134,9 @@ def test_stage_timings_add_up_to_the_clients_ttft(engines, loop):
             t = r.json()["pdserve_timings"]
             d_side = t["route_s"] + t["decode_wait_s"] + t["decode_queue_s"]
             assert 0 <= t["ttft_s"] - d_side < 0.05, t
-            assert t["prefill_queue_s"] + t["prefill_compute_s"] <= t["decode_wait_s"], t
+            # The legs are sent back to back, so P may be stamped a few microseconds
+            # before D: a millisecond of slack for that race.
+            assert t["prefill_queue_s"] + t["prefill_compute_s"] <= t["decode_wait_s"] + 0.001, t
         assert metric(app, "pdserve_coordinator_stage_duration_seconds_count",
                       stage="decode_queue") == 5
 
