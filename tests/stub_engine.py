@@ -41,8 +41,10 @@ class StubEngine(pb_grpc.EngineServicer):
                  kv_compat_hash: str = "stub", kv_endpoint: str = "127.0.0.1:1",
                  fail_after: int = 0, token_delay_s: float = 0.0,
                  token_ids: list[int] | None = None, num_full: int | None = None,
-                 probe_failures: dict[str, str] | None = None) -> None:
+                 probe_failures: dict[str, str] | None = None, max_model_len: int = 0,
+                 num_cached_tokens: int = 0) -> None:
         self.role, self.behavior, self.num_tokens = role, behavior, num_tokens
+        self.max_model_len, self.num_cached_tokens = max_model_len, num_cached_tokens
         self.kv_compat_hash, self.kv_endpoint = kv_compat_hash, kv_endpoint
         self.fail_after = fail_after
         self.token_delay_s = token_delay_s
@@ -96,7 +98,8 @@ class StubEngine(pb_grpc.EngineServicer):
         timings = pb.Timings(queue_s=0.0, prefill_s=0.0)
         if leg == "prefill":
             yield pb.GenerateResponse(request_id=rid, token_ids=[self._token(0)],
-                                      num_prompt_tokens=n_prompt, timings=timings)
+                                      num_prompt_tokens=n_prompt, timings=timings,
+                                      num_cached_tokens=self.num_cached_tokens)
             yield pb.GenerateResponse(request_id=rid, finished=True,
                                       finish_reason="handoff", timings=pb.Timings())
             return
@@ -113,6 +116,7 @@ class StubEngine(pb_grpc.EngineServicer):
                 request_id=rid, token_ids=[self._token(i)], finished=last,
                 finish_reason="length" if last else "", num_prompt_tokens=n_prompt,
                 num_output_tokens=i + 1, timings=timings if i == 0 else None,
+                num_cached_tokens=self.num_cached_tokens,
             )
 
     def _token(self, i: int) -> int:
@@ -128,7 +132,8 @@ class StubEngine(pb_grpc.EngineServicer):
     async def Health(self, request, context) -> pb.HealthResponse:
         return pb.HealthResponse(serving=True, role=self.role, model="tiny", device="cpu",
                                  kv_transport="tcp", kv_endpoint=self.kv_endpoint,
-                                 kv_compat_hash=self.kv_compat_hash)
+                                 kv_compat_hash=self.kv_compat_hash,
+                                 max_model_len=self.max_model_len)
 
     async def ProbePeer(self, request, context) -> pb.ProbePeerResponse:
         self.probed.append(request.endpoint)

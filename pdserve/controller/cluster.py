@@ -102,6 +102,7 @@ class Cluster:
         rec.agent_id, rec.role, rec.model = agent_id, rep.role, rep.model
         rec.engine_address, rec.kv_endpoint = rep.engine_address, rep.kv_endpoint
         rec.kv_transport, rec.kv_compat_hash = rep.kv_transport, rep.kv_compat_hash
+        rec.max_model_len = rep.max_model_len
         rec.num_restarts, rec.process_state, rec.probe_ok = rep.num_restarts, rep.process_state, rep.probe_ok
         rec.load = {f.name: getattr(rep.load, f.name) for f in pb.InstanceLoad.DESCRIPTOR.fields}
         rec.last_heartbeat_s, rec.last_heartbeat_unix_s, rec.is_heard = now_s, time.time(), True
@@ -273,5 +274,6 @@ class Cluster:
                 instance_id=r.instance_id, role=r.role, health=r.health,
                 engine_address=r.engine_address, kv_endpoint=r.kv_endpoint,
                 kv_transport=r.kv_transport, kv_compat_hash=r.kv_compat_hash, model=r.model,
-                load=pb.InstanceLoad(**r.load), last_heartbeat_unix_s=r.last_heartbeat_unix_s)
+                load=pb.InstanceLoad(**r.load), last_heartbeat_unix_s=r.last_heartbeat_unix_s,
+                max_model_len=r.max_model_len)
                 for r in routable])

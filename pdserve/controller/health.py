@@ -27,7 +27,7 @@ ALIVE = (READY, DRAINING)  # counts as present in its pool for fallback decision
 
 PERSISTED = (
     "instance_id", "agent_id", "pool", "assigned_role", "role", "health", "engine_address",
-    "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "num_restarts", "failures",
+    "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "max_model_len", "num_restarts", "failures",
     "lease_id", "last_error", "replacement_requested",
 )
 
@@ -52,6 +52,7 @@ class InstanceRecord:
     kv_transport: str = ""
     kv_compat_hash: str = ""
     model: str = ""
+    max_model_len: int = 0
     num_restarts: int = 0
     failures: list[float] = field(default_factory=list)
     lease_id: int = 0

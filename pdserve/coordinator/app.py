@@ -1,6 +1,7 @@
 """``create_app(settings, ...)``: the Coordinator's ASGI app, with no module-level state.
 
-Routes: POST /v1/completions and /v1/chat/completions (JSON or SSE), GET /v1/models,
+Routes: POST /v1/completions and /v1/chat/completions (JSON or SSE), GET /v1/models
+(with the engines' ``max_model_len``), POST /tokenize and /detokenize (``tokenize.py``),
 /health (the process serves), /ready (some route exists: a PD pair whose KV path
 passed its probe (``pairs.py``) or, under the hybrid fallback, a hybrid engine;
 ``?verbose=1`` lists every P/D pair, usable or why not), /metrics (Prometheus text from this
@@ -55,6 +56,7 @@ from .schemas import (
 )
 from .serving import Completions
 from .settings import CoordinatorSettings
+from .tokenize import register_tokenize
 from .ui import register_ui
 from .watcher import ControllerWatcher
 
@@ -129,7 +131,8 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
     deps = Deps(settings, registry, Router(settings, registry, index, metrics, pairs), metrics,
                 Aborter(registry))
     admission = Admission(settings.max_concurrency, settings.max_queue, metrics)
-    completions = Completions(deps, PromptBuilder(settings.model), admission)
+    prompts = PromptBuilder(settings.model)
+    completions = Completions(deps, prompts, admission)
     created = int(time.time())
     rejections = Rejections(metrics)
 
@@ -205,7 +208,8 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
     @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
     async def v1_models() -> dict:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model",
-                                             "created": created, "owned_by": "pdserve"}]}
+                                             "created": created, "owned_by": "pdserve",
+                                             "max_model_len": registry.max_model_len() or None}]}
 
     @app.get("/health", response_model=HealthStatus)
     async def health() -> dict:
@@ -234,5 +238,6 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
             metrics.instances.labels(role).set(len(getattr(pools, role)))
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    register_tokenize(app, prompts, registry, settings)  # /tokenize, /detokenize
     register_ui(app)  # /ui status page, /ui/state, / -> /ui
     return app

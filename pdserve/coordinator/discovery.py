@@ -70,6 +70,7 @@ class StaticDiscovery(Rounds):
             num_running=stats.num_running, num_waiting=stats.num_waiting,
             num_kv_blocks_used=stats.num_kv_blocks_used,
             num_kv_blocks_free=stats.num_kv_blocks_free, block_size=stats.block_size,
+            max_model_len=health.max_model_len,
         )
 
 

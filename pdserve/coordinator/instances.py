@@ -40,6 +40,7 @@ class EngineEndpoint:
     num_kv_blocks_used: int = 0
     num_kv_blocks_free: int = 0
     block_size: int = 0
+    max_model_len: int = 0  # longest request (prompt + output) it takes; 0: not reported
     # Coordinator-side, exact: legs in flight and prompt tokens not yet prefilled.
     num_inflight: int = 0
     num_pending_prefill_tokens: int = 0
@@ -74,7 +75,7 @@ class EngineEndpoint:
 
 VIEW_FIELDS = (
     "address", "role", "kv_endpoint", "kv_compat_hash", "healthy", "draining", "num_running",
-    "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "block_size",
+    "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "block_size", "max_model_len",
 )
 
 
@@ -155,6 +156,12 @@ class InstanceRegistry:
             if not getattr(pools, role):
                 setattr(pools, role, getattr(spare, role))
         return pools
+
+    def max_model_len(self) -> int:
+        """The longest request every routable engine takes (the smallest of what they
+        report), 0 while none reports one. Read per request by serving, and by /v1/models."""
+        lens = [i.max_model_len for i in self._instances.values() if i.routable and i.max_model_len]
+        return min(lens, default=0)
 
     def mark_failed(self, instance_id: str) -> None:
         """Called by the lifecycle when a leg on this instance failed."""

@@ -139,6 +139,8 @@ class Leg:
             if not self._has_timings and msg.HasField("timings"):
                 self._has_timings = True
                 self._record_first(msg.timings)
+                if self.PREFILLS_PROMPT:  # the first prefill's hits: the client's prompt
+                    self._timings.report.setdefault("cached_tokens", msg.num_cached_tokens)
             if msg.token_ids:
                 self.has_token = True
                 yield list(msg.token_ids)

@@ -80,6 +80,9 @@ def _bias_keys(bias: dict[str, float] | None):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    """A last chunk with the usage of the whole request, and no choices."""
+    continuous_usage_stats: bool = False
+    """Extension (as vLLM's): every chunk also carries the usage so far."""
 
 
 class _Request(BaseModel):
@@ -179,10 +182,16 @@ class ChatCompletionRequest(_Request):
         "guided_grammar")(_refuse_non_default)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    """Prompt tokens the prefilling engine found in its prefix cache (not recomputed)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class _Choice(BaseModel):
@@ -228,6 +237,8 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    max_model_len: int | None = None
+    """The longest request (prompt + output tokens) every engine serving it takes."""
 
 
 class ModelList(BaseModel):
@@ -301,6 +312,8 @@ class ResponseBuilder:
         return {**self._chunk_head, "choices": [], "usage": usage}
 
 
-def build_usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+def build_usage(num_prompt_tokens: int, num_completion_tokens: int,
+                num_cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}

@@ -109,6 +109,26 @@ def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
         stop_token_ids=list(body.stop_token_ids))
 
 
+def check_context_length(body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
+                         max_tokens: int, max_model_len: int) -> None:
+    """400 naming the numbers when the prompt, or the prompt plus the ``max_tokens``
+    the client asked for, exceeds ``max_model_len`` (the engines' smallest; 0: not
+    known yet, left to the engine). Without ``max_tokens`` the output is cut at the
+    limit instead ("length")."""
+    if not max_model_len:
+        return
+    if num_prompt_tokens >= max_model_len:
+        raise ServeError(400, f"this model's maximum context length is {max_model_len} tokens; "
+                         f"the prompt has {num_prompt_tokens} tokens", param="prompt",
+                         code="context_length_exceeded")
+    asked = body.max_tokens or getattr(body, "max_completion_tokens", None)
+    if asked is not None and num_prompt_tokens + asked > max_model_len:
+        raise ServeError(400, f"this model's maximum context length is {max_model_len} tokens; "
+                         f"the prompt has {num_prompt_tokens} tokens and max_tokens asks for "
+                         f"{asked} ({num_prompt_tokens + asked} in all)", param="max_tokens",
+                         code="context_length_exceeded")
+
+
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -142,6 +162,8 @@ class Completions:
         label = client_request_id(request)
         prompt_ids = self._prompt_ids(body)
         params = build_generation_params(body, settings, self.prompts.vocab_size)
+        check_context_length(body, len(prompt_ids), params.max_tokens,
+                             self.deps.registry.max_model_len())
         deadline = arrival + settings.request_timeout_s
         slot = await self.admission.acquire(deadline)
         run = RequestRun(self.deps, new_request_id(), prompt_ids, params, deadline, arrival, label)
@@ -253,7 +275,8 @@ class _Output:
         await self._tokens.aclose()
 
     def usage(self) -> dict:
-        return build_usage(len(self.run.prompt_ids), len(self.detok.token_ids))
+        return build_usage(len(self.run.prompt_ids), len(self.detok.token_ids),
+                           int(self.run.timings.report.get("cached_tokens") or 0))
 
     def done(self, code: int) -> None:
         """Counts the request once and observes its latency histograms."""
@@ -292,19 +315,24 @@ class _Output:
         """The SSE body; ``first`` is the event awaited before the response started."""
         code = 200
         with_ids = self.body.return_token_ids
+        options = self.body.stream_options
+        continuous_usage = options is not None and options.continuous_usage_stats
         try:
             event, is_first = first, True
             while event is not None:
                 ids, text = event
                 if text or is_first or (with_ids and ids):
                     chunk = self.shape.chunk(text, is_first, token_ids=ids if with_ids else None)
+                    if continuous_usage:
+                        chunk["usage"] = self.usage()
                     yield _sse(chunk)
                     is_first = False
                 event = await self.next_event()
             self.done(200)
-            yield _sse(self.shape.chunk("", finish_reason=self.finish_reason,
-                                        timings=self._timings()))
-            options = self.body.stream_options
+            last = self.shape.chunk("", finish_reason=self.finish_reason, timings=self._timings())
+            if continuous_usage:
+                last["usage"] = self.usage()
+            yield _sse(last)
             if options is not None and options.include_usage:
                 yield _sse(self.shape.usage_chunk(self.usage()))
         except ServeError as exc:

@@ -38,7 +38,7 @@ def instances_from_view(view: cpb.ClusterView) -> list[EngineEndpoint]:
             healthy=iv.health == "READY", draining=iv.health == "DRAINING",
             num_running=iv.load.num_running, num_waiting=iv.load.num_waiting,
             num_kv_blocks_used=iv.load.num_kv_blocks_used,
-            num_kv_blocks_free=iv.load.num_kv_blocks_free,
+            num_kv_blocks_free=iv.load.num_kv_blocks_free, max_model_len=iv.max_model_len,
         ))
     return out
 

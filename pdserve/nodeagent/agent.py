@@ -74,7 +74,8 @@ class SupervisedEngine:
             engine_address=p.address, kv_endpoint=h.kv_endpoint if h else "",
             kv_transport=h.kv_transport if h else "", kv_compat_hash=h.kv_compat_hash if h else "",
             model=h.model if h else "", load=self.load, num_restarts=p.num_restarts,
-            probe_ok=self.probe_ok, last_error=self.last_error or p.last_exit, pool=self.pool)
+            probe_ok=self.probe_ok, last_error=self.last_error or p.last_exit, pool=self.pool,
+            max_model_len=h.max_model_len if h else 0)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ class InstanceLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ...) -> None: ...
 
 class InstanceReport(_message.Message):
-    __slots__ = ("instance_id", "role", "process_state", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "load", "num_restarts", "probe_ok", "last_error", "pool")
+    __slots__ = ("instance_id", "role", "process_state", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "load", "num_restarts", "probe_ok", "last_error", "pool", "max_model_len")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_STATE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class InstanceReport(_message.Message):
     PROBE_OK_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     process_state: str
@@ -54,7 +55,8 @@ class InstanceReport(_message.Message):
     probe_ok: bool
     last_error: str
     pool: str
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., process_state: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., model: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., num_restarts: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., last_error: _Optional[str] = ..., pool: _Optional[str] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., process_state: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., model: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., num_restarts: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., last_error: _Optional[str] = ..., pool: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("agent_id", "node", "instances", "cluster_token")
@@ -91,7 +93,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class InstanceView(_message.Message):
-    __slots__ = ("instance_id", "role", "health", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "load", "model", "last_heartbeat_unix_s")
+    __slots__ = ("instance_id", "role", "health", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "load", "model", "last_heartbeat_unix_s", "max_model_len")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class InstanceView(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     health: str
@@ -112,7 +115,8 @@ class InstanceView(_message.Message):
     load: InstanceLoad
     model: str
     last_heartbeat_unix_s: float
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., health: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., model: _Optional[str] = ..., last_heartbeat_unix_s: _Optional[float] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., health: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., model: _Optional[str] = ..., last_heartbeat_unix_s: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class ClusterView(_message.Message):
     __slots__ = ("version", "mode", "fallback_reason", "instances", "leader", "recent_events")

@@ -189,3 +189,19 @@ def test_controller_settings_configure_only_the_pd_pools_with_replicas():
         return build_settings(args, spec, "me").cluster.fallback.configured_roles
     assert configured(prefill={"replicas": 0}, decode={"replicas": 0}, hybrid={"replicas": 2}) == ()
     assert configured(hybrid={"replicas": 1}) == ("prefill", "decode")
+
+
+def test_the_engines_max_model_len_reaches_the_view_and_the_coordinators_endpoints():
+    from pdserve.coordinator.instances import InstanceRegistry
+    from pdserve.coordinator.watcher import instances_from_view
+
+    c = make_cluster()
+    p, d = report("p0", "prefill"), report("d0", "decode")
+    p.max_model_len, d.max_model_len = 4096, 2048
+    beat(c, 0.0, p, d)
+    registry = InstanceRegistry()
+    registry.replace(instances_from_view(c.view("me")))
+    assert sorted(i.max_model_len for i in registry.all()) == [2048, 4096]
+    assert registry.max_model_len() == 2048  # the longest request every engine takes
+    restored = InstanceRecord.from_json(c.records["d0"].to_json(), 0.0)
+    assert restored.max_model_len == 2048  # a new leader knows it before the next beat

@@ -18,7 +18,8 @@ def test_pd_with_stubs_and_openai_errors(loop, stubs):
         assert r.status_code == 200, r.text
         assert r.headers["x-request-id"] == "abc-1"
         assert r.json()["choices"][0]["text"] == "ABC"
-        assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+        assert r.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}
         r = httpx.post(app.url + "/v1/completions", json={**BODY, "model": "other"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = httpx.post(app.url + "/v1/completions", json={**BODY, "temperature": 7})

@@ -24,7 +24,8 @@ def test_whole_response_is_the_documented_model(is_chat):
         model = ChatCompletionResponse if is_chat else CompletionResponse
         assert model.model_validate(body).model_dump(exclude_unset=True) == body  # no extra keys
         (ChatCompletion if is_chat else Completion).model_validate(body)
-        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("is_chat", [False, True])
