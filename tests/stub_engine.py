@@ -135,6 +135,11 @@ class StubEngine(pb_grpc.EngineServicer):
                                  kv_compat_hash=self.kv_compat_hash,
                                  max_model_len=self.max_model_len)
 
+    async def KVEvents(self, request, context):
+        """Publishes nothing (as an engine without KV events): routing uses routed prefixes."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the stub engine publishes no KV events")
+        yield  # a stream handler
+
     async def ProbePeer(self, request, context) -> pb.ProbePeerResponse:
         self.probed.append(request.endpoint)
         reason = self.probe_failures.get(request.endpoint)

@@ -38,6 +38,7 @@ from .discovery import StaticDiscovery
 from .errors import ServeError
 from .guard import GuardMiddleware
 from .instances import InstanceRegistry
+from .kv_events import KVEventFeeds
 from .legs import Aborter
 from .lifecycle import Deps
 from .metrics import CoordinatorMetrics
@@ -128,6 +129,7 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
     if pairs is not None:
         registry.on_failed = pairs.recheck
     index = PrefixIndex(settings.prefix_index_max_blocks)
+    feeds = KVEventFeeds(registry, index, metrics, settings.block_size)  # the engines' prefix-cache events
     deps = Deps(settings, registry, Router(settings, registry, index, metrics, pairs), metrics,
                 Aborter(registry))
     admission = Admission(settings.max_concurrency, settings.max_queue, metrics)
@@ -145,6 +147,7 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
             source = StaticDiscovery(registry, list(settings.engines), settings.poll_interval_s)
         if source is not None:
             await source.start()
+            await feeds.start()
         if pairs is not None:
             await pairs.start()
         try:
@@ -153,6 +156,7 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
             if pairs is not None:
                 await pairs.stop()
             if source is not None:
+                await feeds.stop()
                 await source.stop()
             await deps.aborter.close()
             await registry.close()

@@ -152,6 +152,7 @@ class Leg:
 
     async def _next_unless_prefill_fails(self, stream, prefill: asyncio.Future):
         # Before its first token a decode leg only waits for P's KV: P's failure wins.
+                    self._timings.observe_cached(msg.num_cached_tokens)
         # The read left behind (D failed too, or this wait was cancelled) is retrieved,
         # so its error is not reported as "never retrieved".
         nxt = asyncio.ensure_future(stream.__anext__())

@@ -70,6 +70,14 @@ class CoordinatorMetrics:
                              "output tokens of a stream.", buckets=LATENCY_BUCKETS, registry=r)
         self.routes = Counter(p + "routing_decisions_total", "Engines chosen, by pool and "
                               "the policy that chose them.", ["pool", "policy"], registry=r)
+        self.prefix_predicted = Counter(
+            p + "prefix_predicted_tokens_total", "Prompt tokens the prefix index expected the "
+            "prefilling engine to find in its cache, at routing.", registry=r)
+        self.prefix_reported = Counter(
+            p + "prefix_reported_tokens_total", "Prompt tokens the prefilling engines reported "
+            "they found in their cache.", registry=r)
+        self.kv_event_streams = Gauge(p + "kv_event_streams", "Engines whose prefix-cache "
+                                      "events feed the prefix index.", registry=r)
         self._stage_children = {s: self.stage.labels(s) for s in STAGES}
         self._create_series()
 

@@ -33,6 +33,10 @@ class RequestTimings:
             return self.report
         return {k: v for k, v in self.report.items() if k not in ADDRESS_KEYS}
 
+    def observe_cached(self, num_tokens: int) -> None:
+        """A prefilling engine's prefix-cache hits, against the router's prediction."""
+        self._metrics.prefix_reported.inc(num_tokens)
+
     def observe(self, stage: str, seconds: float) -> None:
         key = stage + "_s"
         self.report[key] = float(self.report.get(key) or 0.0) + seconds

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.request import Request
 from pdserve.runtime.block_hash import hash_block
 
@@ -31,6 +32,8 @@ class BlockManager:
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        # Told of every hash that becomes findable or stops being so (kv_events.py).
+        self.events: KVEventLog | None = None
         # Prefix-cache counters, in tokens.
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -129,6 +132,8 @@ class BlockManager:
                 self._cached[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
 
+                if self.events is not None:
+                    self.events.stored(block_hash)
     def free(self, request: Request) -> None:
         """Release every block of ``request``. Called only by the scheduler, once when the
         request is preempted, ends, or its blocks come back from the KV connector.
@@ -160,6 +165,8 @@ class BlockManager:
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
             self._block_hash[block_id] = None
+                if self.events is not None:
+                    self.events.removed(block_hash)
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_query_tokens += num_query_tokens

@@ -57,6 +57,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         k.add_argument(flag, type=float, dest=field, default=getattr(EngineConfig, field),
                        metavar="SECONDS", help=text)
     k.add_argument("--fault-kv-send-delay", type=float, default=0.0,
+    k.add_argument("--no-kv-partial-transfer", dest="kv_partial_transfer", action="store_false",
+                   help="D receives a prompt's whole KV even when its prefix cache holds the start")
                    help="fault injection: delay each KV write job (seconds; tests and drills)")
 
 
@@ -73,3 +75,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         fault_kv_send_delay_s=args.fault_kv_send_delay,
         **{field: getattr(args, field) for _, field, _ in KV_DEADLINES},
     )
+        kv_partial_transfer=args.kv_partial_transfer,

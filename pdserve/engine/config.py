@@ -267,6 +267,8 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
+    # D takes the prompt's leading blocks from its own prefix cache; P sends only the rest.
+    kv_partial_transfer: bool = True
         if self.device.split(":")[0] not in ("cpu", "cuda", "npu"):
             raise ConfigError(f"device must be cpu, cuda or npu, got {self.device!r}")
         if self.dtype not in DTYPES:

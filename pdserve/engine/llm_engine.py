@@ -17,6 +17,7 @@ import time
 
 from pdserve.api.proto.engine_pb2 import StatsResponse
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.device import prepare_device
 from pdserve.engine.kv_transfer.params import KVTransferError, KVTransferParams
@@ -58,6 +59,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         allocator = kv_allocator(config)
         self.runner = ModelRunner(model, num_blocks, config.block_size, allocator)
+        self.kv_events = self.block_manager.events = KVEventLog()
         self._kv_segment = getattr(allocator, "segment", None)
         self.connector = build_connector(config, cfg, self.runner, self.block_manager)
         self.max_model_len = min(

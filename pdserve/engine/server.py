@@ -200,6 +200,32 @@ class EngineService(pb_grpc.EngineServicer):
         except EngineInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineUnavailable as exc:
+    async def KVEvents(self, request: pb.KVEventsRequest, context):
+        """The prefix cache's events (kv_events.py) until the caller goes away."""
+        events, block_size = self.loop.engine.kv_events, self.loop.engine.block_manager.block_size
+        aio_loop = asyncio.get_running_loop()
+        new = asyncio.Event()
+
+        def wake() -> None:  # any thread
+            with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                aio_loop.call_soon_threadsafe(new.set)
+
+        reader = events.subscribe(wake)
+        epoch, seq = request.epoch, request.since_seq
+        try:
+            while True:
+                batch = events.read(reader, epoch, seq)
+                if batch is None:
+                    await new.wait()
+                    new.clear()
+                    continue
+                epoch, seq = batch.epoch, batch.seq
+                yield pb.KVEventBatch(epoch=batch.epoch, seq=batch.seq, snapshot=batch.snapshot,
+                                      stored=batch.stored, removed=batch.removed,
+                                      block_size=block_size)
+        finally:
+            events.unsubscribe(reader)
+
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.SetRoleResponse(role=self.loop.engine.config.role)
 

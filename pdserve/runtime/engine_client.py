@@ -55,6 +55,11 @@ class EngineClient:
                                       timeout_s=timeout_s)
         return await self._stub.ProbePeer(request, timeout=timeout_s + 3.0, metadata=self._md)
 
+    def kv_events(self, epoch: str = "", since_seq: int = 0) -> AsyncIterator[pb.KVEventBatch]:
+        """The engine's prefix-cache events, resuming (``epoch``, ``since_seq``) if it can."""
+        request = pb.KVEventsRequest(epoch=epoch, since_seq=since_seq)
+        return self._stub.KVEvents(request, metadata=self._md)
+
     async def set_role(self, role: str, timeout_s: float = 2.0) -> pb.SetRoleResponse:
         return await self._stub.SetRole(pb.SetRoleRequest(role=role), timeout=timeout_s, metadata=self._md)
 

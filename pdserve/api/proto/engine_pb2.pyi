@@ -6,6 +6,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVEventsRequest(_message.Message):
+    __slots__ = ("epoch", "since_seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SINCE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    since_seq: int
+    def __init__(self, epoch: _Optional[str] = ..., since_seq: _Optional[int] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("epoch", "seq", "snapshot", "stored", "removed", "block_size")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size: int
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
 class ProbePeerRequest(_message.Message):
     __slots__ = ("endpoint", "test_transfer", "timeout_s")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class EngineStub:
                 request_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerRequest.SerializeToString,
                 response_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerResponse.FromString,
                 _registered_method=True)
+        self.KVEvents = channel.unary_stream(
+                '/pdserve.engine.v1.Engine/KVEvents',
+                request_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -127,6 +132,16 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVEvents(self, request, context):
+        """The prefix cache's block-stored and block-removed events (content hashes chained
+        as pdserve.runtime.block_hash). The first message is a snapshot of every block
+        the cache holds, unless the request resumes a stream of this engine's epoch whose
+        events are still kept; then only what happened since. Never ends by itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -164,6 +179,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.ProbePeer,
                     request_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerRequest.FromString,
                     response_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerResponse.SerializeToString,
+            ),
+            'KVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KVEvents,
+                    request_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.KVEventsRequest.FromString,
+                    response_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +375,33 @@ class Engine:
             '/pdserve.engine.v1.Engine/ProbePeer',
             pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerRequest.SerializeToString,
             pdserve_dot_api_dot_proto_dot_engine__pb2.ProbePeerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.engine.v1.Engine/KVEvents',
+            pdserve_dot_api_dot_proto_dot_engine__pb2.KVEventsRequest.SerializeToString,
+            pdserve_dot_api_dot_proto_dot_engine__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

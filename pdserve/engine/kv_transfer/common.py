@@ -64,6 +64,8 @@ class Transfer:
     state: XferState
     deadline: float
     remote_blocks: list[int] | None = None  # the peer's blocks for this request
+    # Leading blocks D took from its prefix cache: not moved (the peer's RESERVE says so).
+    skip_blocks: int = 0
     first_token: int | None = None
     handles: list = field(default_factory=list)  # submitted batches (sender thread appends on P)
     error: str | None = None

@@ -11,6 +11,11 @@ every waiting state (monotonic clock; ``done_s`` from admission):
     any waiting state past its deadline, an abort, P's FAILED/ABORT ─▶ FAILED,
       or ─▶ ABORTING (P may still write) ─ABORT_ACK, or the transport fenced P─▶ FAILED
 
+Partial transfer: D allocates its destination with the prompt's leading blocks
+taken from its own prefix cache (by block hash, shared by refcount) and says how
+many in RESERVE (``skip``); P writes, or in pull mode D reads, only the tokens after
+them, and D grants P writes into the other blocks only.
+
 With ``decode_allocation=dispatch`` D reserves destination blocks as soon as the
 peer is known; with ``prefill_complete`` it waits for P's WANT_DEST; in pull mode it
 allocates on READY. Without free blocks it retries each step for at most
@@ -51,6 +56,8 @@ class DecodeTransfer(Transfer):
 
 
 class DecodeSide(Side):
+    partial = True  # take leading blocks from the prefix cache (set by DispatchConnector)
+
     def admit(self, request: Request, params: KVTransferParams, early: list[dict],
               now: float) -> bool:
         """The request waits for its KV; exposed later (never scheduled from here)."""
@@ -130,13 +137,18 @@ class DecodeSide(Side):
             return  # retried next step, for at most reserve_wait_s
         xfer.reserve_sent = True
         self.worker.grant_blocks(xfer)
-        self.send(xfer, "RESERVE", blocks=req.block_table)
+        self.send(xfer, "RESERVE", blocks=req.block_table, skip=xfer.skip_blocks)
 
     def _allocate(self, xfer: DecodeTransfer) -> bool:
         """Allocate the request's destination blocks (all or nothing). Without room,
         refuse once ``reserve_wait_s`` passed since the first try that found none."""
         req, bm = xfer.request, self.block_manager
-        if bm.allocate_slots(req, req.num_prompt_tokens):
+        hits = bm.find_cached_blocks(req) if self.partial else []
+        n_hit = len(hits) * bm.block_size
+        if bm.allocate_slots(req, req.num_prompt_tokens - n_hit, cached_blocks=hits):
+            xfer.skip_blocks = len(hits)
+            if self.partial:
+                bm.record_prefix_query(req.num_prompt_tokens, n_hit)
             return True
         now = time.monotonic()
         if xfer.no_room_since_s is None:
@@ -178,7 +190,8 @@ class DecodeSide(Side):
         xfer.first_token = msg.get("token")
         xfer.seed = msg.get("seed")
         xfer.state = XferState.TRANSFERRING
-        xfer.handles.append(self.worker.read(xfer, 0, req.num_prompt_tokens))
+        xfer.handles.append(self.worker.read(xfer, xfer.skip_blocks * self.block_manager.block_size,
+                                             req.num_prompt_tokens))
 
     def _check_read(self, xfer: DecodeTransfer) -> None:
         settled, error = xfer.settled()

@@ -57,7 +57,7 @@ class TransferStats:
 class DispatchConnector(KVConnector):
     def __init__(self, worker: ConnectorWorker, block_manager: BlockManager,
                  timeouts: ConnectorTimeouts | None = None,
-                 decode_allocation: str = "dispatch") -> None:
+                 decode_allocation: str = "dispatch", partial: bool = True) -> None:
         self._worker = worker
         self.timeouts = timeouts or ConnectorTimeouts()
         self.transfer_stats = TransferStats()
@@ -67,6 +67,7 @@ class DispatchConnector(KVConnector):
                   self._observers)
         self.prefill = PrefillSide(*shared)
         self.decode = DecodeSide(*shared)
+        self.decode.partial = partial
         self._sides: dict[str, Side] = {"prefill": self.prefill, "decode": self.decode}
         self._early: dict[str, list[tuple[float, dict]]] = {}  # messages before admission
         self.probes = PeerProbes(worker)

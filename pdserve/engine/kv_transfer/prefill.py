@@ -4,7 +4,8 @@ One ``PrefillTransfer`` per prefill leg, a latched state machine with a deadline
 every waiting state (monotonic clock; none while the prefill itself runs):
 
     BOOTSTRAPPING ─handshake─▶ WAITING_FOR_INPUT (prefill running)
-      push, layerwise: ─RESERVE and prefill done─▶ TRANSFERRING ─every write settled─▶
+      push, layerwise: ─RESERVE (its ``skip``: D's cached leading blocks, not sent)
+                       and prefill done─▶ TRANSFERRING ─every write settled─▶
                        SUCCESS (DONE sent)
       pull:            ─prefill done─▶ TRANSFERRING (READY sent, lease) ─RELEASE─▶ SUCCESS
     any waiting state past its deadline, an abort, D's ABORT/FAILED ─▶ FAILED
@@ -69,7 +70,8 @@ class PrefillSide(Side):
             if xfer is None or xfer.params.mode != "layerwise":
                 continue
             end = min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
-            if xfer.remote_blocks is not None and xfer.state is XferState.WAITING_FOR_INPUT:
+            if (xfer.remote_blocks is not None and xfer.state is XferState.WAITING_FOR_INPUT
+                    and end > xfer.sent_tokens):  # not within D's cached blocks
                 plan.append((xfer, xfer.sent_tokens, end))
                 xfer.sent_tokens = end
         return plan
@@ -159,11 +161,18 @@ class PrefillSide(Side):
 
     def _on_reserve(self, xfer: PrefillTransfer, msg: dict) -> None:
         blocks = msg.get("blocks") or []
-        need = self.block_manager.num_blocks_for(xfer.request.num_prompt_tokens)
+        n, bs = xfer.request.num_prompt_tokens, self.block_manager.block_size
+        need = self.block_manager.num_blocks_for(n)
         if len(blocks) != need:
             self.fail(xfer, f"RESERVE names {len(blocks)} blocks, {need} needed", notify_peer=True)
             return
+        skip = msg.get("skip", 0)
+        if type(skip) is not int or not 0 <= skip * bs < n:  # D computes at least the last token
+            self.fail(xfer, f"RESERVE skips {skip!r} of {need} blocks", notify_peer=True)
+            return
         xfer.remote_blocks = blocks
+        xfer.skip_blocks = skip
+        xfer.sent_tokens = skip * bs  # D holds those already
         self._release_hold(xfer)
         if xfer.state is XferState.WAITING_FOR_INPUT and xfer.prefill_done_s is not None:
             self._start_push(xfer)

@@ -89,4 +89,5 @@ def build_connector(config: EngineConfig, model_config: ModelConfig, runner,
     )
     worker = ConnectorWorker(transport, layout, fault_send_delay_s=config.fault_kv_send_delay_s,
                              scratch=probe_scratch(config, layout.block_bytes))
-    return DispatchConnector(worker, block_manager, timeouts, config.decode_allocation)
+    return DispatchConnector(worker, block_manager, timeouts, config.decode_allocation,
+                             partial=config.kv_partial_transfer)

@@ -171,9 +171,10 @@ class ConnectorWorker:
     # -- write grants (D) --------------------------------------------------------------
 
     def grant_blocks(self, xfer) -> None:
-        """D: let the peer write exactly into this transfer's reserved blocks."""
+        """D: let the peer write exactly into this transfer's reserved blocks (not the
+        leading ones shared from D's prefix cache, which other requests read)."""
         lay = self.layout
-        blocks = np.asarray(xfer.request.block_table, dtype=np.int64)
+        blocks = np.asarray(xfer.request.block_table[xfer.skip_blocks:], dtype=np.int64)
         starts = np.concatenate([
             lay.base_addr + ((layer * 2 + kv) * lay.num_blocks + blocks) * lay.block_bytes
             for layer in range(lay.num_layers) for kv in (0, 1)
