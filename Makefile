@@ -5,8 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 # Debian packages the test suite uses (installed only when missing); gcc, libc6-dev,
-# util-linux (nsenter, unshare) and openssl serve the Kubernetes stand-in in tests/e2e.
-SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium gcc libc6-dev util-linux openssl
+# util-linux (nsenter, unshare) and openssl serve the Kubernetes stand-in in tests/e2e;
+# wrk is the load generator of benchmarks/coordinator_overhead.py.
+SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium gcc libc6-dev util-linux openssl wrk
 
 .PHONY: install system-deps k8s-tools lint test run proto clean
 

@@ -29,7 +29,7 @@ from pdserve.api.common import (
 from pdserve.api.conditions import Condition
 
 TransferMode = Literal["pull", "push", "layerwise"]
-Transport = Literal["mooncake", "tcp", "shm"]
+Transport = Literal["mooncake", "nixl", "tcp", "shm"]
 DecodeAllocation = Literal["dispatch", "prefill_complete"]
 RoutingPolicy = Literal["round_robin", "least_loaded", "prefix_cache_aware", "slo_aware"]
 FallbackPolicy = Literal["hybrid", "queue", "fail"]
@@ -78,7 +78,29 @@ SPEC_RULES = [
         "spec.decode.parallelism.tensorParallelSize",
         ".prefill.parallelism.tensorParallelSize",
     ),
+    *(_rule(
+        f"self.{pool}.replicas == 0 || self.{pool}.gpus == 0",
+        f"spec.{pool}.gpus must be 0 while spec.{pool}.replicas > 0: the KV transports (tcp, "
+        f"shm, mooncake, nixl) move host memory only, so prefill and decode engines run on CPU; "
+        f"GPU engines serve in the hybrid pool",
+        f".{pool}.gpus",
+    ) for pool in ("prefill", "decode")),
+    *(_rule(
+        f"self.{pool}.replicas == 0 || self.{pool}.parallelism.tensorParallelSize == 1",
+        f"spec.{pool}.parallelism.tensorParallelSize must be 1 while spec.{pool}.replicas > 0: "
+        f"KV transfer between tensor-parallel engines is not implemented; tensor parallelism "
+        f"serves in the hybrid pool",
+        f".{pool}.parallelism.tensorParallelSize",
+    ) for pool in ("prefill", "decode")),
 ]
+PD_POOL_RULES = SPEC_RULES[2:]
+"""The rules above that hold for the prefill and decode pools alone, in pool order
+(gpus of prefill and decode, then their tensor parallelism)."""
+POOL_RULES = [_rule(
+    "self.gpus == 0 || self.gpus >= self.parallelism.tensorParallelSize",
+    "gpus must be 0 or at least parallelism.tensorParallelSize (one GPU per rank)",
+    ".gpus",
+)]
 
 
 class PVCSource(ApiModel):
@@ -147,8 +169,10 @@ class TopologySpreadSpec(ApiModel):
     when_unsatisfiable: Literal["ScheduleAnyway", "DoNotSchedule"] = "ScheduleAnyway"
 
 
-class PoolSpec(ApiModel):
-    """A pool of engines with one role; each replica is one PDInstance and one Pod."""
+class PoolSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": POOL_RULES}):
+    """A pool of engines with one role; each replica is one PDInstance and one Pod.
+    Its tensor parallelism runs one engine as ``tensorParallelSize`` ranks, one GPU each
+    with ``gpus`` (the hybrid pool only, until KV moves between tensor-parallel engines)."""
 
     replicas: int = Field(default=1, ge=0, le=1024)
     gpus: int = Field(default=0, ge=0, le=64)
@@ -176,7 +200,14 @@ class PoolSpec(ApiModel):
     the pool runs on the ``threads`` entries starting at entry ``i * threads``,
     wrapping around the list (``threads`` unset: the one entry ``i % len``). With
     ``[0, 1, 2, 3]`` and threads 2, engine 0 runs on cores 0-1, engine 1 on 2-3,
-    engine 2 on 0-1 again. Each pool has its own list."""
+    engine 2 on 0-1 again. Each pool has its own list. With tensor parallelism an
+    engine's ranks share its cores: ``threads`` × ``tensorParallelSize`` entries each."""
+
+    @model_validator(mode="after")
+    def _a_gpu_per_rank(self) -> PoolSpec:
+        if self.gpus and self.gpus < self.parallelism.tensor_parallel_size:
+            raise ValueError(POOL_RULES[0]["message"])
+        return self
 
     def cpus_for_replica(self, ordinal: int) -> list[int] | None:
         """The cores engine ``ordinal`` of this pool is pinned to (the rule above), or None.
@@ -184,7 +215,8 @@ class PoolSpec(ApiModel):
         Called by the NodeAgent in local mode when it launches the engine."""
         if not self.cpu_affinity:
             return None
-        cores, width = self.cpu_affinity, self.threads or 1
+        cores = self.cpu_affinity
+        width = (self.threads or 1) * self.parallelism.tensor_parallel_size
         return sorted({cores[(ordinal * width + k) % len(cores)] for k in range(width)})
 
 
@@ -202,7 +234,7 @@ class KVTransferSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": KV
     mode: TransferMode = "layerwise"
     """pull: decode reads; push: prefill writes after the last layer; layerwise: per layer."""
     transport: Transport = "tcp"
-    """mooncake (RDMA, or its TCP protocol), tcp, or shm (same node only)."""
+    """mooncake (RDMA, or its TCP protocol), nixl (UCX), tcp, or shm (same node only)."""
     decode_allocation: DecodeAllocation = "dispatch"
     """When decode reserves blocks: at dispatch, or when prefill completes."""
     timeout_seconds: float = Field(default=30.0, gt=0)
@@ -309,6 +341,13 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": SPE
         tp_prefill = self.prefill.parallelism.tensor_parallel_size
         if tp_prefill % self.decode.parallelism.tensor_parallel_size:
             raise ValueError(SPEC_RULES[1]["message"])
+        pd_pools = (self.prefill, self.decode)
+        for pool, rule in zip(pd_pools, PD_POOL_RULES[:2], strict=True):
+            if pool.replicas and pool.gpus:
+                raise ValueError(rule["message"])
+        for pool, rule in zip(pd_pools, PD_POOL_RULES[2:], strict=True):
+            if pool.replicas and pool.parallelism.tensor_parallel_size != 1:
+                raise ValueError(rule["message"])
         return self
 
 

@@ -9,7 +9,6 @@ picks a free port).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import socket
@@ -140,5 +139,5 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(build_config(app, settings, args.log_level.lower()))
     print(f"pdserve coordinator serving on {host}:{port}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(server.serve(sockets=[sock]))
+        server.run(sockets=[sock])  # on the config's loop: uvloop
     return 0

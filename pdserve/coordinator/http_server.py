@@ -16,7 +16,9 @@ headers, stays open for good. ``build_config`` adds what is missing:
 
 Called by ``pdserve coordinator`` (``cli.run``) and by the tests' server harness, so
 both serve with the same limits. The protocol runs on the event loop; its timers
-are the loop's.
+are the loop's. ``Server.run`` (the CLI) runs it on uvloop, which costs the
+Coordinator less CPU per request than asyncio's own loop (docs/benchmarks.md,
+Coordinator overhead); the harness serves on its own asyncio loop.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def build_config(app, settings: CoordinatorSettings, log_level: str = "info") ->
     """The uvicorn config serving ``app`` with ``settings``' HTTP limits."""
     protocol = type("CoordinatorHttpProtocol", (_LimitedHttpToolsProtocol,),
                     {"header_timeout_s": settings.http_header_timeout_s})
-    return uvicorn.Config(app, log_level=log_level, access_log=False, loop="asyncio",
+    return uvicorn.Config(app, log_level=log_level, access_log=False, loop="uvloop",
                           http=protocol, lifespan="on",
                           timeout_keep_alive=settings.http_keep_alive_s,
                           limit_concurrency=settings.max_connections)

@@ -18,6 +18,13 @@ it is healthy, the request waits or goes elsewhere), or the engine's failure
 attempt, a prefill failure before the decode leg's first token is the attempt's
 failure (D only waits for the KV); after it, the failure is moot.
 
+Logprobs ride along the tokens: ``take_logprobs`` returns those of the tokens
+yielded since the last call, ``prompt_logprobs`` the prompt's (from the engine that
+prefilled). In a PD attempt D's first token is P's, sampled and scored on P: before
+yielding it, the pair waits for P's message of it (already there but for a race of
+two streams); P's stream ending without it fails the attempt like any P failure.
+Requests without logprobs wait for nothing.
+
 Load counts on each ``EngineEndpoint``: one in flight per leg from ``start`` to
 ``close``; a single or prefill leg's prompt tokens are pending prefill until the
 engine reports the prefill done (its first timings) or the leg is closed.
@@ -107,6 +114,10 @@ class Leg:
         self._is_open = False
         self._has_timings = False
         self._num_pending = 0
+        sampling = request.sampling
+        self.wants_logprobs = sampling.logprobs or sampling.prompt_logprobs
+        self.logprobs: list[pb.TokenLogprob] = []  # of the tokens yielded, not yet taken
+        self.prompt_logprobs: list[pb.TokenLogprob] | None = None
 
     def start(self, timeout_s: float) -> None:
         """Called once, by ``RequestRun`` or ``PairedLegs.start``: sends the call with a
@@ -141,8 +152,13 @@ class Leg:
                 self._record_first(msg.timings)
                 if self.PREFILLS_PROMPT:  # the first prefill's hits: the client's prompt
                     self._timings.report.setdefault("cached_tokens", msg.num_cached_tokens)
+                    self._timings.observe_cached(msg.num_cached_tokens)
             if msg.token_ids:
                 self.has_token = True
+                if self.wants_logprobs:
+                    self.logprobs.extend(msg.logprobs)
+                    if self.prompt_logprobs is None and msg.prompt_logprobs:
+                        self.prompt_logprobs = list(msg.prompt_logprobs)
                 yield list(msg.token_ids)
             if msg.finished:
                 self.finished = True
@@ -152,7 +168,6 @@ class Leg:
 
     async def _next_unless_prefill_fails(self, stream, prefill: asyncio.Future):
         # Before its first token a decode leg only waits for P's KV: P's failure wins.
-                    self._timings.observe_cached(msg.num_cached_tokens)
         # The read left behind (D failed too, or this wait was cancelled) is retrieved,
         # so its error is not reported as "never retrieved".
         nxt = asyncio.ensure_future(stream.__anext__())
@@ -166,6 +181,11 @@ class Leg:
             if not nxt.done():
                 nxt.cancel()
             nxt.add_done_callback(_retrieve)
+
+    def take_logprobs(self) -> list[pb.TokenLogprob]:
+        """The logprobs of the tokens yielded since the last call (``RequestRun``)."""
+        taken, self.logprobs = self.logprobs, []
+        return taken
 
     def release(self) -> None:
         """Restores the engine's load counts; idempotent. Called by ``close`` and by
@@ -221,10 +241,14 @@ class PrefillLeg(Leg):
     END_REASONS = ("handoff",)
     ENDED_EARLY = "stream ended without handoff"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.has_first_token = asyncio.Event()
+
     async def until_handoff(self) -> None:
         """The pair's prefill task: the prefill engine's stream to its handoff."""
         async for _ in self.tokens():
-            pass
+            self.has_first_token.set()
 
     def _stage(self) -> str:
         return "before_handoff"
@@ -251,10 +275,19 @@ class PairedLegs:
         self.prefill = prefill
         self.decode = decode
         self._prefill_task: asyncio.Future | None = None
+        self._has_token = False
 
     @property
     def finish_reason(self) -> str | None:
         return self.decode.finish_reason
+
+    @property
+    def prompt_logprobs(self) -> list[pb.TokenLogprob] | None:
+        return self.prefill.prompt_logprobs
+
+    def take_logprobs(self) -> list[pb.TokenLogprob]:
+        """P's first token's entry (until taken), then D's."""
+        return self.prefill.take_logprobs() + self.decode.take_logprobs()
 
     def start(self, timeout_s: float) -> None:
         self.decode.start(timeout_s)
@@ -266,11 +299,30 @@ class PairedLegs:
         transfer: that is D's load, so it is reported as D's (without D's address)."""
         try:
             async for ids in self.decode.tokens(self._prefill_task):
+                if not self._has_token and self.prefill.wants_logprobs:
+                    await self._prefill_first_token()
+                self._has_token = True
                 yield ids
         except EngineFull as full:
             if full.leg == "prefill" and full.details.startswith("decode full"):
                 raise EngineFull(self.decode.engine, "decode", "decode full") from None
             raise
+
+    async def _prefill_first_token(self) -> None:
+        """Until P's message of the first token (its logprobs) is in; P's stream ending
+        without it is P's failure."""
+        task, has_first = self._prefill_task, self.prefill.has_first_token
+        if not has_first.is_set():
+            waiter = asyncio.ensure_future(has_first.wait())
+            try:
+                await asyncio.wait((waiter, task), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+        if has_first.is_set():
+            return
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+        raise self.prefill._failure("no_first_token", "stream ended without the first token")
 
     def close(self) -> None:
         self.decode.close()

@@ -32,6 +32,11 @@ counts the answers).
 ``GenerationParams.engine_request`` is the one place it becomes the engine's
 ``GenerateRequest``, for the first attempt and for a continuation alike.
 
+Logprobs: every leg that samples reports its tokens' (``logprobs``); prompt logprobs
+are asked of the leg that prefills, on an attempt that has streamed nothing yet (a
+continuation's prompt holds generated tokens, and the client has the prompt's
+already). ``RequestRun.logprobs`` stays in step with ``generated``.
+
 Invariants: an attempt's legs are closed before the next attempt starts and when
 the run is closed (stop string, client gone: closing the generator runs the
 ``finally``), which cancels and aborts the legs that did not finish.
@@ -100,6 +105,12 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    # Grammar-constrained decoding: (kind, spec) as on the wire; every leg carries it
+    # and a continuation's engine replays the tokens already streamed into it.
+    guided: tuple[str, str] | None = None
 
     def engine_request(self, leg_id: str, prompt_ids: list[int], num_generated: int,
                        kv_transfer: pb.KVTransferParams | None = None) -> pb.GenerateRequest:
@@ -108,6 +119,7 @@ class GenerationParams:
         samples from where the stream stands (a seeded stream draws the same numbers,
         and ``sample_offset`` tells the engine the prompt's last ``num_generated``
         tokens are output, which the presence and frequency penalties count)."""
+        prefills = kv_transfer is None or kv_transfer.role == "prefill"
         return pb.GenerateRequest(
             request_id=leg_id, prompt_token_ids=prompt_ids, kv_transfer=kv_transfer,
             sampling=pb.SamplingParams(
@@ -117,6 +129,10 @@ class GenerationParams:
                 top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
                 stop_token_ids=self.stop_token_ids,
+                guided=pb.GuidedDecoding(kind=self.guided[0], spec=self.guided[1])
+                if self.guided else None,
+                logprobs=self.logprobs, top_logprobs=self.top_logprobs,
+                prompt_logprobs=self.prompt_logprobs and prefills and num_generated == 0,
                 # The wire's 0 means "off" (1).
                 repetition_penalty=0.0 if self.repetition_penalty == 1.0
                 else self.repetition_penalty))
@@ -136,9 +152,13 @@ class RequestRun:
         self.params = params
         self.deadline = deadline
         self.generated: list[int] = []
+        self.logprobs: list[pb.TokenLogprob] = []  # one per generated token, when asked for
+        self.prompt_logprobs: list[pb.TokenLogprob] | None = None  # when asked for
         self.finish_reason: str | None = None
         self.timings = RequestTimings(self.label, deps.metrics)
         self.num_attempts = 0
+        self.plan: Plan | None = None  # the last attempt's
+        self.prefer: Plan | None = None  # a sibling choice's plan, for the first attempt
         self._num_full_waits = 0
         self._full_since: float | None = None  # when an engine first said "full"
 
@@ -156,8 +176,9 @@ class RequestRun:
                 self.finish_reason = "length"
                 return
             prompt = self.prompt_ids + self.generated
-            plan = await self.deps.router.plan(RouteContext(prompt, s.block_size), exclude,
-                                               self.deadline)
+            plan = self.plan = await self.deps.router.plan(
+                RouteContext(prompt, s.block_size), exclude, self.deadline,
+                self.prefer if self.num_attempts == 0 else None)
             if last_full is not None and _is_full(plan):
                 await self._wait_for_room(last_full)
             self.num_attempts += 1
@@ -173,6 +194,10 @@ class RequestRun:
                     legs.start(left)
                     async for ids in legs.tokens():
                         self.generated.extend(ids)
+                        if self.params.logprobs:
+                            self.logprobs += legs.take_logprobs()
+                        if self.params.prompt_logprobs and self.prompt_logprobs is None:
+                            self.prompt_logprobs = self._checked_prompt_logprobs(legs)
                         yield ids
                 finally:
                     legs.close()
@@ -198,6 +223,15 @@ class RequestRun:
                     raise ServeError(504, f"deadline passed while retrying after: {f.public}",
                                      code="deadline") from None
                 await asyncio.sleep(backoff)
+
+    def _checked_prompt_logprobs(self, legs: Leg | PairedLegs) -> list[pb.TokenLogprob]:
+        """The prompt's logprobs from the engine that prefilled: one per prompt token
+        after the first, or a 502 (an engine that does not compute them)."""
+        scored = legs.prompt_logprobs or []
+        if len(scored) != len(self.prompt_ids) - 1:
+            raise ServeError(502, f"the prefill engine sent {len(scored)} prompt logprobs for "
+                             f"{len(self.prompt_ids)} prompt tokens", code="engine_failure")
+        return scored
 
     def _on_full(self, full: EngineFull) -> None:
         """An engine had no room: counted, logged, marked full (not failed); 503 once

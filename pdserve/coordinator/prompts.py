@@ -6,8 +6,12 @@ token ids back into text (not the engines' text): a request that continues on a
 new engine pair after a failure then reads as one unbroken stream.
 
 Chat template: the checkpoint's ``tokenizer_config.json`` ``chat_template``
-(rendered with jinja2 in a sandbox, as Hugging Face does), else ``DEFAULT_CHAT_TEMPLATE``:
-one ``<|role|>`` line before each message's content, then ``<|assistant|>``.
+(rendered with jinja2 in a sandbox, as Hugging Face does, with its ``tojson`` that
+leaves ``<`` and non-ASCII text as they are), else ``DEFAULT_CHAT_TEMPLATE``: one
+``<|role|>`` line before each message's content, then ``<|assistant|>``. Tools reach
+the template as ``tools`` (OpenAI's tool objects, as Hugging Face passes them); the
+default template lists them in a first system turn and writes an assistant's earlier
+calls in the format ``structured.py`` constrains calls to.
 """
 
 from __future__ import annotations
@@ -25,13 +29,25 @@ from .errors import ServeError
 
 PRESET_VOCAB = {"tiny": 320, "small": 8192}
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if tools %}<|system|>\nTools you may call, each call written as <tool_call>\\n"
+    "{\"name\": ..., \"arguments\": {...}}\\n</tool_call>:\n"
+    "{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": {{ c.function.name | tojson }}, "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>\n{% endfor %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
 
 def _raise(message: str):
     raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None,
+            sort_keys: bool = False) -> str:
+    """Hugging Face's ``tojson`` for chat templates: plain JSON (jinja2's escapes ``<``)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 class PromptBuilder:
@@ -49,6 +65,7 @@ class PromptBuilder:
             template = self._read_config(Path(model)) or template
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(template)
 
     def _read_config(self, path: Path) -> str | None:
@@ -80,11 +97,12 @@ class PromptBuilder:
             raise ServeError(400, "prompt token ids must be non-negative", param="prompt")
         return token_ids
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """Called by the app for /v1/chat/completions: messages -> prompt text."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Called by the app for /v1/chat/completions: messages (and the tools the model
+        may call) -> prompt text."""
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True,
-                                         **self._specials)
+            return self._template.render(messages=messages, tools=tools,
+                                         add_generation_prompt=True, **self._specials)
         except TemplateError as exc:
             raise ServeError(400, f"chat template: {exc}", param="messages") from None
 

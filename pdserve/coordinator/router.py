@@ -11,8 +11,11 @@ Fallback, when no PD pair exists (a pool is empty, no compatible pair, or no pai
 whose probe passed: reason ``no_probed_pair``):
 ``hybrid`` runs whole requests on hybrid engines (with a Controller, it switches
 engines to hybrid and says so with view mode FALLBACK); while none exists the
-request waits as with ``queue``; ``queue`` waits for the view to change until the
-deadline; ``fail`` answers 503 at once. A colocated deployment (only hybrid engines
+request waits as with ``queue`` if the view may still change into a route (a
+Controller drives it, or an engine of the view is down or draining and may come
+back), else it answers 503 at once (e.g. a static view of decode engines only:
+nothing will pair them or make one hybrid); ``queue`` waits for the view to change
+until the deadline; ``fail`` answers 503 at once. A colocated deployment (only hybrid engines
 by design: view mode COLOCATED) is no fallback: its engines serve under every
 policy and nothing is counted as a fallback. Never silent: each fallback is counted
 (``pdserve_coordinator_fallbacks_total``) and the reason is in the error text.
@@ -59,8 +62,13 @@ class Router:
         self.prefill_policy = build_policy(settings.prefill_policy, index, "prefill")
         self.decode_policy = build_policy(settings.decode_policy, index, "decode")
 
-    async def plan(self, ctx: RouteContext, exclude: set[str], deadline: float) -> Plan:
-        """Called by the request lifecycle for each attempt; waits (queue) up to ``deadline``."""
+    async def plan(self, ctx: RouteContext, exclude: set[str], deadline: float,
+                   prefer: Plan | None = None) -> Plan:
+        """Called by the request lifecycle for each attempt; waits (queue) up to ``deadline``.
+        ``prefer``: the plan of a sibling choice (``n > 1``), kept while its engines are
+        routable, so this choice finds the prompt's blocks in their prefix caches."""
+        if prefer is not None and self._still_usable(prefer, exclude):
+            return Plan(prefer.kind, prefer.prefill, prefer.decode, prefer.single, prefer.fallback)
         counted = False
         while True:
             pools = self.registry.pools(exclude)
@@ -73,6 +81,7 @@ class Router:
             if pools.hybrid and (colocated or policy == "hybrid"):
                 inst = self.decode_policy.choose(pools.hybrid, ctx)
                 self.metrics.routes.labels("hybrid", self.settings.decode_policy).inc()
+                self._predict(inst, ctx)
                 self.index.record(inst.instance_id, ctx.hashes)
                 if colocated:
                     return Plan("single", single=inst)
@@ -82,6 +91,10 @@ class Router:
                 self.metrics.fallbacks.labels("fail", reason).inc()
                 raise ServeError(503, f"no engine pair to serve the request ({detail}); "
                                  "fallback policy is fail", code="no_route")
+            if policy == "hybrid" and not self._may_change(exclude):
+                self.metrics.fallbacks.labels("hybrid", reason).inc()
+                raise ServeError(503, f"no engine pair to serve the request ({detail}) and no "
+                                 "hybrid engine to fall back to", code="no_route")
             if not counted:
                 self.metrics.fallbacks.labels(policy, reason).inc()
                 counted = True
@@ -94,6 +107,27 @@ class Router:
                 await self.registry.wait_changed(left)
             finally:
                 self.metrics.queued_for_route.dec()
+
+    def _predict(self, prefilling: EngineEndpoint, ctx: RouteContext) -> None:
+        """Counts the prompt tokens the index expects the prefilling engine to have cached
+        (against what engines report: ``legs``), before this route is recorded. An engine
+        computes at least the prompt's last token, so a whole-prompt match counts one
+        block less."""
+        blocks = min(self.index.match(prefilling.instance_id, ctx.hashes),
+                     (ctx.num_tokens - 1) // ctx.block_size)
+        self.metrics.prefix_predicted.inc(blocks * ctx.block_size)
+
+    def _may_change(self, exclude: set[str]) -> bool:
+        """Whether waiting may give the hybrid fallback a route: a Controller may switch
+        engines to hybrid; without one, an engine of the view that is not routable now
+        (down, draining) may come back. Excluded engines stay excluded for this request."""
+        if self.settings.controller:
+            return True
+        return any(not i.routable for i in self.registry.all() if i.instance_id not in exclude)
+
+    def _still_usable(self, plan: Plan, exclude: set[str]) -> bool:
+        return all(self.registry.get(e.instance_id) is e and e.routable
+                   and e.instance_id not in exclude for e in plan.engines())
 
     def is_colocated(self) -> bool:
         """A colocated deployment: the Controller says so, or (static view) no engine of
@@ -143,10 +177,12 @@ class Router:
         self.metrics.prefill_decisions.labels(
             "decode" if decision.on_decode else "prefill", decision.reason).inc()
         if decision.on_decode:
+            self.metrics.prefix_predicted.inc(cached)
             self.index.record(d.instance_id, ctx.hashes)
             self.metrics.local_prefills.inc()
             self.metrics.routes.labels("decode", s.decode_policy).inc()
             return Plan("single", single=d), ""
+        self._predict(p, ctx)
         self.index.record(p.instance_id, ctx.hashes)
         self.index.record(d.instance_id, ctx.hashes)
         self.metrics.routes.labels("prefill", self.settings.prefill_policy).inc()

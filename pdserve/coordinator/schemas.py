@@ -6,10 +6,9 @@ Unicode (a lone surrogate, which JSON's ``\ud800`` escapes can carry, is a 400
 naming the field, never an encoding error later).
 
 No parameter is silently ignored. OpenAI parameters pdserve does not implement
-(``NOT_SUPPORTED``: ``logprobs``, ``n > 1``, ``echo``, ``tools``, ...) are declared
+(``NOT_SUPPORTED``: ``n > 1``, ``functions``, ...) are declared
 and refused with 400 "not supported yet" naming the parameter when they ask for
-anything but their default (``n: 1``, ``logprobs: false``, ``response_format:
-{"type": "text"}`` pass). Fields nobody declares are ignored, as vLLM does (OpenAI
+anything but their default (``n: 1`` passes). Fields nobody declares are ignored, as vLLM does (OpenAI
 refuses them): SDKs and proxies add fields of their own, and ``user``, ``store`` or
 ``metadata`` change nothing about the output.
 
@@ -27,7 +26,11 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from .structured import ResponseFormat, ToolCall, ToolChoice, ToolDefinition
+
 MAX_SEED = 2**53 - 1  # exact in a JSON number
+MAX_CHOICES = 16  # n and best_of
+MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's chat limit, vLLM's for both
 
 
 def _valid_unicode(value):
@@ -47,13 +50,9 @@ def _valid_unicode(value):
 
 # Each unimplemented OpenAI parameter and the values of it that ask for nothing.
 NOT_SUPPORTED: dict[str, tuple] = {
-    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,),
 }
 
 
@@ -107,9 +106,8 @@ class _Request(BaseModel):
                           Field(max_length=1024), AfterValidator(_bias_keys)] = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64)
     """Extension (as vLLM's): token ids that end the output (kept in it)."""
-    n: Any = _unsupported("more than one choice (n > 1)")
-    logprobs: Any = _unsupported("log probabilities")
-    top_logprobs: Any = _unsupported("log probabilities")
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    """Choices, sampled from one prefill (the others reuse its cached prompt blocks)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
@@ -119,8 +117,18 @@ class _Request(BaseModel):
     """Extension (as vLLM's and SGLang's): the model's EOS does not end the output."""
     min_tokens: int = Field(default=0, ge=0, le=1 << 20)
     """Extension (as vLLM's): no EOS or stop token before this many output tokens."""
+    # Structured output, enforced by the engines' grammar (structured.py).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    """Extension (as vLLM's): the output is JSON valid for this schema."""
+    guided_regex: str | None = Field(default=None, min_length=1)
+    """Extension (as vLLM's): the whole output matches this regex."""
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, max_length=1024)
+    """Extension (as vLLM's): the output is one of these strings."""
+    guided_grammar: str | None = Field(default=None, min_length=1)
+    """Extension (as vLLM's): the output follows this Lark (llguidance) or GBNF grammar."""
 
-    _refuse_common = field_validator("n", "logprobs", "top_logprobs")(_refuse_non_default)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -133,11 +141,15 @@ class CompletionRequest(_Request):
     prompt: (Annotated[str, Field(min_length=1)]
              | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1 << 20)])
     """Text (tokenized by the Coordinator) or one prompt as token ids."""
-    echo: Any = _unsupported("echoing the prompt")
-    best_of: Any = _unsupported("best_of > 1")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Each output token's logprob with this many likeliest alternatives (OpenAI allows 5)."""
+    echo: bool = False
+    """The prompt's text before the output; with ``logprobs``, its tokens' logprobs first."""
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    """Sample this many and return the ``n`` with the highest total logprob (not streamed)."""
     suffix: Any = _unsupported("suffix (insertion)")
 
-    _refuse = field_validator("echo", "best_of", "suffix")(_refuse_non_default)
+    _refuse = field_validator("suffix")(_refuse_non_default)
 
 
 class TextPart(BaseModel):
@@ -151,6 +163,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Annotated[str | list[TextPart] | None, AfterValidator(_valid_unicode)] = None
     name: Annotated[str | None, AfterValidator(_valid_unicode)] = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
+    """An assistant turn's calls, for the chat template."""
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    """A tool turn: the call it answers."""
 
     def text(self) -> str:
         if self.content is None:
@@ -163,23 +179,21 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
-    response_format: Any = _unsupported("structured output (response_format other than text)")
-    tools: Any = _unsupported("tool calling")
-    tool_choice: Any = _unsupported("tool calling")
+    logprobs: bool = False
+    """Each output token's logprob, with ``top_logprobs`` likeliest alternatives."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    """With tools, "auto" by default (structured.py says what each choice constrains)."""
+    parallel_tool_calls: bool = True
     functions: Any = _unsupported("function calling")
     function_call: Any = _unsupported("function calling")
     audio: Any = _unsupported("audio output")
     modalities: Any = _unsupported("modalities other than text")
     prediction: Any = _unsupported("predicted outputs")
-    guided_json: Any = _unsupported("structured output")
-    guided_regex: Any = _unsupported("structured output")
-    guided_choice: Any = _unsupported("structured output")
-    guided_grammar: Any = _unsupported("structured output")
 
     _refuse = field_validator(
-        "response_format", "tools", "tool_choice", "functions", "function_call", "audio",
-        "modalities", "prediction", "guided_json", "guided_regex", "guided_choice",
-        "guided_grammar")(_refuse_non_default)
+        "functions", "function_call", "audio", "modalities", "prediction")(_refuse_non_default)
 
 
 class PromptTokensDetails(BaseModel):
@@ -196,22 +210,46 @@ class Usage(BaseModel):
 
 class _Choice(BaseModel):
     index: int
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     token_ids: list[int] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    """None for an echoed prompt's first token (nothing predicts it)."""
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Choice):
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class _Response(BaseModel):
@@ -267,18 +305,21 @@ class ResponseBuilder:
     ``ChatCompletionResponse``) or the chunks of its stream. Built once per request
     by serving; ``chunk`` runs per streamed message, so it only fills in dicts."""
 
-    __slots__ = ("is_chat", "_head", "_chunk_head")
+    __slots__ = ("is_chat", "index", "_head", "_chunk_head")
 
-    def __init__(self, request_id: str, model: str, created: int, is_chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, created: int, is_chat: bool,
+                 index: int = 0) -> None:
         self.is_chat = is_chat
+        self.index = index  # the choice this builder's bodies are of
         self._head = {"id": request_id, "object": "chat.completion" if is_chat else "text_completion",
                       "created": created, "model": model}
         self._chunk_head = {**self._head, "object": "chat.completion.chunk" if is_chat
                             else "text_completion"}
 
     def response(self, text: str, finish_reason: str | None, usage: dict,
-                 token_ids: list[int] | None = None, timings: dict | None = None) -> dict:
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+                 token_ids: list[int] | None = None, timings: dict | None = None,
+                 logprobs: dict | None = None) -> dict:
+        choice: dict = {"index": self.index, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.is_chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -291,10 +332,11 @@ class ResponseBuilder:
         return body
 
     def chunk(self, text: str, is_first: bool = False, finish_reason: str | None = None,
-              token_ids: list[int] | None = None, timings: dict | None = None) -> dict:
+              token_ids: list[int] | None = None, timings: dict | None = None,
+              logprobs: dict | None = None) -> dict:
         """A chunk of new text (the first one names the chat role), or the last one
         (``finish_reason`` set, no text)."""
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict = {"index": self.index, "logprobs": logprobs, "finish_reason": finish_reason}
         if not self.is_chat:
             choice["text"] = text
         elif is_first:

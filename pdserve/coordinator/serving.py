@@ -20,14 +20,17 @@ written escaped.
 Invariants: the admission slot is released and the request counted exactly once,
 whatever ends the request (a refusal before it was admitted, a ``ServeError`` not
 ``is_counted``, is counted by the app's error handler); a client that goes away
-(stream or not) closes the run, which cancels and aborts both legs, and is answered
-499 (which nobody reads) rather than raised into the server as an error.
+(stream or not) closes the run, which cancels and aborts both legs, is counted
+(``pdserve_coordinator_aborts_total{reason="client_gone"}``, and 499 in the requests)
+and logged at DEBUG: it is the client's doing, not an error of the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import random
 import re
 import time
@@ -42,11 +45,14 @@ from .admission import Admission
 from .errors import ServeError
 from .guard import ADMIN_SCOPE_KEY
 from .lifecycle import Deps, GenerationParams, RequestRun, new_request_id
+from .logprobs import OutputLogprobs, TokenTexts
 from .metrics import CoordinatorMetrics
 from .prompts import PromptBuilder
 from .schemas import ChatCompletionRequest, CompletionRequest, ResponseBuilder, build_usage
 from .settings import CoordinatorSettings
+from .structured import output_format, template_messages
 
+log = logging.getLogger(__name__)
 TIMINGS_HEADER = "x-pdserve-timings"
 REQUEST_ID_HEADER = "x-request-id"
 MAX_CLIENT_ID_CHARS = 128
@@ -75,7 +81,8 @@ def client_request_id(request: Request) -> str | None:
 
 def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
                             settings: CoordinatorSettings,
-                            vocab_size: int | None = None) -> GenerationParams:
+                            vocab_size: int | None = None,
+                            guided: tuple[str, str] | None = None) -> GenerationParams:
     """The request's sampling and limits, from its OpenAI body; called once by ``handle``.
 
     Without ``max_tokens``, a completion gets ``settings.max_tokens_default`` (16, as
@@ -101,12 +108,20 @@ def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
     if body.min_tokens > max_tokens:
         raise ServeError(400, f"min_tokens ({body.min_tokens}) must not exceed max_tokens "
                          f"({max_tokens})", param="min_tokens")
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs and not body.logprobs:
+            raise ServeError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs, num_top, prompt_logprobs = body.logprobs, body.top_logprobs or 0, False
+    else:
+        logprobs, num_top = body.logprobs is not None, body.logprobs or 0
+        prompt_logprobs = logprobs and body.echo
     return GenerationParams(
         max_tokens, body.temperature, body.top_p, seed, body.stop_list(), body.ignore_eos,
         body.min_tokens, top_k=max(0, body.top_k), min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logit_bias=bias,
-        stop_token_ids=list(body.stop_token_ids))
+        stop_token_ids=list(body.stop_token_ids), logprobs=logprobs, top_logprobs=num_top,
+        prompt_logprobs=prompt_logprobs, guided=guided)
 
 
 def check_context_length(body: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
@@ -139,11 +154,13 @@ class Completions:
         self.deps = deps
         self.prompts = prompts
         self.admission = admission
+        self.token_texts = TokenTexts(prompts.tokenizer)
 
-    def _prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    def _prompt_ids(self, body: CompletionRequest | ChatCompletionRequest,
+                    tools: list[dict] | None = None) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            return self.prompts.encode_text(self.prompts.render_chat(messages))
+            messages = template_messages(body.messages)
+            return self.prompts.encode_text(self.prompts.render_chat(messages, tools))
         if isinstance(body.prompt, str):
             ids = self.prompts.encode_text(body.prompt, add_bos=True)
         else:
@@ -160,17 +177,44 @@ class Completions:
             raise ServeError(404, f"model {body.model!r} does not exist; this server serves "
                              f"{settings.model_name!r}", code="model_not_found", param="model")
         label = client_request_id(request)
-        prompt_ids = self._prompt_ids(body)
-        params = build_generation_params(body, settings, self.prompts.vocab_size)
+        fmt = output_format(body)  # structured output and tools: 400 before routing
+        prompt_ids = self._prompt_ids(body, fmt.tools)
+        params = build_generation_params(body, settings, self.prompts.vocab_size, fmt.guided)
         check_context_length(body, len(prompt_ids), params.max_tokens,
                              self.deps.registry.max_model_len())
+        num_choices = choice_counts(body)
         deadline = arrival + settings.request_timeout_s
         slot = await self.admission.acquire(deadline)
-        run = RequestRun(self.deps, new_request_id(), prompt_ids, params, deadline, arrival, label)
+        request_id = new_request_id()
+        echo = self._echo_text(body, prompt_ids)
+
+        def output(index: int) -> _Output:
+            """Choice ``index``'s run and output; choice i > 0 samples from seed + i."""
+            choice_params = params
+            if index:
+                choice_params = dataclasses.replace(
+                    params, seed=None if params.seed is None else params.seed + index)
+            if num_choices[1] > num_choices[0]:  # best_of ranks choices by their logprobs
+                choice_params = dataclasses.replace(choice_params, logprobs=True)
+            run = RequestRun(self.deps, request_id if not index else f"{request_id}-{index}",
+                             prompt_ids, choice_params, deadline, arrival, label)
+            logprobs = None if not choice_params.logprobs else OutputLogprobs(
+                run, self.token_texts, endpoint == "chat", params.top_logprobs,
+                echo if params.prompt_logprobs else None)
+            out = _Output(run, body, endpoint, self.prompts.detokenizer(params.stop),
+                          self.deps.metrics, self.admission, want_timings,
+                          request.scope.get(ADMIN_SCOPE_KEY, False), echo, logprobs, index)
+            out.shape = fmt.wrap(out.shape)
+            return out
+
         want_timings = request.headers.get(TIMINGS_HEADER) == "1"
-        out = _Output(run, body, endpoint, self.prompts.detokenizer(params.stop), self.deps.metrics,
-                      self.admission, want_timings, request.scope.get(ADMIN_SCOPE_KEY, False))
+        out = output(0)
+        run = out.run
         headers = {REQUEST_ID_HEADER: run.label}
+        if num_choices[1] > 1:
+            choices = Choices(out, [output(i) for i in range(1, num_choices[1])], num_choices[0],
+                              params.logprobs)
+            return await self._handle_choices(request, body, choices, slot, headers)
         try:
             if body.stream:
                 first = await self._first(request, run, out)
@@ -182,6 +226,7 @@ class Completions:
             return Response(orjson.dumps(out.full_body()), media_type="application/json",
                             headers=headers)
         except ClientGone:
+            out.client_gone()
             await self._end(out, slot, 499)
             return Response(status_code=499, headers=headers)
         except BaseException as exc:
@@ -191,6 +236,46 @@ class Completions:
                 exc.request_id = run.request_id
                 exc.is_counted = True
             raise
+
+    async def _handle_choices(self, request: Request, body, choices: Choices, slot,
+                              headers: dict) -> Response:
+        """``handle`` for ``n`` (or ``best_of``) > 1: the same shape of answer, each choice a
+        run of its own; the first choice's first token is awaited before the others start
+        (``Choices.start_others``), so they find the prompt in its engines' caches."""
+        primary = choices.outs[0]
+        try:
+            if body.stream:
+                first = await self._first(request, primary.run, primary)
+                return StreamingResponse(choices.sse(first, slot), media_type="text/event-stream",
+                                         headers=headers)
+            await self._race_disconnect(request, choices.collect())
+            choices.done(200)
+            slot.release()
+            return Response(orjson.dumps(choices.full_body()), media_type="application/json",
+                            headers=headers)
+        except ClientGone:
+            primary.client_gone()
+            await choices.end(slot, 499)
+            return Response(status_code=499, headers=headers)
+        except BaseException as exc:
+            await choices.end(slot, exc.status if isinstance(exc, ServeError) else 499)
+            if isinstance(exc, ServeError):
+                exc.headers.setdefault(REQUEST_ID_HEADER, primary.run.label)
+                exc.request_id = primary.run.request_id
+                exc.is_counted = True
+            raise
+
+    def _echo_text(self, body, prompt_ids: list[int]) -> str | None:
+        """A completion's prompt text for ``echo`` (its token ids decoded when it came as
+        ids); None without echo."""
+        if not getattr(body, "echo", False):
+            return None
+        if isinstance(body.prompt, str):
+            return body.prompt
+        if self.prompts.tokenizer is None:
+            raise ServeError(400, "echo of a token-id prompt needs the model's tokenizer",
+                             param="echo")
+        return self.prompts.tokenizer.decode(prompt_ids)
 
     async def _end(self, out: _Output, slot, code: int) -> None:
         """A request that ends before its response: counted, slot released, run closed."""
@@ -212,7 +297,6 @@ class Completions:
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
         if work.cancelled():
-            self.deps.metrics.aborts.labels("client_gone").inc()
             raise ClientGone
         return work.result()
 
@@ -226,13 +310,19 @@ class _Output:
 
     def __init__(self, run: RequestRun, body: CompletionRequest | ChatCompletionRequest,
                  endpoint: str, detok: Detokenizer, metrics: CoordinatorMetrics,
-                 admission: Admission, want_timings: bool, is_admin: bool = False) -> None:
+                 admission: Admission, want_timings: bool, is_admin: bool = False,
+                 echo: str | None = None, logprobs: OutputLogprobs | None = None,
+                 index: int = 0) -> None:
         self.run, self.body, self.endpoint, self.detok = run, body, endpoint, detok
+        self.index = index  # the choice; choice 0 counts the request (``done``)
+        self.echo = echo  # a completion's prompt text, before its output
+        self.logprobs = logprobs
         self.metrics = metrics
         self.admission = admission
         self.want_timings = want_timings
         self.is_admin = is_admin
-        self.shape = ResponseBuilder(run.request_id, body.model, int(time.time()), endpoint == "chat")
+        self.shape = ResponseBuilder(run.request_id.rsplit("-", 1)[0] if index else run.request_id,
+                                     body.model, int(time.time()), endpoint == "chat", index)
         self.text: list[str] = []
         self.first_s: float | None = None
         self.last_s: float | None = None
@@ -278,12 +368,23 @@ class _Output:
         return build_usage(len(self.run.prompt_ids), len(self.detok.token_ids),
                            int(self.run.timings.report.get("cached_tokens") or 0))
 
+    def client_gone(self) -> None:
+        """Called when the client left before the end of its answer (before it, or
+        mid-stream): counted and logged at DEBUG."""
+        self.metrics.aborts.labels("client_gone").inc()
+        log.debug("client of %s went away before the end of its answer", self.run.label,
+                  extra={"request_id": self.run.label})
+
     def done(self, code: int) -> None:
         """Counts the request once and observes its latency histograms."""
         if self._counted:
             return
         self._counted = True
         m = self.metrics
+        if self.index:  # another choice of a request choice 0 counts
+            if code == 200:
+                m.generation_tokens.inc(len(self.detok.token_ids))
+            return
         m.requests.labels(self.endpoint, str(code)).inc()
         end = time.monotonic()
         arrival = self.run.arrival_s
@@ -308,38 +409,190 @@ class _Output:
 
     def full_body(self) -> dict:
         token_ids = list(self.detok.token_ids) if self.body.return_token_ids else None
-        return self.shape.response("".join(self.text), self.finish_reason, self.usage(),
-                                   token_ids, self._timings())
+        logprobs = self.logprobs.take() if self.logprobs is not None else None
+        return self.shape.response((self.echo or "") + "".join(self.text), self.finish_reason,
+                                   self.usage(), token_ids, self._timings(), logprobs)
+
+    async def chunks(self, first, usage=None, on_end=None):
+        """This choice's stream chunks, the last one with its ``finish_reason``; ``first``
+        is its first event, awaited before the response started (None: not yet read).
+        ``usage()`` is what ``continuous_usage_stats`` puts in each chunk; ``on_end()``
+        runs before the last chunk is built (it counts the request, timings included)."""
+        with_ids = self.body.return_token_ids
+        options = self.body.stream_options
+        continuous_usage = options is not None and options.continuous_usage_stats
+        usage = usage or self.usage
+        event, is_first = first if first is not None else await self.next_event(), True
+        while event is not None:
+            ids, text = event
+            has_logprobs = self.logprobs is not None and ids
+            if text or is_first or (with_ids and ids) or has_logprobs:
+                if is_first and self.echo:
+                    text = self.echo + text
+                chunk = self.shape.chunk(text, is_first, token_ids=ids if with_ids else None,
+                                         logprobs=self.logprobs.take() if has_logprobs else None)
+                if continuous_usage:
+                    chunk["usage"] = usage()
+                yield chunk
+                is_first = False
+            event = await self.next_event()
+        if on_end is not None:
+            on_end()
+        last = self.shape.chunk("", finish_reason=self.finish_reason,
+                                timings=self._timings() if not self.index else None)
+        if continuous_usage:
+            last["usage"] = usage()
+        yield last
 
     async def sse(self, first, slot):
         """The SSE body; ``first`` is the event awaited before the response started."""
         code = 200
-        with_ids = self.body.return_token_ids
         options = self.body.stream_options
-        continuous_usage = options is not None and options.continuous_usage_stats
         try:
-            event, is_first = first, True
-            while event is not None:
-                ids, text = event
-                if text or is_first or (with_ids and ids):
-                    chunk = self.shape.chunk(text, is_first, token_ids=ids if with_ids else None)
-                    if continuous_usage:
-                        chunk["usage"] = self.usage()
-                    yield _sse(chunk)
-                    is_first = False
-                event = await self.next_event()
-            self.done(200)
-            last = self.shape.chunk("", finish_reason=self.finish_reason, timings=self._timings())
-            if continuous_usage:
-                last["usage"] = self.usage()
-            yield _sse(last)
+            async for chunk in self.chunks(first, on_end=lambda: self.done(200)):
+                yield _sse(chunk)
             if options is not None and options.include_usage:
                 yield _sse(self.shape.usage_chunk(self.usage()))
         except ServeError as exc:
             code = exc.status
             yield _sse_data(exc.json_bytes())
-        except BaseException:
+        except BaseException:  # the response was cancelled: the client went away
             code = 499
+            if not self._counted:
+                self.client_gone()
+            raise
+        finally:
+            self.done(code)
+            slot.release()
+            await self.close()
+        yield b"data: [DONE]\n\n"
+
+
+def choice_counts(body: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]:
+    """(choices returned, choices sampled): ``n`` and ``best_of`` (which is at least
+    ``n`` and not streamed, as OpenAI's)."""
+    n, best_of = body.n, getattr(body, "best_of", None) or body.n
+    if best_of < n:
+        raise ServeError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+    if best_of > n and body.stream:
+        raise ServeError(400, "best_of cannot be streamed (the best choices are known only "
+                         "at the end)", param="best_of")
+    return n, best_of
+
+
+class Choices:
+    """The choices of one request with ``n`` or ``best_of`` above 1: each an ``_Output``
+    with its own run (choice i samples from seed + i), streamed or collected together;
+    choice 0 counts the request. The others start once choice 0 has its first token, so
+    their prefills find the prompt's blocks in its engines' prefix caches (same plan:
+    ``Router.plan(prefer=)``); each continues on its own after a failure."""
+
+    def __init__(self, first: _Output, others: list[_Output], num_returned: int,
+                 want_logprobs: bool) -> None:
+        self.outs = [first, *others]
+        self.num_returned = num_returned
+        self.want_logprobs = want_logprobs
+        self._tasks: list[asyncio.Future] = []
+
+    def _others(self, work):
+        primary = self.outs[0]
+        for out in self.outs[1:]:
+            out.run.prefer = primary.run.plan
+        return [asyncio.ensure_future(work(out)) for out in self.outs[1:]]
+
+    async def _all(self, tasks: list[asyncio.Future]) -> None:
+        self._tasks = tasks
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()
+
+    async def collect(self) -> None:
+        primary = self.outs[0]
+        first = await primary.next_event()
+        if first is not None:
+            primary.text.append(first[1])
+        await self._all([asyncio.ensure_future(primary.collect()),
+                         *self._others(lambda out: out.collect())])
+
+    def usage(self) -> dict:
+        num_out = sum(len(out.detok.token_ids) for out in self.outs)
+        primary = self.outs[0]
+        return build_usage(len(primary.run.prompt_ids), num_out,
+                           int(primary.run.timings.report.get("cached_tokens") or 0))
+
+    def done(self, code: int) -> None:
+        for out in self.outs:
+            out.done(code)
+
+    async def end(self, slot, code: int) -> None:
+        self.done(code)
+        slot.release()
+        await self.close()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for out in self.outs:
+            await out.close()
+
+    def full_body(self) -> dict:
+        """The response: the ``n`` choices (the ``n`` of ``best_of`` with the highest total
+        logprob, which they carry only when asked for), usage summed over all sampled."""
+        outs = self.outs
+        if self.num_returned < len(outs):
+            outs = sorted(outs, key=lambda o: -sum(e.logprob for e in o.run.logprobs))
+            outs = outs[:self.num_returned]
+        bodies = [out.full_body() for out in outs]
+        body = {**self.outs[0].full_body(), "usage": self.usage()}
+        body["choices"] = []
+        for index, one in enumerate(bodies):
+            choice = {**one["choices"][0], "index": index}
+            if not self.want_logprobs:
+                choice["logprobs"] = None
+            body["choices"].append(choice)
+        return body
+
+    async def sse(self, first, slot):
+        """The SSE body: every choice's chunks as they come (each with its index), then
+        the summed usage and ``[DONE]``; ``first`` is choice 0's first event."""
+        code = 200
+        queue: asyncio.Queue = asyncio.Queue()
+        primary = self.outs[0]
+
+        async def pump(out: _Output, event=None) -> None:
+            async for chunk in out.chunks(event, self.usage):
+                await queue.put(chunk)
+
+        tasks = [asyncio.ensure_future(pump(primary, first)),
+                 *self._others(lambda out: pump(out))]
+        self._tasks = tasks
+        try:
+            waiting = set(tasks)
+            while waiting:
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({getter, *waiting}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield _sse(getter.result())
+                else:
+                    getter.cancel()
+                for task in done - {getter}:
+                    waiting.discard(task)
+                    if task.exception() is not None:
+                        raise task.exception()
+            while not queue.empty():
+                yield _sse(queue.get_nowait())
+            self.done(200)
+            options = primary.body.stream_options
+            if options is not None and options.include_usage:
+                yield _sse(primary.shape.usage_chunk(self.usage()))
+        except ServeError as exc:
+            code = exc.status
+            yield _sse_data(exc.json_bytes())
+        except BaseException:  # the response was cancelled: the client went away
+            code = 499
+            primary.client_gone()
             raise
         finally:
             self.done(code)

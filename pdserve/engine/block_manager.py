@@ -34,6 +34,8 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         # Told of every hash that becomes findable or stops being so (kv_events.py).
         self.events: KVEventLog | None = None
+        # The cluster's shared KV pool (kv_pool.py PoolCache), if any.
+        self.pool = None
         # Prefix-cache counters, in tokens.
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -66,20 +68,56 @@ class BlockManager:
         """Longest run of cached blocks that prefixes ``request``'s tokens.
 
         Called by the scheduler before first admitting a request. Leaves at least one
-        token uncached, since the last token must be computed to produce logits.
-        No side effects on blocks.
+        token uncached, since the last token must be computed to produce logits; a
+        request still owed prompt logprobs gets no hits (cached positions have no
+        logits: it computes its whole prompt). No side effects on blocks.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return []
         limit = (request.num_tokens - 1) // self.block_size
         self._ensure_hashes(request, limit * self.block_size)
+        hits = self._local_hits(request.block_hashes[:limit])
+        if self.pool is not None and len(hits) < limit:
+            # Blocks the shared pool has become cached blocks here (kv_pool.py).
+            self.pool.fill(self, request.block_hashes[len(hits):limit], set(hits))
+            hits += self._local_hits(request.block_hashes[len(hits):limit])
+        return hits
+
+    def _local_hits(self, hashes: list[bytes]) -> list[int]:
         hits = []
-        for block_hash in request.block_hashes[:limit]:
+        for block_hash in hashes:
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def take_blocks_for_fill(self, n: int, keep: set[int]) -> list[int]:
+        """Up to ``n`` free blocks (least recently used first, none of ``keep``), taken
+        for the pool to write into; called by ``PoolCache.fill`` only."""
+        blocks = []
+        for block_id in self._free:
+            if len(blocks) == n:
+                break
+            if block_id not in keep:
+                blocks.append(block_id)
+        for block_id in blocks:
+            self._take(block_id)
+            self._forget_hash(block_id)
+        return blocks
+
+    def finish_fill(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """The pool wrote ``hashes``' bytes into the first blocks: they become cached
+        blocks (free, findable); the rest go back empty."""
+        for i, block_id in enumerate(blocks):
+            block_hash = hashes[i] if i < len(hashes) else None
+            if block_hash is not None and block_hash not in self._cached:
+                self._cached[block_hash] = block_id
+                self._block_hash[block_id] = block_hash
+                if self.events is not None:
+                    self.events.stored(block_hash)
+            self._ref_count[block_id] -= 1
+            self._free[block_id] = None
 
     # -- mutations -----------------------------------------------------------
 
@@ -131,9 +169,11 @@ class BlockManager:
             if self._block_hash[block_id] is None and block_hash not in self._cached:
                 self._cached[block_hash] = block_id
                 self._block_hash[block_id] = block_hash
-
                 if self.events is not None:
                     self.events.stored(block_hash)
+                if self.pool is not None:
+                    self.pool.stored(block_hash, block_id)
+
     def free(self, request: Request) -> None:
         """Release every block of ``request``. Called only by the scheduler, once when the
         request is preempted, ends, or its blocks come back from the KV connector.
@@ -164,9 +204,9 @@ class BlockManager:
         if block_hash is not None:
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
-            self._block_hash[block_id] = None
                 if self.events is not None:
                     self.events.removed(block_hash)
+            self._block_hash[block_id] = None
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_query_tokens += num_query_tokens

@@ -43,9 +43,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most tokens per request (default: the model's context length)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share KV blocks between requests with the same prompt prefix")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's); per rank with tensor parallelism")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (processes, one device each: cuda:N+rank) the model's heads and "
+                   "MLP are split over; above 1 only for a hybrid engine with --kv-transport none")
     k = parser.add_argument_group("KV transfer")
-    k.add_argument("--kv-transport", default="tcp", choices=("tcp", "shm", "mooncake", "none"),
+    k.add_argument("--kv-transport", default="tcp", choices=("tcp", "shm", "mooncake", "nixl", "none"),
                    help="how KV moves between engines (shm: same node only; none: no disaggregation)")
     k.add_argument("--kv-host", default="127.0.0.1", help="address peers reach the KV transport on")
     k.add_argument("--kv-port", type=int, default=0, help="KV transport port (0: a free one)")
@@ -53,12 +57,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="shared secret peers must present (default: the cluster token)")
     k.add_argument("--decode-allocation", default="dispatch", choices=("dispatch", "prefill_complete"),
                    help="when D reserves destination blocks: at admission, or once P's prefill is done")
+    k.add_argument("--no-kv-partial-transfer", dest="kv_partial_transfer", action="store_false",
+                   help="D receives a prompt's whole KV even when its prefix cache holds the start")
+    k.add_argument("--kv-pool", default="", metavar="HOST:PORT",
+                   help="share prefix KV blocks through the Mooncake Store master at HOST:PORT")
+    k.add_argument("--kv-pool-segment-mib", type=int, default=256,
+                   help="memory this engine contributes to the KV pool")
     for flag, field, text in KV_DEADLINES:
         k.add_argument(flag, type=float, dest=field, default=getattr(EngineConfig, field),
                        metavar="SECONDS", help=text)
     k.add_argument("--fault-kv-send-delay", type=float, default=0.0,
-    k.add_argument("--no-kv-partial-transfer", dest="kv_partial_transfer", action="store_false",
-                   help="D receives a prompt's whole KV even when its prefix cache holds the start")
                    help="fault injection: delay each KV write job (seconds; tests and drills)")
 
 
@@ -70,9 +78,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         kv_transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
         kv_auth_token=args.kv_auth_token, decode_allocation=args.decode_allocation,
+        kv_partial_transfer=args.kv_partial_transfer, kv_pool=args.kv_pool,
+        kv_pool_segment_bytes=args.kv_pool_segment_mib << 20,
         fault_kv_send_delay_s=args.fault_kv_send_delay,
         **{field: getattr(args, field) for _, field, _ in KV_DEADLINES},
     )
-        kv_partial_transfer=args.kv_partial_transfer,

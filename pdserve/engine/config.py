@@ -29,6 +29,12 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 ROLES = ("prefill", "decode", "hybrid")
 DTYPES = ("float32", "bfloat16", "float16")
+HOST_MEMORY_TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
+"""KV transports that read and write the KV cache as host memory: tcp sends from and
+receives into host pointers, shm maps /dev/shm, and Mooncake is started with its TCP
+protocol and registers the cache without a device location, NIXL registers it as DRAM.
+None of them can carry a
+cache that lives on an accelerator."""
 
 
 log = logging.getLogger(__name__)
@@ -138,7 +144,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     head_dim: int = 0
-    attention_bias: bool = False
+    attention_bias: bool = False  # a bias on q/k/v
+    o_proj_bias: bool = False  # a bias on o_proj (Llama and Qwen3 with attention_bias)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
@@ -188,8 +195,12 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta),
                 head_dim=int(raw.get("head_dim") or 0),
-                # Qwen2 always has a bias on q/k/v; the others only when attention_bias is set.
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
+                # Qwen2 always has a bias on q/k/v and none on o_proj; Llama and Qwen3 put
+                # one on all four when attention_bias is set; Mistral never has one.
+                attention_bias=arch == "Qwen2ForCausalLM" or (
+                    arch != "MistralForCausalLM" and bool(raw.get("attention_bias"))),
+                o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+                and bool(raw.get("attention_bias")),
                 qk_norm=arch == "Qwen3ForCausalLM",
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -247,6 +258,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None
+    # Ranks one engine shards its weights and KV heads over (parallel.py).
+    tensor_parallel_size: int = 1
     # KV transfer between engines (disaggregation). "none" turns the connector off.
     kv_transport: str = "none"
     kv_host: str = "127.0.0.1"
@@ -254,6 +267,12 @@ class EngineConfig:
     kv_auth_token: str | None = None
     kv_transfer_timeout_s: float = 10.0  # one batch of writes/reads
     decode_allocation: str = "dispatch"  # or "prefill_complete"
+    # D takes the prompt's leading blocks from its own prefix cache; P sends only the rest.
+    kv_partial_transfer: bool = True
+    # The cluster's shared KV pool: host:port of its Mooncake Store master ("": none),
+    # and the memory this engine contributes to it.
+    kv_pool: str = ""
+    kv_pool_segment_bytes: int = 256 << 20
     kv_descriptor_timeout_s: float = 10.0  # P waiting for D's destination blocks
     kv_done_timeout_s: float = 30.0  # D waiting for P's DONE/READY (longer than P's)
     kv_lease_s: float = 30.0  # P (pull) holding prefilled blocks for D
@@ -267,8 +286,6 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-    # D takes the prompt's leading blocks from its own prefix cache; P sends only the rest.
-    kv_partial_transfer: bool = True
         if self.device.split(":")[0] not in ("cpu", "cuda", "npu"):
             raise ConfigError(f"device must be cpu, cuda or npu, got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -283,8 +300,12 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.kv_transport not in ("none", "tcp", "shm", "mooncake"):
-            raise ConfigError(f"kv_transport must be none, tcp, shm or mooncake, got {self.kv_transport!r}")
+        if self.kv_transport not in ("none", "tcp", "shm", "mooncake", "nixl"):
+            raise ConfigError(
+                f"kv_transport must be none, tcp, shm, mooncake or nixl, got {self.kv_transport!r}")
+        if self.kv_pool and self.tensor_parallel_size > 1:
+            raise ConfigError("the KV pool holds whole blocks; with tensor parallelism each rank "
+                              "holds a slice (use tensor_parallel_size 1, or no kv_pool)")
         if self.decode_allocation not in ("dispatch", "prefill_complete"):
             raise ConfigError(
                 f"decode_allocation must be dispatch or prefill_complete, got {self.decode_allocation!r}"
@@ -300,3 +321,35 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk_tokens must be positive, got {self.prefill_chunk_tokens}")
         if self.max_num_batched_tokens < self.block_size:
             raise ConfigError("max_num_batched_tokens must be at least block_size")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        kind = self.device.split(":")[0]
+        if kind != "cpu" and self.kv_transport in HOST_MEMORY_TRANSPORTS:
+            raise ConfigError(
+                f"kv_transport {self.kv_transport!r} moves host memory only and cannot carry a "
+                f"KV cache on device {self.device!r}; run this engine with --device cpu, or "
+                f"with --kv-transport none (role hybrid: it serves whole requests)")
+        if self.tensor_parallel_size > 1 and (self.kv_transport != "none" or self.role != "hybrid"):
+            raise ConfigError(
+                f"tensor_parallel_size {self.tensor_parallel_size} works for a hybrid engine "
+                f"without a KV transport only (--role hybrid --kv-transport none; this one has "
+                f"role {self.role!r}, kv_transport {self.kv_transport!r}): KV transfer between "
+                f"tensor-parallel engines is not implemented, so run prefill and decode engines "
+                f"with --tensor-parallel-size 1")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Whether this engine can shard ``model``; called by ``LLMEngine`` before any
+        weight is read (and by the example tests on each example's engine arguments)."""
+        tp = self.tensor_parallel_size
+        if model.num_attention_heads % tp:
+            raise ConfigError(f"num_attention_heads ({model.num_attention_heads}) of {model.name} "
+                              f"must be a multiple of tensor_parallel_size ({tp})")
+        kv_heads = model.num_key_value_heads
+        if kv_heads % tp and tp % kv_heads:
+            raise ConfigError(
+                f"num_key_value_heads ({kv_heads}) of {model.name} and tensor_parallel_size "
+                f"({tp}): one must be a multiple of the other (KV heads are split across the "
+                f"ranks, or each replicated on tensor_parallel_size / num_key_value_heads ranks)")
+        if model.intermediate_size % tp:
+            raise ConfigError(f"intermediate_size ({model.intermediate_size}) of {model.name} "
+                              f"must be a multiple of tensor_parallel_size ({tp})")

@@ -17,14 +17,17 @@ import time
 
 from pdserve.api.proto.engine_pb2 import StatsResponse
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.device import prepare_device
+from pdserve.engine.guided import Grammars, GuidedError
+from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.kv_pool import attach_pool
 from pdserve.engine.kv_transfer.params import KVTransferError, KVTransferParams
 from pdserve.engine.kv_transfer.probe import ProbeResult
 from pdserve.engine.kv_transfer.setup import build_connector, kv_allocator
-from pdserve.engine.loader import load_model
+from pdserve.engine.loader import load_model, model_config
 from pdserve.engine.output import OutputProcessor, RequestOutput
+from pdserve.engine.parallel import TensorParallel, TPWorkers, rank_device
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingError, SamplingParams
@@ -44,24 +47,26 @@ class EngineUnavailable(RuntimeError):
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
+        config.check_model(model_config(config.model))
         self.config = config
-        prepare_device(config.device, config.num_threads)
-        model, tokenizer = load_model(config.model, config.dtype, config.device)
+        # With tensor parallelism this process is rank 0; the other ranks start first.
+        self.tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
+        try:
+            model, tokenizer, num_blocks = self._load(config)
+        except BaseException:
+            if self.tp_workers is not None:
+                self.tp_workers.close()
+            raise
         self.model_config = cfg = model.config
         self.tokenizer = tokenizer
-        dtype_bytes = model.embed_tokens.element_size()
-        bytes_per_block = cfg.kv_bytes_per_token(dtype_bytes) * config.block_size
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
-        if num_blocks < 1:
-            raise ConfigError(
-                f"kv_cache_bytes={config.kv_cache_bytes} is below one block ({bytes_per_block} bytes)"
-            )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        allocator = kv_allocator(config)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, allocator)
         self.kv_events = self.block_manager.events = KVEventLog()
+        allocator = kv_allocator(config)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, allocator,
+                                  self.tp_workers.send_step if self.tp_workers else None)
         self._kv_segment = getattr(allocator, "segment", None)
         self.connector = build_connector(config, cfg, self.runner, self.block_manager)
+        self.kv_pool = attach_pool(config, cfg, self.runner, self.block_manager)
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
@@ -71,6 +76,7 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.prefill_chunk_tokens,
                                    self.token_capacity, self.connector)
         self.output = OutputProcessor(tokenizer)
+        self.grammars = Grammars(tokenizer, config.model, cfg.vocab_size, cfg.eos_token_ids)
         self.requests: dict[str, Request] = self.output.requests  # live, by request id
         self.last_step_idle = False
         self.draining = False
@@ -79,6 +85,24 @@ class LLMEngine:
             cfg.name, config.role, config.device, config.dtype, num_blocks,
             self.runner.kv_cache_bytes / 2**20, config.block_size,
         )
+
+    def _load(self, config: EngineConfig):
+        """(model, tokenizer, KV block count) of this rank; the other ranks, if any, have
+        loaded their shards and allocated their KV caches when it returns."""
+        tp = TensorParallel(0, config.tensor_parallel_size)
+        device = config.device if tp.size == 1 else rank_device(config.device, 0)
+        prepare_device(device, config.num_threads)
+        model, tokenizer = load_model(config.model, config.dtype, device, tp)
+        dtype_bytes = model.embed_tokens.element_size()
+        bytes_per_block = model.config.kv_bytes_per_token(dtype_bytes) * config.block_size
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv_cache_bytes={config.kv_cache_bytes} is below one block ({bytes_per_block} bytes)"
+            )
+        if self.tp_workers is not None:
+            self.tp_workers.start_cache(num_blocks, config.block_size)
+        return model, tokenizer, num_blocks
 
     # -- admission -----------------------------------------------------------
 
@@ -105,6 +129,9 @@ class LLMEngine:
             raise EngineUnavailable("the engine is draining and admits no new requests")
         if kv_transfer is not None:
             self._check_kv_transfer(kv_transfer)
+            if kv_transfer.role == "decode" and params.prompt_logprobs:
+                raise EngineInputError("prompt_logprobs: a decode leg does not prefill; "
+                                       "ask the prefill leg")
         if request_id in self.requests:
             raise EngineInputError(f"request id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -119,13 +146,27 @@ class LLMEngine:
         except SamplingError as exc:
             raise EngineInputError(str(exc)) from None
         params = params.with_seed()
+        guided = self._start_guided(params, prompt_token_ids)
         request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
                           arrival_s)
+        request.guided = guided
         self.output.add(request)
         if kv_transfer is None or self.connector.admit(request, kv_transfer):
             self.scheduler.add(request)
         # else: the connector hands it back (P: destination reserved; D: KV arrived)
         return request
+
+    def _start_guided(self, params: SamplingParams, prompt_token_ids: list[int]):
+        """A constrained request's matcher, advanced past the tokens a continued stream
+        generated on earlier engines (the prompt's last ``sample_offset``); else None."""
+        if params.guided is None:
+            return None
+        num_prior = min(params.sample_offset, len(prompt_token_ids))
+        try:
+            return self.grammars.start(*params.guided,
+                                       prompt_token_ids[len(prompt_token_ids) - num_prior:])
+        except GuidedError as exc:
+            raise EngineInputError(f"guided: {exc}") from None
 
     def _check_prompt(self, prompt_token_ids: list) -> list[int]:
         if not prompt_token_ids:
@@ -248,11 +289,16 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Stop the KV transport's threads; called once at shutdown."""
+        """Stop the KV transport's threads and the tensor-parallel ranks; called once at
+        shutdown."""
         if self.connector is not None:
             self.connector.close()
+        if self.kv_pool is not None:
+            self.kv_pool.close()
         if self._kv_segment is not None:
             self._kv_segment.close()
+        if self.tp_workers is not None:
+            self.tp_workers.close()
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -1,9 +1,11 @@
 """Model loading: Hugging Face checkpoint directories and built-in presets.
 
-``load_model(name_or_path, dtype, device)`` returns ``(model, tokenizer)``. A path
+``load_model(name_or_path, dtype, device, tp)`` returns ``(model, tokenizer)``. A path
 must hold ``config.json`` and ``*.safetensors`` (sharded checkpoints through their
 index or by globbing). Tensors are read one at a time and copied into the fused
-parameters, so peak memory is the model plus one tensor. Presets (``tiny``,
+parameters, so peak memory is the model plus one tensor. With tensor parallelism a
+rank reads only its slice of each split tensor (rows of q/k/v/gate/up, columns of
+o/down: ``_Slice``), the rest whole. Presets (``tiny``,
 ``small``) build their weights deterministically from a seed, offline.
 
 Every problem with a checkpoint raises ``ConfigError`` with a message naming the file
@@ -18,12 +20,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pdserve.engine.config import ConfigError, ModelConfig
 from pdserve.engine.model import Transformer
+from pdserve.engine.parallel import TensorParallel
 from pdserve.runtime.tokenizer import ByteTokenizer, load_tokenizer
 
 PRESETS: dict[str, dict] = {
@@ -118,56 +122,138 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _target(model: Transformer, name: str) -> tuple[torch.Tensor, int, int] | None:
-    """Where a checkpoint tensor goes: (parameter, row offset, rows) for fused weights."""
+@dataclass(frozen=True)
+class _Slice:
+    """The part of a checkpoint tensor this rank holds: ``length`` of its ``full`` rows
+    (dim 0) or columns (dim 1) from ``start``."""
+
+    dim: int
+    start: int
+    length: int
+    full: int
+
+
+def _target(model: Transformer, name: str) -> tuple[torch.Tensor, int, int, _Slice | None] | None:
+    """Where a checkpoint tensor goes: (parameter, row offset, rows) for fused weights,
+    and the slice of the tensor this rank takes (None: all of it)."""
     cfg = model.config
     if name in ("model.embed_tokens.weight",):
-        return model.embed_tokens, 0, cfg.vocab_size
+        return model.embed_tokens, 0, cfg.vocab_size, None
     if name == "model.norm.weight":
-        return model.norm.weight, 0, cfg.hidden_size
+        return model.norm.weight, 0, cfg.hidden_size, None
     if name == "lm_head.weight":
         if model.lm_head is None:
             return None  # tied: the embedding is the head
-        return model.lm_head, 0, cfg.vocab_size
+        return model.lm_head, 0, cfg.vocab_size, None
     parts = name.split(".")
     if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
         return None
     i = int(parts[2])
     if i >= cfg.num_hidden_layers:
         raise ConfigError(f"tensor {name} names layer {i} but the config has {cfg.num_hidden_layers}")
-    layer = model.layers[i]
-    attn, mlp = layer.self_attn, layer.mlp
-    q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate
     rest = ".".join(parts[3:])
-    table = {
-        "self_attn.q_proj.weight": (attn.qkv_weight, 0, q),
-        "self_attn.k_proj.weight": (attn.qkv_weight, q, kv),
-        "self_attn.v_proj.weight": (attn.qkv_weight, q + kv, kv),
-        "self_attn.o_proj.weight": (attn.o_weight, 0, cfg.hidden_size),
-        "mlp.gate_proj.weight": (mlp.gate_up_weight, 0, inter),
-        "mlp.up_proj.weight": (mlp.gate_up_weight, inter, inter),
-        "mlp.down_proj.weight": (mlp.down_weight, 0, cfg.hidden_size),
-        "input_layernorm.weight": (layer.input_layernorm.weight, 0, cfg.hidden_size),
-        "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, 0, cfg.hidden_size),
-    }
-    if attn.q_norm is not None:
-        table["self_attn.q_norm.weight"] = (attn.q_norm.weight, 0, attn.head_dim)
-        table["self_attn.k_norm.weight"] = (attn.k_norm.weight, 0, attn.head_dim)
-    if attn.qkv_bias is not None:
-        table.update({
-            "self_attn.q_proj.bias": (attn.qkv_bias, 0, q),
-            "self_attn.k_proj.bias": (attn.qkv_bias, q, kv),
-            "self_attn.v_proj.bias": (attn.qkv_bias, q + kv, kv),
-        })
+    table = _layer_table(model, i)
     if rest not in table:
         raise ConfigError(f"unexpected tensor {name} in checkpoint")
     return table[rest]
 
 
+def _layer_table(model: Transformer, i: int) -> dict[str, tuple[torch.Tensor, int, int, _Slice | None]]:
+    """Layer ``i``'s checkpoint tensor names (after ``model.layers.<i>.``) and targets."""
+    cfg, tp = model.config, model.tp
+    layer = model.layers[i]
+    attn, mlp = layer.self_attn, layer.mlp
+    q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate
+    d = attn.head_dim
+    rows_q = _Slice(0, tp.rank * q, q, cfg.num_attention_heads * d)
+    rows_kv = _Slice(0, tp.kv_heads(cfg.num_key_value_heads)[0] * d, kv, cfg.num_key_value_heads * d)
+    rows_inter = _Slice(0, tp.rank * inter, inter, cfg.intermediate_size)
+    cols_o = _Slice(1, rows_q.start, q, rows_q.full)
+    cols_down = _Slice(1, rows_inter.start, inter, rows_inter.full)
+    table = {
+        "self_attn.q_proj.weight": (attn.qkv_weight, 0, q, rows_q),
+        "self_attn.k_proj.weight": (attn.qkv_weight, q, kv, rows_kv),
+        "self_attn.v_proj.weight": (attn.qkv_weight, q + kv, kv, rows_kv),
+        "self_attn.o_proj.weight": (attn.o_weight, 0, cfg.hidden_size, cols_o),
+        "mlp.gate_proj.weight": (mlp.gate_up_weight, 0, inter, rows_inter),
+        "mlp.up_proj.weight": (mlp.gate_up_weight, inter, inter, rows_inter),
+        "mlp.down_proj.weight": (mlp.down_weight, 0, cfg.hidden_size, cols_down),
+        "input_layernorm.weight": (layer.input_layernorm.weight, 0, cfg.hidden_size, None),
+        "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, 0, cfg.hidden_size, None),
+    }
+    if attn.q_norm is not None:
+        table["self_attn.q_norm.weight"] = (attn.q_norm.weight, 0, attn.head_dim, None)
+        table["self_attn.k_norm.weight"] = (attn.k_norm.weight, 0, attn.head_dim, None)
+    if attn.qkv_bias is not None:
+        table.update({
+            "self_attn.q_proj.bias": (attn.qkv_bias, 0, q, rows_q),
+            "self_attn.k_proj.bias": (attn.qkv_bias, q, kv, rows_kv),
+            "self_attn.v_proj.bias": (attn.qkv_bias, q + kv, kv, rows_kv),
+        })
+    if attn.o_bias is not None:
+        table["self_attn.o_proj.bias"] = (attn.o_bias, 0, cfg.hidden_size, None)
+    return table
+
+
+class _PresetTensors:
+    """A preset's weights as checkpoint tensors (the ``safe_open`` calls ``_copy_tensor``
+    makes), from the whole model filled by ``_fill_preset``: every rank of a sharded
+    preset cuts its slices from the same weights, so its outputs equal the unsharded
+    preset's."""
+
+    def __init__(self, full: Transformer) -> None:
+        names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        for i in range(full.config.num_hidden_layers):
+            names += [f"model.layers.{i}.{rest}" for rest in _layer_table(full, i)]
+        self.tensors = {}
+        for name in names:
+            target = _target(full, name)
+            if target is not None:
+                param, offset, rows, _ = target
+                self.tensors[name] = param.data.narrow(0, offset, rows)
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def get_slice(self, name: str) -> _TensorSlice:
+        return _TensorSlice(self.tensors[name])
+
+
+class _TensorSlice:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def _read(handle, name: str, part: _Slice | None, expected: tuple[int, ...]) -> torch.Tensor:
+    """Tensor ``name`` (this rank's ``part`` of it), checked against ``expected``, the
+    destination's shape."""
+    if part is None:
+        tensor = handle.get_tensor(name)
+        if tuple(tensor.shape) != expected:
+            raise ConfigError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {expected}")
+        return tensor
+    sliced = handle.get_slice(name)
+    shape = tuple(sliced.get_shape())
+    full = list(expected)
+    full[part.dim] = part.full
+    if shape != tuple(full):
+        raise ConfigError(f"tensor {name} has shape {shape}, expected {tuple(full)}")
+    end = part.start + part.length
+    return sliced[part.start:end] if part.dim == 0 else sliced[:, part.start:end]
+
+
 def _load_checkpoint(model: Transformer, path: Path) -> None:
     from safetensors import SafetensorError, safe_open
 
-    expected = {id(p): n for n, p in model.named_parameters()}
     filled: dict[str, int] = {}
     files = _checkpoint_files(path)
     progress = LoadProgress(sum(f.stat().st_size for f in files))
@@ -177,44 +263,68 @@ def _load_checkpoint(model: Transformer, path: Path) -> None:
         except (SafetensorError, OSError, ValueError) as exc:
             raise ConfigError(f"cannot read {file.name}: {exc}") from None
         with handle as f:
-            for name in f.keys():
-                target = _target(model, name)
-                if target is None:
-                    continue
-                param, offset, rows = target
-                tensor = f.get_tensor(name)
-                dst = param.data.narrow(0, offset, rows)
-                if tuple(tensor.shape) != tuple(dst.shape):
-                    raise ConfigError(
-                        f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
-                    )
-                dst.copy_(tensor)
-                progress.add(tensor.numel() * tensor.element_size())
-                pname = expected[id(param)]
-                filled[pname] = filled.get(pname, 0) + rows
+            _copy_tensors(model, f, filled, progress)
     progress.finish()
+    _check_filled(model, filled)
+
+
+def _copy_tensors(model: Transformer, handle, filled: dict[str, int], progress=None) -> None:
+    """Copy every tensor of ``handle`` (an open safetensors file, or ``_PresetTensors``)
+    into its parameter; ``filled`` counts the rows each parameter got."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name in handle.keys():
+        target = _target(model, name)
+        if target is None:
+            continue
+        param, offset, rows, part = target
+        dst = param.data.narrow(0, offset, rows)
+        tensor = _read(handle, name, part, tuple(dst.shape))
+        dst.copy_(tensor)
+        if progress is not None:
+            progress.add(tensor.numel() * tensor.element_size())
+        filled[names[id(param)]] = filled.get(names[id(param)], 0) + rows
+
+
+def _check_filled(model: Transformer, filled: dict[str, int]) -> None:
     missing = [n for n, p in model.named_parameters() if filled.get(n, 0) != p.shape[0]]
     if missing:
         raise ConfigError(f"checkpoint lacks weights for: {', '.join(missing[:5])}")
 
 
-def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
-    """Build the model and its tokenizer. Called once by the engine at start-up."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
+def model_config(name_or_path: str) -> ModelConfig:
+    """The architecture of a preset or checkpoint, before any weight is read; called by
+    ``LLMEngine`` to check the engine's settings against it."""
     if name_or_path in PRESETS:
-        cfg = preset_config(name_or_path)
-        model = Transformer(cfg, torch_dtype, torch_device)
-        _fill_preset(model, PRESETS[name_or_path]["seed"])
-        return model, ByteTokenizer(cfg.vocab_size)
+        return preset_config(name_or_path)
     path = Path(name_or_path)
     if not path.is_dir():
         raise ConfigError(
             f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory"
         )
-    cfg = ModelConfig.from_path(path)
-    model = Transformer(cfg, torch_dtype, torch_device)
+    return ModelConfig.from_path(path)
+
+
+def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
+               tp: TensorParallel = TensorParallel()):
+    """Build the model (this rank's shard of it) and its tokenizer. Called once by the
+    engine at start-up, and by each tensor-parallel worker."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
+    cfg = model_config(name_or_path)
+    model = Transformer(cfg, torch_dtype, torch_device, tp)
+    if name_or_path in PRESETS:
+        seed = PRESETS[name_or_path]["seed"]
+        if tp.size == 1:
+            _fill_preset(model, seed)
+        else:
+            full = Transformer(cfg, torch_dtype, torch.device("cpu"))
+            _fill_preset(full, seed)
+            filled: dict[str, int] = {}
+            _copy_tensors(model, _PresetTensors(full), filled)
+            _check_filled(model, filled)
+        return model, ByteTokenizer(cfg.vocab_size)
+    path = Path(name_or_path)
     _load_checkpoint(model, path)
     tokenizer = load_tokenizer(path)
     if tokenizer is not None and not cfg.eos_token_ids and tokenizer.eos_token_ids:

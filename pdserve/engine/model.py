@@ -3,10 +3,14 @@ checkpoints.
 
 RMSNorm, rotary embeddings (``rope.Rotary``: ``rope_theta`` and RoPE scaling, half-
 rotation layout as in HF), grouped-query attention, SwiGLU MLP, optional QKV bias
-(Qwen2), optional per-head q/k RMSNorm (Qwen3) and tied embeddings. Q/K/V and
+(Qwen2; Llama and Qwen3 with ``attention_bias``, which also biases o_proj), optional
+per-head q/k RMSNorm (Qwen3) and tied embeddings. Q/K/V and
 gate/up projections are fused into one matmul each; the loader splits checkpoint
 tensors into the fused parameters. Parameters are created empty (no random init),
 so building a large model costs nothing before its weights are copied in.
+
+With tensor parallelism (``parallel.TensorParallel``) each rank builds only its shard:
+its query and KV heads, its slice of the MLP; o_proj and down_proj all-reduce.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.rope import Rotary
 
 
@@ -40,10 +45,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        self.num_heads = tp.split(cfg.num_attention_heads)[1]  # this rank's
+        self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)[1]
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -52,6 +58,7 @@ class Attention(nn.Module):
         self.qkv_weight = _param(qkv, cfg.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = _param(qkv, dtype=dtype, device=device) if cfg.attention_bias else None
         self.o_weight = _param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_proj_bias else None
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
@@ -74,36 +81,42 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, on_kv_written)
-        return F.linear(o.reshape(t, self.q_size), self.o_weight)
+        out = self.tp.all_reduce(F.linear(o.reshape(t, self.q_size), self.o_weight))
+        return out if self.o_bias is None else out + self.o_bias
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.down_weight = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
+        self.tp = tp
+        self.intermediate = tp.split(cfg.intermediate_size)[1]  # this rank's
+        self.gate_up_weight = _param(2 * self.intermediate, cfg.hidden_size, dtype=dtype, device=device)
+        self.down_weight = _param(cfg.hidden_size, self.intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        return self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = MLP(cfg, dtype, device, tp)
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.config = cfg
+        self.tp = tp
+        self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)[1]  # in this rank's KV cache
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (
             None if cfg.tie_word_embeddings

@@ -6,7 +6,10 @@ calls ``detokenize`` for every token it appends (stop strings are found there); 
 engine calls ``build`` with the changes of a step. Engine thread only.
 
 Invariant: a request is in ``requests`` exactly while it has not finished; its last
-output says ``finished`` and carries the timings, as does its first token's.
+output says ``finished`` and carries the timings, as does its first token's. Logprobs
+go out with the tokens they score; prompt logprobs with the first token. A decode
+leg's first token is the prefill engine's, sampled there: it has no logprob here
+(the prefill leg's stream carries it).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, TokenLogprob
 from pdserve.runtime.detokenizer import Detokenizer
 
 _FLUSHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)  # held text goes out
@@ -32,6 +35,8 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     timings: dict[str, float] | None = None  # with the first token and the final output
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, when asked for
 
 
 class OutputProcessor:
@@ -77,8 +82,15 @@ class OutputProcessor:
                with_timings: bool = True) -> RequestOutput:
         """``request``'s output now; timings with its first token and once it finished."""
         timings = None
+        is_first = bool(token_ids) and len(request.output_token_ids) == len(token_ids)
         if with_timings and (request.is_finished or len(request.output_token_ids) == 1):
             timings = request_timings(request, time.monotonic())
+        logprobs = prompt_logprobs = None
+        params = request.sampling_params
+        if params.logprobs:
+            logprobs, request.new_logprobs = request.new_logprobs, []
+        if params.prompt_logprobs and is_first:
+            prompt_logprobs = request.prompt_logprobs
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -90,6 +102,8 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens,
             error=request.error,
             timings=timings,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -12,14 +12,24 @@ is a no-op once finished, so abort is idempotent):
 
 ``num_computed_tokens`` counts tokens whose KV is in the cache; everything else
 (which blocks, which tokens are cached) is derived from it.
+
+Log probabilities, for requests that ask (``SamplingParams.logprobs`` and
+``prompt_logprobs``), are written by the runner, which has the logits:
+``new_logprobs`` holds those of tokens not yet reported (the output processor takes
+them), ``prompt_logprobs`` grows chunk by chunk during the prefill until it covers
+every prompt token after the first.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.guided import GuidedMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -40,6 +50,14 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self.name.startswith("FINISHED")
+
+
+class TokenLogprob(NamedTuple):
+    """One token's log probability and its likeliest alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class Request:
@@ -73,6 +91,10 @@ class Request:
         # whether it may be preempted (never while its blocks may be in flight).
         self.transfer_id: str | None = None
         self.pinned = False
+        # The grammar matcher of a constrained request (``guided.py``), else None.
+        self.guided: GuidedMatcher | None = None
+        self.new_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -95,6 +117,14 @@ class Request:
         num_prior = min(self.sampling_params.sample_offset, len(self.prompt_token_ids))
         prior = self.prompt_token_ids[len(self.prompt_token_ids) - num_prior:]
         return prior + self.output_token_ids if num_prior else self.output_token_ids
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs that the prefill has not computed yet: read by the
+        runner (which positions need logits) and the block manager (no prefix cache:
+        cached positions have no logits)."""
+        return (self.sampling_params.prompt_logprobs
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def is_finished(self) -> bool:

@@ -4,6 +4,10 @@ tensors, runs the model and samples.
 The KV cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``
 allocated once from the configured budget; nothing else on the hot path allocates
 per-token memory that outlives a step.
+
+Logits are computed for the rows that sample, and, for a request that asked for
+prompt logprobs, for the prompt positions of its chunk not yet scored; the logprobs
+(``logprobs.py``) go onto the request (``Request.new_logprobs``, ``prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillChunk, build_decode_buckets
+from pdserve.engine.logprobs import score_positions, token_logprobs
 from pdserve.engine.model import Transformer
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import TokenHistory, sample
@@ -19,15 +24,19 @@ from pdserve.engine.scheduler import ScheduledBatch
 
 class ModelRunner:
     def __init__(
-        self, model: Transformer, num_blocks: int, block_size: int, allocate=None
+        self, model: Transformer, num_blocks: int, block_size: int, allocate=None, on_step=None
     ) -> None:
-        """``allocate(shape, dtype)`` places the KV cache (e.g. in shared memory)."""
+        """``allocate(shape, dtype)`` places the KV cache (e.g. in shared memory);
+        ``on_step(ids, positions, meta)`` gets each step's inputs before the forward (the
+        other tensor-parallel ranks run the same one: ``parallel.TPWorkers.send_step``)."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.on_step = on_step
         self.device = model.embed_tokens.device
-        shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv_heads = model.num_kv_heads  # this rank's, with tensor parallelism
+        shape = (cfg.num_hidden_layers, 2, num_blocks, block_size, kv_heads, cfg.head_dim)
         dtype = model.embed_tokens.dtype
         if allocate is None:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -35,7 +44,7 @@ class ModelRunner:
             self.kv_cache = allocate(shape, dtype)
         # Flattened slot view used by attention: [layers, 2, num_slots, kv_heads, head_dim].
         self.kv_slots = self.kv_cache.view(
-            cfg.num_hidden_layers, 2, num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim
+            cfg.num_hidden_layers, 2, num_blocks * block_size, kv_heads, cfg.head_dim
         )
         self._slot_offsets = torch.arange(block_size, device=self.device)
 
@@ -60,6 +69,9 @@ class ModelRunner:
         slot_mapping: list[int] = []
         sample_rows: list[int] = []
         sampled: list[Request] = []
+        # (request, first row, first and end position) of prompt positions to score: position p
+        # predicts prompt token p + 1.
+        scored: list[tuple[Request, int, int, int]] = []
         decodes = [(r, n) for r, n in items if n == 1]
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes),
                                  block_size=bs)
@@ -75,6 +87,11 @@ class ModelRunner:
             if start + n == request.num_tokens:
                 sample_rows.append(row0 + n - 1)
                 sampled.append(request)
+            if request.needs_prompt_logprobs:
+                first = max(start, len(request.prompt_logprobs))
+                end = min(start + n, request.num_prompt_tokens - 1)
+                if first < end:
+                    scored.append((request, row0 + first - start, first, end))
             if n != 1:
                 ctx = start + n
                 if start == 0:
@@ -92,7 +109,7 @@ class ModelRunner:
         meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos_t, meta, sample_rows, sampled
+        return ids, pos_t, meta, sample_rows, sampled, scored
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, kv_ready=None) -> dict[str, int]:
@@ -101,18 +118,34 @@ class ModelRunner:
         Called by the engine once per step. ``kv_ready(i)`` fires as soon as layer ``i``'s
         KV is in the cache, before its attention and MLP (the layer-wise sender hooks in).
         """
-        ids, positions, meta, rows, sampled = self.prepare(batch)
+        ids, positions, meta, rows, sampled, scored = self.prepare(batch)
+        if self.on_step is not None:
+            self.on_step(ids, positions, meta)
         hidden = self.model(ids, positions, self.kv_slots, meta, kv_ready)
+        for request, row, first, end in scored:
+            request.prompt_logprobs += score_positions(
+                hidden[row:row + end - first], self.model.compute_logits,
+                request.prompt_token_ids[first + 1:end + 1], request.sampling_params.top_logprobs)
         if not sampled:
             return {}
         logits = self.model.compute_logits(hidden[rows])
+        # Rows of the requests that report logprobs, copied (indexing with a list copies)
+        # before sampling: the raw distribution, whatever sampling does to its logits.
+        lp_rows = [i for i, r in enumerate(sampled) if r.sampling_params.logprobs]
+        raw = logits[lp_rows] if lp_rows else None
         tokens = sample(
             logits,
             [r.sampling_params for r in sampled],
             [r.sampling_params.sample_offset + len(r.output_token_ids) for r in sampled],
             [_banned_tokens(r) for r in sampled],
             [_history(r) for r in sampled],
+            [r.guided for r in sampled],
         )
+        if raw is not None:
+            entries = token_logprobs(raw, [tokens[i] for i in lp_rows],
+                                     [sampled[i].sampling_params.top_logprobs for i in lp_rows])
+            for i, entry in zip(lp_rows, entries, strict=True):
+                sampled[i].new_logprobs.append(entry)
         return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
 
 

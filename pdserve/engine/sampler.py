@@ -1,7 +1,8 @@
 """Token sampling (torch): logit bias, penalties, greedy, temperature, min-p, top-k,
 top-p, seeded.
 
-Order per row, as vLLM's: banned tokens (``min_tokens``) and ``logit_bias``, then the
+Order per row, as vLLM's: the grammar's mask (constrained requests, ``guided.py``),
+banned tokens (``min_tokens``) and ``logit_bias``, then the
 repetition, frequency and presence penalties (these two affect greedy requests too),
 then temperature, min-p, top-k and top-p for sampled requests.
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.guided import GuidedMatcher, apply_masks
 from pdserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -80,17 +82,22 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
     banned: list[tuple[int, ...]] | None = None,
     histories: list[TokenHistory | None] | None = None,
+    guided: list[GuidedMatcher | None] | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` ([N, V] float32). Called by the runner once per step.
 
     ``indices[i]`` is the output index of the token being drawn for row ``i``;
     ``banned[i]`` lists token ids row ``i`` may not draw (``min_tokens`` not reached);
-    ``histories[i]`` is row ``i``'s token history, given where it has penalties.
+    ``histories[i]`` is row ``i``'s token history, given where it has penalties;
+    ``guided[i]`` is row ``i``'s grammar matcher, given where it is constrained.
     """
     has_banned = banned is not None and any(banned)
     adjusted = [i for i, p in enumerate(params) if p.logit_bias or p.has_penalties]
-    if has_banned or adjusted:
+    constrained = [i for i, g in enumerate(guided) if g is not None] if guided else []
+    if has_banned or adjusted or constrained:
         logits = logits.clone()
+    if constrained:
+        apply_masks(logits, constrained, [guided[i] for i in constrained])
     if has_banned:
         for row, ids in enumerate(banned):
             if ids:

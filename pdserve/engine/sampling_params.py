@@ -21,6 +21,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat and vLLM allow
+
 
 class SamplingError(ValueError):
     """Bad sampling values; the message names the field."""
@@ -43,6 +45,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 disables it
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Log probabilities (``logprobs.py``): of each sampled token with the ``top_logprobs``
+    # likeliest alternatives, and of each prompt token after the first (``prompt_logprobs``).
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    # Grammar-constrained decoding (``guided.py``): ``(kind, spec)`` as on the wire.
+    guided: tuple[str, str] | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -72,6 +81,8 @@ class SamplingParams:
             raise SamplingError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise SamplingError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if vocab_size is not None:
             for name in ("stop_token_ids", "logit_bias"):
                 bad = sorted(t for t in getattr(self, name) if not 0 <= t < vocab_size)

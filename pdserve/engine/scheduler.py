@@ -246,13 +246,19 @@ class Scheduler:
         request.output_token_ids.append(token)
         self.num_generation_tokens_total += 1
         hit_stop = detokenize(request, token)
+        guided = request.guided
+        if guided is not None:
+            guided.advance(token)
         if request.pinned:  # prefill leg: hand the KV off instead of decoding on
             if request in self.running:
                 self.running.remove(request)
             self.connector.prefill_done(request, token)
             return request, [token]
         params = request.sampling_params
-        if hit_stop or token in params.stop_token_ids or token in request.eos_token_ids:
+        if guided is not None and guided.error is not None:
+            self.finish(request, RequestStatus.FINISHED_ERROR, guided.error)
+        elif (hit_stop or token in params.stop_token_ids or token in request.eos_token_ids
+              or (guided is not None and guided.is_done)):  # the grammar is complete
             self.finish(request, RequestStatus.FINISHED_STOPPED)
         elif (len(request.output_token_ids) >= params.max_tokens
               or request.num_tokens >= self.max_request_tokens):

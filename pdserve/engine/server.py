@@ -46,7 +46,7 @@ from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEn
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.metrics import attach_metrics, start_metrics_server
 from pdserve.engine.output import RequestOutput
-from pdserve.engine.request import RequestStatus
+from pdserve.engine.request import RequestStatus, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.runtime.security import SecuritySettings, add_port, server_interceptors
 
@@ -58,6 +58,8 @@ PROBE_TIMEOUT_S = 5.0  # ProbePeer's default when the request names none
 def sampling_from_proto(msg: pb.SamplingParams, has_sampling: bool) -> SamplingParams:
     if not has_sampling:
         return SamplingParams()
+    if msg.n > 1:  # the wire has the field; the engine does not fork choices yet
+        raise ValueError(f"n > 1 is not supported yet (got {msg.n})")
     return SamplingParams(
         max_tokens=msg.max_tokens or 16,
         temperature=msg.temperature,
@@ -74,6 +76,10 @@ def sampling_from_proto(msg: pb.SamplingParams, has_sampling: bool) -> SamplingP
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
         logit_bias=dict(msg.logit_bias),
+        guided=(msg.guided.kind, msg.guided.spec) if msg.HasField("guided") else None,
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
+        prompt_logprobs=msg.prompt_logprobs,
     )
 
 
@@ -89,7 +95,17 @@ def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
         num_cached_tokens=out.num_cached_tokens,
         error=out.error or "",
         timings=pb.Timings(**out.timings) if out.timings else None,
+        logprobs=_logprobs_to_proto(out.logprobs),
+        prompt_logprobs=_logprobs_to_proto(out.prompt_logprobs),
     )
+
+
+def _logprobs_to_proto(entries: list[TokenLogprob] | None) -> list[pb.TokenLogprob] | None:
+    if not entries:
+        return None
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
+            for e in entries]
 
 
 def end_status(out: RequestOutput) -> tuple[grpc.StatusCode, str] | None:
@@ -186,20 +202,6 @@ class EngineService(pb_grpc.EngineServicer):
             transport=kv.get("kv_transport", "none"),
         )
 
-    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
-        def drain(engine: LLMEngine):
-            engine.draining = not request.resume
-            return engine.draining, engine.scheduler.num_unfinished
-
-        draining, unfinished = await asyncio.wrap_future(self.loop.call(drain))
-        return pb.DrainResponse(draining=draining, num_unfinished=unfinished)
-
-    async def SetRole(self, request: pb.SetRoleRequest, context) -> pb.SetRoleResponse:
-        try:
-            await asyncio.wrap_future(self.loop.call(lambda e: e.set_role(request.role)))
-        except EngineInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineUnavailable as exc:
     async def KVEvents(self, request: pb.KVEventsRequest, context):
         """The prefix cache's events (kv_events.py) until the caller goes away."""
         events, block_size = self.loop.engine.kv_events, self.loop.engine.block_manager.block_size
@@ -226,6 +228,20 @@ class EngineService(pb_grpc.EngineServicer):
         finally:
             events.unsubscribe(reader)
 
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        def drain(engine: LLMEngine):
+            engine.draining = not request.resume
+            return engine.draining, engine.scheduler.num_unfinished
+
+        draining, unfinished = await asyncio.wrap_future(self.loop.call(drain))
+        return pb.DrainResponse(draining=draining, num_unfinished=unfinished)
+
+    async def SetRole(self, request: pb.SetRoleRequest, context) -> pb.SetRoleResponse:
+        try:
+            await asyncio.wrap_future(self.loop.call(lambda e: e.set_role(request.role)))
+        except EngineInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineUnavailable as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.SetRoleResponse(role=self.loop.engine.config.role)
 

@@ -4,7 +4,10 @@ Called by the NodeAgent CLI. The engine listens on a free port (``--port 0``) an
 prints its address, which the supervisor reads; everything else comes from the
 spec so that every instance of a cluster is compatible (block size, dtype,
 transport): the cluster-wide engine settings, plus the instance's *pool* settings
-(``threads``; ``cpuAffinity`` is applied by the supervisor, not on the command line).
+(``threads``, ``parallelism.tensorParallelSize``; ``cpuAffinity`` is applied by the
+supervisor, not on the command line). A hybrid-pool engine never takes a leg of a
+disaggregated request, so where a transport could not carry its KV (tensor parallelism,
+GPUs) it runs without one.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ def build_engine_argv(cluster: PDCluster, pool: Pool, extra: list[str] | None = 
     (``with_role`` changes it after a switch); ``extra`` flags go last and win."""
     spec = cluster.spec
     engine, kv, pool_spec = spec.engine, spec.kv_transfer, getattr(spec, pool)
+    tp = pool_spec.parallelism.tensor_parallel_size
+    transport = "none" if pool == "hybrid" and (tp > 1 or pool_spec.gpus) else kv.transport
     argv = [*ENGINE_ENTRY, "--model", model_location(spec), "--role", pool, "--port", "0",
             "--dtype", engine.dtype, "--block-size", str(engine.block_size),
             "--max-num-seqs", str(engine.max_num_seqs),
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-            "--kv-transport", kv.transport, "--decode-allocation", kv.decode_allocation,
+            "--kv-transport", transport, "--decode-allocation", kv.decode_allocation,
             "--kv-transfer-timeout", f"{kv.timeout_seconds:g}"]
     if engine.num_kv_blocks:
         argv += ["--num-kv-blocks", str(engine.num_kv_blocks)]
@@ -42,6 +47,8 @@ def build_engine_argv(cluster: PDCluster, pool: Pool, extra: list[str] | None = 
         argv += ["--prefill-chunk-tokens", str(engine.prefill_chunk_tokens)]
     if pool_spec.threads:
         argv += ["--threads", str(pool_spec.threads)]
+    if tp > 1:
+        argv += ["--tensor-parallel-size", str(tp)]
     return argv + list(extra or [])
 
 

@@ -39,15 +39,20 @@ PLACEHOLDER_INSTANCE = "{instance}"
 
 def engine_settings(cluster: PDCluster, pool: Pool) -> dict:
     """The spec as an engine Pod of ``pool`` reads it (``pdserve nodeagent -f``: see
-    ``pdserve.nodeagent.engine_args.build_engine_argv``). Replica counts are left out
-    (the agent reads none; the models' defaults keep the file a valid PDCluster), and
-    every pool's parallelism is kept (the spec's rule relates them)."""
+    ``pdserve.nodeagent.engine_args.build_engine_argv``). Replica counts are not the
+    spec's (the agent reads none): 1 for ``pool``, 0 for the others, which keeps the file
+    a valid PDCluster whatever the other pools' GPUs and parallelism, and scaling out of
+    the hash. Every pool's parallelism is kept (the spec's rule relates them), and the
+    pool's threads and GPUs (an engine on GPUs runs without a KV transport)."""
     spec = cluster.spec
     model = spec.model.to_manifest()
     model.pop("servedName", None)  # the Coordinator's
-    pools = {p: {"parallelism": getattr(spec, p).parallelism.to_manifest()} for p in b.POOLS}
+    pools = {p: {"replicas": int(p == pool), "parallelism": getattr(spec, p).parallelism.to_manifest()}
+             for p in b.POOLS}
     if getattr(spec, pool).threads:
         pools[pool]["threads"] = getattr(spec, pool).threads
+    if getattr(spec, pool).gpus:
+        pools[pool]["gpus"] = getattr(spec, pool).gpus
     return {"model": model, "engine": spec.engine.to_manifest(),
             "kvTransfer": spec.kv_transfer.to_manifest(),
             "heartbeat": {"intervalSeconds": spec.heartbeat.interval_seconds}, **pools}

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import re
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
 from pdserve.api import PDCluster
+from pdserve.api.cluster import Transport
 from pdserve.api.crd import build_crd
 from pdserve.api.manifest import ManifestError, load_manifest
 
@@ -80,15 +82,87 @@ def engine_model_config(model):
     return ModelConfig.from_path(recorded)
 
 
+def engine_command_lines(cluster) -> dict[str, list[list[str]]]:
+    """Pool -> the engine flags its engines start with, for each pool with replicas: as
+    ``pdserve up`` runs them, and as the operator's Pods do (its ``--engine-arg`` flags
+    last, as the NodeAgent appends them)."""
+    from pdserve.nodeagent.engine_args import ENGINE_ENTRY, build_engine_argv
+    from pdserve.operator.pods import agent_args
+
+    out = {}
+    for pool in ("prefill", "decode", "hybrid"):
+        if getattr(cluster.spec, pool).replicas:
+            extra = [a.removeprefix("--engine-arg=") for a in agent_args(cluster, "i", pool)
+                     if a.startswith("--engine-arg=")]
+            out[pool] = [build_engine_argv(cluster, pool)[len(ENGINE_ENTRY):],
+                         build_engine_argv(cluster, pool, extra)[len(ENGINE_ENTRY):]]
+    return out
+
+
+def check_engine_would_start(cluster) -> None:
+    """Every engine of ``cluster`` through the checks the engine runs at start, before
+    it reads a weight (``pdserve engine``'s flags, ``EngineConfig.validate``, the model's
+    ``ModelConfig`` and ``EngineConfig.check_model``); raises ``ConfigError`` as it would."""
+    import argparse
+
+    from pdserve.engine import cli_serve
+    from pdserve.engine.cli_args import engine_config_from_args
+
+    model = engine_model_config(cluster.spec.model)
+    parser = argparse.ArgumentParser()
+    cli_serve.add_arguments(parser)
+    for argvs in engine_command_lines(cluster).values():
+        for argv in argvs:
+            config = engine_config_from_args(parser.parse_args(argv))
+            config.validate()
+            config.check_model(model)
+
+
 @pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
-def test_valid_example_names_a_model_the_engine_loads(path):
-    spec = PDCluster.from_file(path).spec
-    config = engine_model_config(spec.model)
-    assert config.architecture in ("LlamaForCausalLM", "Qwen2ForCausalLM")
+def test_valid_example_names_what_the_engine_runs(path):
+    cluster = PDCluster.from_file(path)
+    check_engine_would_start(cluster)
+    spec, config = cluster.spec, engine_model_config(cluster.spec.model)
     if spec.engine.max_model_len:
         assert spec.engine.max_model_len <= config.max_position_embeddings
-    for pool in (spec.prefill, spec.decode, spec.hybrid):
-        assert config.num_key_value_heads % pool.parallelism.tensor_parallel_size == 0
+
+
+def test_an_example_the_engine_would_refuse_fails_the_check():
+    """The spec admits these; the engine refuses them at start, and so does the check."""
+    from pdserve.engine.config import ConfigError
+
+    raw = yaml.safe_load((ROOT / "examples" / "production.yaml").read_text())
+    check_engine_would_start(PDCluster.model_validate(raw))
+    raw["spec"]["hybrid"]["parallelism"]["tensorParallelSize"] = 3  # 28 heads, 4 KV heads
+    raw["spec"]["hybrid"]["gpus"] = 3
+    with pytest.raises(ConfigError, match="num_attention_heads \\(28\\).*tensor_parallel_size \\(3\\)"):
+        check_engine_would_start(PDCluster.model_validate(raw))
+    raw["spec"]["hybrid"]["parallelism"]["tensorParallelSize"] = 8  # 28 heads: 8 does not divide
+    raw["spec"]["hybrid"]["gpus"] = 8
+    with pytest.raises(ConfigError, match="tensor_parallel_size \\(8\\)"):
+        check_engine_would_start(PDCluster.model_validate(raw))
+
+
+def test_the_operator_never_starts_a_gpu_engine_on_a_host_memory_transport():
+    """A hybrid pool on GPUs runs without a KV transport (the engine refuses every
+    transport of the spec with a KV cache on the device); GPUs in the prefill or decode pools are
+    refused by the spec, naming the field."""
+    raw = yaml.safe_load((ROOT / "examples" / "production.yaml").read_text())
+    for transport in typing.get_args(Transport):
+        raw["spec"]["kvTransfer"] = {"transport": transport}
+        cluster = PDCluster.model_validate(raw)
+        [local, pod] = engine_command_lines(cluster)["hybrid"]
+        assert "--device=cuda" in pod and pod[pod.index("--kv-transport") + 1] == "none"
+        for argv in (local, pod):  # the pool's parallelism reaches the engine
+            assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+        check_engine_would_start(cluster)
+    raw["spec"]["hybrid"]["gpus"] = 1  # below its 2 ranks
+    with pytest.raises(ValueError, match="gpus must be 0 or at least parallelism.tensorParallelSize"):
+        PDCluster.model_validate(raw)
+    raw["spec"]["hybrid"]["gpus"] = 2
+    raw["spec"]["decode"] = {"replicas": 1, "gpus": 1}
+    with pytest.raises(ValueError, match="spec.decode.gpus must be 0"):
+        PDCluster.model_validate(raw)
 
 
 def test_a_refused_checkpoint_fails_the_model_check(tmp_path):

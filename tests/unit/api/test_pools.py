@@ -41,6 +41,12 @@ def test_each_replica_gets_its_cores_by_the_documented_rule(cores, threads, expe
     assert [pool.cpus_for_replica(i) for i in range(3)] == expected
 
 
+def test_a_tensor_parallel_engine_gets_cores_for_all_its_ranks():
+    pool = PoolSpec(replicas=2, threads=1, cpu_affinity=[0, 1, 2, 3],
+                    parallelism={"tensorParallelSize": 2})
+    assert [pool.cpus_for_replica(i) for i in range(2)] == [[0, 1], [2, 3]]
+
+
 def test_no_cpu_affinity_means_no_pinning():
     assert PoolSpec(threads=2).cpus_for_replica(0) is None
 

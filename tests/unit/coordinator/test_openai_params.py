@@ -41,16 +41,15 @@ def test_chat_without_max_tokens_runs_to_the_context_limit():
 
 
 @pytest.mark.parametrize("path, extra, param", [
-    ("/v1/completions", {"n": 2}, "n"),
-    ("/v1/completions", {"logprobs": 1}, "logprobs"),
-    ("/v1/completions", {"echo": True}, "echo"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"n": 99}, "n"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "nonsense"}}}]}, "tools.0.function.parameters"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("/v1/completions", {"logit_bias": {"999": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"a": 1}}, "logit_bias"),

@@ -55,13 +55,13 @@ def test_engine_hash_ignores_scaling_and_control_plane_but_not_engine_settings()
 
 
 def test_engine_pod_runs_the_agent_with_probes_gpus_and_placement():
-    c = cluster(decode={"replicas": 1, "gpus": 2, "nodeSelector": {"gpu": "h100"},
+    c = cluster(hybrid={"replicas": 1, "gpus": 2, "nodeSelector": {"gpu": "h100"},
                         "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
                         "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}})
-    pod = build_engine_pod(c, "c-decode-0", "decode", "inst-uid", "img:1")
+    pod = build_engine_pod(c, "c-hybrid-0", "hybrid", "inst-uid", "img:1")
     container = pod["spec"]["containers"][0]
     assert container["args"][:5] == ["nodeagent", "--controller", "c-controller:50050",
-                                     "--instance", "c-decode-0=decode"]
+                                     "--instance", "c-hybrid-0=hybrid"]
     assert container["args"][5:7] == ["-f", b.CONFIG_FILE]
     assert "--engine-arg=--device=cuda" in container["args"]
     assert container["resources"] == {"requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "2"},
@@ -70,9 +70,9 @@ def test_engine_pod_runs_the_agent_with_probes_gpus_and_placement():
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
     assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert pod["metadata"]["labels"][b.SPEC_HASH_LABEL] == engine_pod_hash(c, "decode", "img:1")
+    assert pod["metadata"]["labels"][b.SPEC_HASH_LABEL] == engine_pod_hash(c, "hybrid", "img:1")
     assert pod["metadata"]["ownerReferences"][0] == {
-        "apiVersion": "pdserve.io/v1alpha1", "kind": "PDInstance", "name": "c-decode-0",
+        "apiVersion": "pdserve.io/v1alpha1", "kind": "PDInstance", "name": "c-hybrid-0",
         "uid": "inst-uid", "controller": True, "blockOwnerDeletion": True}
     assert container["image"] == "img:1"
     assert build_engine_pod(cluster(image="mine:2"), "c-decode-0", "decode", "u", "img:1")[

@@ -104,7 +104,7 @@ def test_scaling_rolls_nothing_but_a_pool_appearing_reaches_the_controller():
     ({"model": {"pvc": {"claimName": "w"}}}, {"prefill", "decode", "hybrid"}),
     ({"image": "pdserve:2"}, {"prefill", "decode", "hybrid"}),
     ({"prefill": {"replicas": 2, "threads": 4}}, {"prefill"}),
-    ({"decode": {"replicas": 1, "gpus": 1}}, {"decode"}),
+    ({"hybrid": {"replicas": 1, "gpus": 1}}, {"hybrid"}),
     ({"decode": {"replicas": 1, "antiAffinity": "preferred"}}, {"decode"}),
     ({"security": {"tlsSecret": "certs"}}, {"prefill", "decode", "hybrid"}),
 ])
