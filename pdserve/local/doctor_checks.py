@@ -99,6 +99,11 @@ def check_transport(cluster: PDCluster, require_rdma: bool) -> list[Check]:
         return [Check("kv transport", PASS if ok else FAIL,
                       "shm: /dev/shm is writable" if ok else "shm: /dev/shm is not writable",
                       "" if ok else "mount a writable /dev/shm, or use transport tcp")]
+    if transport == "nixl":
+        ok = importlib.util.find_spec("nixl_cu12") is not None
+        return [Check("kv transport", PASS if ok else FAIL,
+                      "nixl: importable" if ok else "nixl: the nixl-cu12 package is not importable here",
+                      "" if ok else "pip install nixl-cu12, or use transport tcp")]
     rows = []
     if importlib.util.find_spec("mooncake") is None:
         rows.append(Check("kv transport", FAIL, "mooncake: the mooncake package is not importable here",

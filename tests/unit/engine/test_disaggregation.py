@@ -1,8 +1,8 @@
 """Disaggregated prefill/decode: every mode over every transport equals one hybrid engine.
 
 P and D are two engines in this process talking over real transports (sockets,
-shared memory, Mooncake over TCP); the harness steps them by hand so the test can
-read D's KV at the moment the request is exposed.
+shared memory, Mooncake over TCP, NIXL over UCX); the harness steps them by hand so
+the test can read D's KV at the moment the request is exposed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tests.unit.engine.pd_harness import (
 )
 
 MODES = ("pull", "push", "layerwise")
-TRANSPORTS = ("tcp", "shm", "mooncake")
+TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
 PROMPTS = [list(range(1, 60)), [7, 7, 3, 9, 250, 11, 5, 90, 91, 92, 93], list(range(200, 240))]
 
 

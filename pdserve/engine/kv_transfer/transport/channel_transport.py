@@ -1,4 +1,4 @@
-"""The part of a transport that tcp, shm and mooncake share: regions, channel, one submit path.
+"""The part of a transport that tcp, shm, mooncake and nixl share: regions, channel, one submit path.
 
 ``ChannelTransport`` is a ``Transport`` built on a ``Channel``: it owns the registered
 regions, a channel whose WELCOME advertises them, notify, and ``write_batch`` /
@@ -135,8 +135,22 @@ class ChannelTransport(Transport):
         """Sender thread, just after connect: raise if this transport cannot serve the
         peer at all (the batch FAILs with the reason and the link resets)."""
 
+    def _fence(self, link: PeerLink, sock: socket.socket, handle: BatchHandle) -> None:
+        """Sender thread, once the bytes moved without the peer's help (shm, nixl): FENCE
+        on the channel; the peer's ACK finishes ``handle``, so a dead or stopped peer
+        still FAILs it, and a later notify arrives after the bytes."""
+        link.expect(handle, lambda s, op, body: _on_fence(handle, op))
+        wire.send_frame(sock, wire.OP_FENCE, handle.batch_id)
+
     @abc.abstractmethod
     def _move(self, link: PeerLink, sock: socket.socket, handle: BatchHandle, batch: Batch) -> None:
         """Sender thread, both range checks passed: move ``batch`` and finish ``handle``,
         or send the request and ``link.expect`` the reply that finishes it. An OSError,
         ValueError or RuntimeError raised here FAILs the batch and resets the link."""
+
+
+def _on_fence(handle: BatchHandle, op: int) -> None:
+    if op == wire.OP_ACK:
+        handle.finish()
+    else:
+        handle.fail(f"unexpected reply op {op} to fence")

@@ -31,7 +31,6 @@ import uuid
 import numpy as np
 import torch
 
-from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.base import BatchHandle
 from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
 from pdserve.engine.kv_transfer.transport.limits import ChannelLimits
@@ -134,8 +133,7 @@ class ShmTransport(ChannelTransport):
                 if not batch.is_write:
                     src, dst = dst, src
                 ctypes.memmove(dst, src, n)
-        link.expect(handle, lambda s, op, body: _on_fence(handle, op))
-        wire.send_frame(sock, wire.OP_FENCE, handle.batch_id)
+        self._fence(link, sock, handle)
 
     def _translate(self, segments: list[dict], remote: np.ndarray, lengths: np.ndarray):
         """Peer addresses -> our mapping of the same bytes (maps a peer file on first use)."""
@@ -163,10 +161,3 @@ class ShmTransport(ChannelTransport):
             anchor = ctypes.c_char.from_buffer(mm)
             self._maps[path] = (mm, anchor, ctypes.addressof(anchor))
         return self._maps[path][2]
-
-
-def _on_fence(handle: BatchHandle, op: int) -> None:
-    if op == wire.OP_ACK:
-        handle.finish()
-    else:
-        handle.fail(f"unexpected reply op {op} to fence")

@@ -115,7 +115,7 @@ class Peer:
         if self.proc.poll() is None:
             self.proc.stdin.write("exit\n")
             self.proc.stdin.flush()
-        code = self.proc.wait(timeout=10)
+        code = self.proc.wait(timeout=30)  # NIXL alone takes ~2 s to exit; a loaded box, more
         for path in glob.glob(f"/dev/shm/pdserve-kv-{self.proc.pid}-*"):
             os.unlink(path)  # what the node agent does for an engine that died
         return code

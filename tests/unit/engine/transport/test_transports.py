@@ -27,7 +27,7 @@ from tests.unit.engine.transport.kv_peer import (
 )
 from tests.unit.engine.transport.leaks import assert_kv_threads_gone
 
-NAMES = ["tcp", "shm", "mooncake"]
+NAMES = ["tcp", "shm", "mooncake", "nixl"]
 TOKEN = "s3cret"
 TIMEOUT_S = 2.0  # tight enough to test, loose enough for a loaded 2-core CI box
 SLACK_S = 1.5
@@ -56,6 +56,24 @@ def finish(transport, handle, limit_s: float = TIMEOUT_S + SLACK_S):
     while (status := transport.poll(handle)).is_pending and time.monotonic() < deadline:
         time.sleep(0.005)
     return status
+
+
+def stop(pid: int, limit_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once the kernel shows it stopped: ``kill`` returns
+    before every thread has stopped, and a same-host transport is fast enough to finish
+    a batch (fence included) in that gap."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if all(_thread_state(path) == "T" for path in glob.glob(f"/proc/{pid}/task/*/stat")):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop")
+
+
+def _thread_state(stat_path: str) -> str:
+    with open(stat_path) as f:
+        return f.read().rpartition(")")[2].split()[0]
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -159,7 +177,7 @@ def test_stopped_then_dead_peer_fail_within_timeout(pair, tmp_path):
     status = finish(t, t.write_batch(victim.endpoint, items))
     assert status.is_done, status.message
 
-    os.kill(victim.proc.pid, signal.SIGSTOP)
+    stop(victim.proc.pid)
     started = time.monotonic()
     status = finish(t, t.write_batch(victim.endpoint, items))
     assert status.is_failed and time.monotonic() - started <= TIMEOUT_S + SLACK_S, status
