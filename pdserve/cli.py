@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pdserve.local.up", "run a whole cluster locally as processes"),
     "doctor": ("pdserve.local.doctor", "check a cluster (or a spec) before sending traffic"),
     "operator": ("pdserve.operator.cli", "run the kopf operator"),
+    "kv-pool": ("pdserve.runtime.kv_pool_master", "run the master of a cluster's shared KV pool"),
     "bench": ("pdserve.bench.cli", "measure goodput under SLO of a server, or compare two specs"),
 }
 

@@ -93,6 +93,13 @@ SPEC_RULES = [
         f".{pool}.parallelism.tensorParallelSize",
     ) for pool in ("prefill", "decode")),
 ]
+KV_POOL_RULE = _rule(
+    "!has(self.kvPool) || !self.kvPool.enabled || self.hybrid.replicas == 0"
+    " || (self.hybrid.gpus == 0 && self.hybrid.parallelism.tensorParallelSize == 1)",
+    "spec.kvPool needs every engine's KV in host memory as whole blocks: the hybrid pool "
+    "must have gpus 0 and tensorParallelSize 1 while the pool is enabled",
+    ".kvPool.enabled",
+)
 PD_POOL_RULES = SPEC_RULES[2:]
 """The rules above that hold for the prefill and decode pools alone, in pool order
 (gpus of prefill and decode, then their tensor parallelism)."""
@@ -316,7 +323,21 @@ class SecuritySpec(ApiModel):
     """The Coordinator's API key: clients send ``Authorization: Bearer <key>``."""
 
 
-class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": SPEC_RULES}):
+class KVPoolSpec(ApiModel):
+    """A KV pool every engine of the cluster shares (Mooncake Store): prompt blocks one
+    engine computed are prefix-cache hits on the others. Each engine contributes
+    ``segmentSize`` of its memory; a master (its own Deployment, or process in ``pdserve
+    up``) keeps the index. A pool that fails or evicts is a cache miss, never an error."""
+
+    enabled: bool = False
+    segment_size: Quantity = "256Mi"
+    """Memory each engine contributes to the pool."""
+    port: int = Field(default=50551, ge=1, le=65535)
+    """The master's port (its Service's, on Kubernetes)."""
+
+
+class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": [*SPEC_RULES,
+                                                                               KV_POOL_RULE]}):
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)
     prefill: PoolSpec = Field(default_factory=PoolSpec)
@@ -324,6 +345,7 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": SPE
     hybrid: HybridPoolSpec = Field(default_factory=HybridPoolSpec)
     """Colocated engines (role hybrid); 0 replicas unless set."""
     kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    kv_pool: KVPoolSpec = Field(default_factory=KVPoolSpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     fallback: FallbackSpec = Field(default_factory=FallbackSpec)
     slo: SLOSpec = Field(default_factory=SLOSpec)
@@ -348,6 +370,10 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": SPE
         for pool, rule in zip(pd_pools, PD_POOL_RULES[2:], strict=True):
             if pool.replicas and pool.parallelism.tensor_parallel_size != 1:
                 raise ValueError(rule["message"])
+        hybrid = self.hybrid
+        if self.kv_pool.enabled and hybrid.replicas and (
+                hybrid.gpus or hybrid.parallelism.tensor_parallel_size != 1):
+            raise ValueError(KV_POOL_RULE["message"])
         return self
 
 

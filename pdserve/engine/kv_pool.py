@@ -76,6 +76,15 @@ class PoolCache:
         self._thread = threading.Thread(target=self._put_loop, name="kv-pool-put", daemon=True)
         self._thread.start()
 
+    def stats_fields(self) -> dict:
+        """The ``StatsResponse`` fields of the pool (``LLMEngine.stats``)."""
+        s = self.stats
+        return {"kv_pool_enabled": True, "kv_pool_up": self.is_up,
+                "kv_pool_lookup_blocks": s.num_lookups, "kv_pool_hit_blocks": s.num_hits,
+                "kv_pool_put_blocks": s.num_puts, "kv_pool_fetched_bytes": s.bytes_fetched,
+                "kv_pool_put_bytes": s.bytes_put,
+                "kv_pool_put_dropped": s.num_put_drops + s.num_put_failures}
+
     def key(self, block_hash: bytes) -> str:
         return f"{self.prefix}/{block_hash.hex()}"
 

@@ -286,6 +286,7 @@ class LLMEngine:
             num_prompt_tokens_total=sched.num_prompt_tokens_total,
             num_generation_tokens_total=sched.num_generation_tokens_total,
             role=self.config.role, model=self.model_config.name, **kv,
+            **(self.kv_pool.stats_fields() if self.kv_pool is not None else {}),
         )
 
     def close(self) -> None:

@@ -80,6 +80,30 @@ class StatsCollector:
             c = CounterMetricFamily(p + name, doc, labels=["role"])
             c.add_metric(role, float(value))
             yield c
+        if s.kv_pool_enabled:
+            yield from _pool_metrics(s, role)
+
+
+def _pool_metrics(s, role: list[str]):
+    """The shared KV pool as this engine sees it (``engine/kv_pool.py``)."""
+    p = "pdserve_engine_kv_pool_"
+    up = GaugeMetricFamily(p + "up", "Whether the KV pool answers (1) or is treated as down.",
+                           labels=["role"])
+    up.add_metric(role, float(s.kv_pool_up))
+    yield up
+    for name, doc, value in (
+        ("lookup_blocks", "Blocks looked up in the pool after a local prefix-cache miss.",
+         s.kv_pool_lookup_blocks),
+        ("hit_blocks", "Blocks fetched from the pool instead of computed.", s.kv_pool_hit_blocks),
+        ("put_blocks", "Blocks put into the pool.", s.kv_pool_put_blocks),
+        ("fetched_bytes", "Bytes fetched from the pool.", s.kv_pool_fetched_bytes),
+        ("put_bytes", "Bytes put into the pool.", s.kv_pool_put_bytes),
+        ("put_dropped_blocks", "Blocks not put (too many waiting, or the pool failed).",
+         s.kv_pool_put_dropped),
+    ):
+        c = CounterMetricFamily(p + name, doc, labels=["role"])
+        c.add_metric(role, float(value))
+        yield c
 
 
 class EngineMetrics:

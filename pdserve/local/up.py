@@ -55,6 +55,7 @@ from pdserve.api.manifest import default_cluster, dump_manifest
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.local.runstate import RunState, default_run_dir, stop_in_order
+from pdserve.runtime.kv_pool_master import READY_LINE as KV_POOL_READY
 from pdserve.runtime.security import TOKEN_FILE_ENV, SecuritySettings, create_channel
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -301,10 +302,14 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
         return 0
     controller = line.split("serving on ")[1].split()[0]
     launcher.state.write_addresses(controller=controller)
-    instances = instance_args(cluster)
+    instances, engine_args = instance_args(cluster), []
+    if spec.kv_pool.enabled:
+        if (pool := start_kv_pool(launcher)) is None:
+            return 0
+        engine_args.append(f"--engine-arg=--kv-pool={pool}")
     launcher.spawn("nodeagent", ["nodeagent", "-f", str(spec_file), "--controller", controller,
                                  "--host", "127.0.0.1", "--agent-id", f"{name}-local", "--pin-cpus",
-                                 *instances])
+                                 *instances, *engine_args])
     if (line := launcher.wait_line("nodeagent", "supervising", 60)) is None:
         return 0
     agent_http_port = int(re.search(r"http port (\d+)", line).group(1))
@@ -338,6 +343,24 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
             raise StartError(f"engines not ready after {args.ready_timeout:g}s")
         stop.wait(0.5)
     return 0
+
+
+def start_kv_pool(launcher: Launcher) -> str | None:
+    """The shared KV pool's master (``pdserve kv-pool``) on free loopback ports; its
+    address once it serves (None: stopped meanwhile)."""
+    port, metrics_port = free_port(), free_port()
+    launcher.spawn("kvpool", ["kv-pool", "--port", str(port), "--metrics-port", str(metrics_port)])
+    if launcher.wait_line("kvpool", KV_POOL_READY, 30) is None:
+        return None
+    launcher.state.write_addresses(kv_pool=f"127.0.0.1:{port}")
+    print(f"KV pool on 127.0.0.1:{port} (metrics on port {metrics_port})", flush=True)
+    return f"127.0.0.1:{port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def url_host(host: str) -> str:

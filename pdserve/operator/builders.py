@@ -44,6 +44,7 @@ CONTROLLER_HTTP_PORT = 8080
 COORDINATOR_PORT = 8000
 AGENT_HTTP_PORT = 8081
 ENGINE_METRICS_PORT = 9400  # one engine per Pod: a fixed port Prometheus can find
+KV_POOL_METRICS_PORT = 9003
 POOLS: tuple[Pool, ...] = ("prefill", "decode", "hybrid")
 PD_POOLS: tuple[Pool, ...] = ("prefill", "decode")
 
@@ -108,6 +109,15 @@ def controller_address(cluster: PDCluster) -> str:
     return f"{controller_service_name(cluster)}:{CONTROLLER_GRPC_PORT}"
 
 
+def kv_pool_service_name(cluster: PDCluster) -> str:
+    return f"{cluster.metadata.name}-kv-pool"
+
+
+def kv_pool_address(cluster: PDCluster) -> str:
+    """Where engines join the cluster's shared KV pool (its master's Service)."""
+    return f"{kv_pool_service_name(cluster)}:{cluster.spec.kv_pool.port}"
+
+
 def engines_service_name(cluster: PDCluster) -> str:
     return f"{cluster.metadata.name}-engines"
 
@@ -141,9 +151,14 @@ def _service(cluster: PDCluster, name: str, component: str, ports: list[dict], *
 
 def build_services(cluster: PDCluster) -> list[dict]:
     """Coordinator (the user's entry), Controller (leader only: readiness is /leaderz),
-    and a headless Service giving each engine Pod a DNS name."""
+    a headless Service giving each engine Pod a DNS name, and the KV pool's master
+    when the spec enables one."""
     name = cluster.metadata.name
-    return [
+    pool = [_service(cluster, kv_pool_service_name(cluster), "kv-pool",
+                     [{"name": "rpc", "port": cluster.spec.kv_pool.port, "targetPort": "rpc"},
+                      {"name": "metrics", "port": KV_POOL_METRICS_PORT, "targetPort": "metrics"}])
+            ] if cluster.spec.kv_pool.enabled else []
+    return [*pool,
         _service(cluster, f"{name}-coordinator", "coordinator",
                  [{"name": "http", "port": COORDINATOR_PORT, "targetPort": "http"}]),
         _service(cluster, controller_service_name(cluster), "controller",

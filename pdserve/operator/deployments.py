@@ -90,6 +90,24 @@ def build_controller_deployment(cluster: PDCluster, settings: OperatorSettings) 
         annotations={b.CONFIG_HASH_ANNOTATION: b.spec_hash(controller_settings(cluster))})
 
 
+def build_kv_pool_deployment(cluster: PDCluster, settings: OperatorSettings) -> dict:
+    """The master of the cluster's shared KV pool (``pdserve kv-pool``); one replica,
+    recreated (a second master would be a second, empty pool). The engines hold the
+    memory, so a restarted master only costs cache misses until they rejoin."""
+    port = cluster.spec.kv_pool.port
+    container = {
+        "name": "kv-pool",
+        "args": ["kv-pool", "--host", "0.0.0.0", "--port", str(port),
+                 "--metrics-port", str(b.KV_POOL_METRICS_PORT)],
+        "ports": [{"name": "rpc", "containerPort": port},
+                  {"name": "metrics", "containerPort": b.KV_POOL_METRICS_PORT}],
+        "readinessProbe": {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "rpc"}, "periodSeconds": 10},
+    }
+    return _deployment(cluster, b.kv_pool_service_name(cluster), "kv-pool", 1, container,
+                       settings, "Recreate", with_model=False)
+
+
 def build_coordinator_deployment(cluster: PDCluster, settings: OperatorSettings) -> dict:
     component = cluster.spec.coordinator
     args = coordinator_argv(cluster, "0.0.0.0", b.COORDINATOR_PORT, b.controller_address(cluster))

@@ -15,11 +15,16 @@ from __future__ import annotations
 
 from pdserve.api import PDCluster
 from pdserve.operator import builders as b
-from pdserve.operator.deployments import build_controller_deployment, build_coordinator_deployment
+from pdserve.operator.deployments import (
+    build_controller_deployment,
+    build_coordinator_deployment,
+    build_kv_pool_deployment,
+)
 from pdserve.operator.pods import build_engine_config_map, build_engine_pod, engine_pod_hash
 from pdserve.operator.settings import OperatorSettings
 
-PRUNED = (("ConfigMap", "engine-config"), ("PodDisruptionBudget", "engine"))
+PRUNED = (("ConfigMap", "engine-config"), ("PodDisruptionBudget", "engine"),
+          ("Deployment", "kv-pool"), ("Service", "kv-pool"))
 """(kind, component label) of static objects that go when no longer built."""
 
 
@@ -35,6 +40,7 @@ def build_static_objects(cluster: PDCluster, settings: OperatorSettings) -> list
             *b.build_services(cluster),
             build_controller_deployment(cluster, settings),
             build_coordinator_deployment(cluster, settings),
+            *([build_kv_pool_deployment(cluster, settings)] if cluster.spec.kv_pool.enabled else []),
             *b.build_disruption_budgets(cluster)]
 
 

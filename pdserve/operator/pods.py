@@ -96,6 +96,8 @@ def agent_args(cluster: PDCluster, instance: str, pool: Pool) -> list[str]:
             f"--engine-arg=--metrics-port={b.ENGINE_METRICS_PORT}"]
     if getattr(cluster.spec, pool).gpus:
         args.append("--engine-arg=--device=cuda")
+    if cluster.spec.kv_pool.enabled:
+        args.append(f"--engine-arg=--kv-pool={b.kv_pool_address(cluster)}")
     return args
 
 

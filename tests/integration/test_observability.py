@@ -93,7 +93,7 @@ def test_every_components_metrics_pass_promtool(loaded):
 def test_every_dashboard_panel_returns_data(loaded, workdir):
     assert PROMETHEUS, "prometheus (Debian package prometheus) is not installed: `make test` installs it"
     (workdir / "prometheus").mkdir()
-    prom = Prometheus(workdir / "prometheus", loaded.targets)
+    prom = Prometheus(workdir / "prometheus", {**loaded.targets, **loaded.pool_targets})
     try:
         prom.wait_targets_up()
         loaded.complete(6)  # observations inside the rate windows, scraped at least twice

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.runtime.kv_pool_master import READY_LINE as KV_POOL_READY
 from tests.procs import PDSERVE, Proc
 from tests.unit.coordinator.harness import ALWAYS_PD_ARGS
 
@@ -67,9 +68,17 @@ class LocalCluster:
                            "--startup-grace", "60", "--no-rebalance"], env)
         m = ctl.wait_for(r"controller serving on (\S+:\d+) \(http (\S+:\d+)")
         self.controller, controller_http = m.group(1), m.group(2)
+        # The engines share a KV pool, whose master Prometheus scrapes too.
+        pool_port, pool_metrics = free_port(), free_port()
+        pool = self._spawn(["kv-pool", "--port", str(pool_port),
+                            "--metrics-port", str(pool_metrics)], env)
+        pool.wait_for(KV_POOL_READY, 30)
+        self.pool_targets = {"kv-pool": [f"127.0.0.1:{pool_metrics}"]}
         agent = self._spawn(["nodeagent", "--controller", self.controller, "--host", "127.0.0.1",
                              "--agent-id", "obs-agent", "--heartbeat-interval", "0.5",
                              "--engine-arg=--metrics-port=0",
+                             f"--engine-arg=--kv-pool=127.0.0.1:{pool_port}",
+                             "--engine-arg=--kv-pool-segment-mib=32",
                              *(f"--instance={i}={r}" for i, r in INSTANCES.items())], env)
         agent_http = agent.wait_for(r"http port (\d+)", 60).group(1)
         engines = {i: agent.wait_for(rf"\[{i}\] pdserve engine metrics on http://(\S+:\d+)/", 120)

@@ -255,3 +255,34 @@ def test_up_authenticates_every_internal_call_and_listens_on_loopback_only(tmp_p
         assert not token_file.exists()
     finally:
         up.stop()
+
+
+def test_up_runs_a_kv_pool_so_one_prefill_engines_prompt_is_a_hit_on_the_other(tmp_path):
+    """``kvPool.enabled``: ``pdserve up`` starts the pool's master and every engine joins
+    it; round-robin prefill sends the same prompt to the other prefill engine, whose own
+    cache is empty, and it reports the prompt's blocks as cached (fetched from the pool)."""
+    spec = write_yaml(tmp_path / "cluster.yaml", {
+        "model": {"preset": "tiny", "servedName": "tiny"},
+        "engine": {"dtype": "float32", "kvCacheBytes": "16Mi", "blockSize": 16},
+        "prefill": {"replicas": 2, "threads": 1}, "decode": {"replicas": 1, "threads": 1},
+        "routing": {"prefillPolicy": "round_robin", "localPrefillMaxTokens": 0,
+                    "loadAwareLocalPrefill": False},
+        "kvPool": {"enabled": True, "segmentSize": "32Mi"}})
+    port, run_dir = free_port(), tmp_path / "run"
+    up = Proc([*PDSERVE, "up", "-f", str(spec), "--port", str(port), "--run-dir", str(run_dir)])
+    try:
+        up.wait_for(r"KV pool on 127\.0\.0\.1:\d+", timeout_s=60)
+        up.wait_for(r"pdserve is up", timeout_s=180)
+        prompt = "a system prompt every request shares, " * 12  # 456 tokens: 28 full blocks
+        cached = []
+        for _ in range(2):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            time.sleep(1.0)  # the first prefill engine's puts reach the pool
+        assert cached == [0, 28 * 16], logs_of(run_dir)[-3000:]
+        up.signal(signal.SIGINT)
+        assert up.popen.wait(30) == 0
+    finally:
+        up.stop()

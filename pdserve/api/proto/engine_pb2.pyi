@@ -280,7 +280,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "kv_cache_bytes", "block_size", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_prompt_tokens_total", "num_generation_tokens_total", "role", "model", "kv_transport", "kv_endpoint", "kv_compat_hash", "num_kv_transfers_active", "num_kv_blocks_quarantined", "kv_transfers_ok", "kv_transfers_failed", "kv_transfer_bytes", "kv_exposed_s_total")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "kv_cache_bytes", "block_size", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_prompt_tokens_total", "num_generation_tokens_total", "role", "model", "kv_transport", "kv_endpoint", "kv_compat_hash", "num_kv_transfers_active", "num_kv_blocks_quarantined", "kv_transfers_ok", "kv_transfers_failed", "kv_transfer_bytes", "kv_exposed_s_total", "kv_pool_enabled", "kv_pool_up", "kv_pool_lookup_blocks", "kv_pool_hit_blocks", "kv_pool_put_blocks", "kv_pool_fetched_bytes", "kv_pool_put_bytes", "kv_pool_put_dropped")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,14 @@ class StatsResponse(_message.Message):
     KV_TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_EXPOSED_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_UP_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_PUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_PUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_PUT_DROPPED_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
@@ -327,4 +335,12 @@ class StatsResponse(_message.Message):
     kv_transfers_failed: int
     kv_transfer_bytes: int
     kv_exposed_s_total: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., num_kv_transfers_active: _Optional[int] = ..., num_kv_blocks_quarantined: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_exposed_s_total: _Optional[float] = ...) -> None: ...
+    kv_pool_enabled: bool
+    kv_pool_up: bool
+    kv_pool_lookup_blocks: int
+    kv_pool_hit_blocks: int
+    kv_pool_put_blocks: int
+    kv_pool_fetched_bytes: int
+    kv_pool_put_bytes: int
+    kv_pool_put_dropped: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., num_kv_transfers_active: _Optional[int] = ..., num_kv_blocks_quarantined: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_exposed_s_total: _Optional[float] = ..., kv_pool_enabled: _Optional[bool] = ..., kv_pool_up: _Optional[bool] = ..., kv_pool_lookup_blocks: _Optional[int] = ..., kv_pool_hit_blocks: _Optional[int] = ..., kv_pool_put_blocks: _Optional[int] = ..., kv_pool_fetched_bytes: _Optional[int] = ..., kv_pool_put_bytes: _Optional[int] = ..., kv_pool_put_dropped: _Optional[int] = ...) -> None: ...

@@ -190,3 +190,24 @@ def test_pdinstance_manifest_is_admitted_and_bad_role_rejected():
     assert instance.status.endpoints == {"engine": "10.0.0.5:50051"}
     manifest["spec"]["role"] = "router"
     assert any(e.startswith("spec.role") for e in admit(schema, manifest)[1])
+
+
+@pytest.mark.parametrize("enabled", [None, False, True])
+@pytest.mark.parametrize("hybrid", [{"replicas": 1}, {"replicas": 1, "gpus": 1},
+                                    {"replicas": 1, "parallelism": {"tensorParallelSize": 2}},
+                                    {"replicas": 0, "gpus": 1}])
+def test_the_kv_pool_rule_agrees_between_the_crd_and_the_models(enabled, hybrid):
+    schema = build_crd("PDCluster")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = {"model": {"preset": "tiny"}, "hybrid": {**hybrid, "threads": 1}}
+    if enabled is not None:
+        spec["kvPool"] = {"enabled": enabled}
+    manifest = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                "metadata": {"name": "x"}, "spec": spec}
+    _, errors = admit(schema, manifest)
+    refused = bool(enabled) and hybrid["replicas"] > 0 and hybrid != {"replicas": 1}
+    assert any("kvPool" in e for e in errors) == refused, errors
+    if refused:
+        with pytest.raises(ValueError, match="kvPool"):
+            PDCluster.model_validate(manifest)
+    elif not errors:
+        assert PDCluster.model_validate(manifest).spec.kv_pool.enabled is bool(enabled)

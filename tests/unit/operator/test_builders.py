@@ -258,3 +258,26 @@ def test_controller_and_agents_listen_only_on_their_pod_address():
         env = {e["name"]: e for e in container["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert "0.0.0.0" not in args
+
+
+def test_a_kv_pool_gets_its_master_deployment_and_service_and_every_engine_joins_it():
+    from tests.unit.chart.kube_schemas import validation_errors
+
+    c, settings = cluster(kvPool={"enabled": True, "segmentSize": "64Mi", "port": 50600}), OperatorSettings()
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in build_static_objects(c, settings)}
+    master = objs[("Deployment", "c-kv-pool")]
+    container = master["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"] == ["kv-pool", "--host", "0.0.0.0", "--port", "50600",
+                                 "--metrics-port", str(b.KV_POOL_METRICS_PORT)]
+    assert master["spec"]["replicas"] == 1 and master["spec"]["strategy"] == {"type": "Recreate"}
+    service = objs[("Service", "c-kv-pool")]
+    assert service["spec"]["selector"] == b.selector(c, "kv-pool")
+    assert {p["port"] for p in service["spec"]["ports"]} == {50600, b.KV_POOL_METRICS_PORT}
+    for obj in (master, service):
+        assert validation_errors(obj, "1.33") == []
+    for pool in ("prefill", "decode"):
+        args = build_engine_pod(c, f"c-{pool}-0", pool, "uid", IMAGE)["spec"]["containers"][0]["args"]
+        assert "--engine-arg=--kv-pool=c-kv-pool:50600" in args
+    off = cluster()
+    assert not [o for o in build_static_objects(off, settings) if "kv-pool" in o["metadata"]["name"]]
+    assert engine_hashes(c) != engine_hashes(off)  # enabling the pool rolls the engines
