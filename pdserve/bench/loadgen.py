@@ -18,11 +18,12 @@ same sequence per class.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import sys
 import time
 from dataclasses import dataclass, replace
+
+from pdserve.runtime.aio import wait_event
 
 from .client import CompletionClient
 from .prompts import ClassSampler, MixSampler
@@ -93,8 +94,7 @@ class Budget:
         if self.deadline is not None:
             delay = min(delay, self.deadline - time.perf_counter())
         if delay > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.spent.wait(), delay)
+            await wait_event(self.spent, delay)
         return not self.spent.is_set()
 
 

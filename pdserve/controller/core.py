@@ -35,6 +35,7 @@ from pdserve.controller.cluster import Cluster, ClusterSettings, DrainProgress
 from pdserve.controller.election import Election
 from pdserve.controller.persist import ReplacementRequest, StatePersister
 from pdserve.controller.store import FencedError, Store
+from pdserve.runtime.aio import wait_event
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,7 @@ class Controller:
                     last_tick_s = now
                 await self._commit(cluster, now)
             wait_s = max(0.0, period - (self.clock() - last_tick_s)) if self.cluster else period
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._commit_soon.wait(), wait_s)
+            await wait_event(self._commit_soon, wait_s)
 
     async def _commit(self, cluster: Cluster, now_s: float) -> None:
         """Take the view, write what changed, then publish that view.

@@ -15,10 +15,10 @@ nothing else is left; waiters on ``wait_changed`` wake on every change.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass, field
 
+from pdserve.runtime.aio import wait_event
 from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings
 
@@ -129,10 +129,9 @@ class InstanceRegistry:
         self._notify()
 
     async def wait_changed(self, timeout_s: float) -> None:
-        """Called by the router while a request queues for a pool to come back."""
-        event = self._changed
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), max(0.0, timeout_s))
+        """Called by the router while a request queues for a pool to come back, and by
+        the KV event feeds (``wait_event``: a cancellation is never lost)."""
+        await wait_event(self._changed, timeout_s)
 
     # -- read by the router and the request lifecycle --
 

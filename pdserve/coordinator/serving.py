@@ -211,57 +211,28 @@ class Completions:
         out = output(0)
         run = out.run
         headers = {REQUEST_ID_HEADER: run.label}
-        if num_choices[1] > 1:
-            choices = Choices(out, [output(i) for i in range(1, num_choices[1])], num_choices[0],
-                              params.logprobs)
-            return await self._handle_choices(request, body, choices, slot, headers)
+        # One choice is its own answer; several are answered together (``Choices``).
+        answer = out if num_choices[1] == 1 else Choices(
+            out, [output(i) for i in range(1, num_choices[1])], num_choices[0], params.logprobs)
         try:
             if body.stream:
                 first = await self._first(request, run, out)
-                return StreamingResponse(out.sse(first, slot), media_type="text/event-stream",
+                return StreamingResponse(answer.sse(first, slot), media_type="text/event-stream",
                                          headers=headers)
-            await self._race_disconnect(request, out.collect())
-            out.done(200)
+            await self._race_disconnect(request, answer.collect())
+            answer.done(200)
             slot.release()
-            return Response(orjson.dumps(out.full_body()), media_type="application/json",
+            return Response(orjson.dumps(answer.full_body()), media_type="application/json",
                             headers=headers)
         except ClientGone:
             out.client_gone()
-            await self._end(out, slot, 499)
+            await answer.end(slot, 499)
             return Response(status_code=499, headers=headers)
         except BaseException as exc:
-            await self._end(out, slot, exc.status if isinstance(exc, ServeError) else 499)
+            await answer.end(slot, exc.status if isinstance(exc, ServeError) else 499)
             if isinstance(exc, ServeError):
                 exc.headers.setdefault(REQUEST_ID_HEADER, run.label)
                 exc.request_id = run.request_id
-                exc.is_counted = True
-            raise
-
-    async def _handle_choices(self, request: Request, body, choices: Choices, slot,
-                              headers: dict) -> Response:
-        """``handle`` for ``n`` (or ``best_of``) > 1: the same shape of answer, each choice a
-        run of its own; the first choice's first token is awaited before the others start
-        (``Choices.start_others``), so they find the prompt in its engines' caches."""
-        primary = choices.outs[0]
-        try:
-            if body.stream:
-                first = await self._first(request, primary.run, primary)
-                return StreamingResponse(choices.sse(first, slot), media_type="text/event-stream",
-                                         headers=headers)
-            await self._race_disconnect(request, choices.collect())
-            choices.done(200)
-            slot.release()
-            return Response(orjson.dumps(choices.full_body()), media_type="application/json",
-                            headers=headers)
-        except ClientGone:
-            primary.client_gone()
-            await choices.end(slot, 499)
-            return Response(status_code=499, headers=headers)
-        except BaseException as exc:
-            await choices.end(slot, exc.status if isinstance(exc, ServeError) else 499)
-            if isinstance(exc, ServeError):
-                exc.headers.setdefault(REQUEST_ID_HEADER, primary.run.label)
-                exc.request_id = primary.run.request_id
                 exc.is_counted = True
             raise
 
@@ -276,12 +247,6 @@ class Completions:
             raise ServeError(400, "echo of a token-id prompt needs the model's tokenizer",
                              param="echo")
         return self.prompts.tokenizer.decode(prompt_ids)
-
-    async def _end(self, out: _Output, slot, code: int) -> None:
-        """A request that ends before its response: counted, slot released, run closed."""
-        out.done(code)
-        slot.release()
-        await out.close()
 
     async def _race_disconnect(self, request: Request, coro):
         """Awaits ``coro`` unless the client goes away first: then it is cancelled (its
@@ -363,6 +328,12 @@ class _Output:
 
     async def close(self) -> None:
         await self._tokens.aclose()
+
+    async def end(self, slot, code: int) -> None:
+        """A request that ends before its response: counted, slot released, run closed."""
+        self.done(code)
+        slot.release()
+        await self.close()
 
     def usage(self) -> dict:
         return build_usage(len(self.run.prompt_ids), len(self.detok.token_ids),
@@ -446,26 +417,37 @@ class _Output:
 
     async def sse(self, first, slot):
         """The SSE body; ``first`` is the event awaited before the response started."""
-        code = 200
-        options = self.body.stream_options
-        try:
-            async for chunk in self.chunks(first, on_end=lambda: self.done(200)):
-                yield _sse(chunk)
-            if options is not None and options.include_usage:
-                yield _sse(self.shape.usage_chunk(self.usage()))
-        except ServeError as exc:
-            code = exc.status
-            yield _sse_data(exc.json_bytes())
-        except BaseException:  # the response was cancelled: the client went away
-            code = 499
-            if not self._counted:
-                self.client_gone()
-            raise
-        finally:
-            self.done(code)
-            slot.release()
-            await self.close()
-        yield b"data: [DONE]\n\n"
+        async for event in _sse_body(self, self, self.chunks(first, on_end=lambda: self.done(200)),
+                                     slot):
+            yield event
+
+
+async def _sse_body(answer, primary: _Output, chunks, slot):
+    """The framing of a stream, one choice's (``answer`` is ``primary``) or several
+    (``Choices``): each chunk as an event, the usage chunk when asked for, an error
+    event for a ``ServeError``, then ``[DONE]``; counted, released and closed once,
+    whatever ends it (a client that went away: 499, counted as gone)."""
+    code = 200
+    options = primary.body.stream_options
+    try:
+        async for chunk in chunks:
+            yield _sse(chunk)
+        answer.done(200)
+        if options is not None and options.include_usage:
+            yield _sse(primary.shape.usage_chunk(answer.usage()))
+    except ServeError as exc:
+        code = exc.status
+        yield _sse_data(exc.json_bytes())
+    except BaseException:  # the response was cancelled: the client went away
+        code = 499
+        if not primary._counted:
+            primary.client_gone()
+        raise
+    finally:
+        answer.done(code)
+        slot.release()
+        await answer.close()
+    yield b"data: [DONE]\n\n"
 
 
 def choice_counts(body: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]:
@@ -557,48 +539,33 @@ class Choices:
     async def sse(self, first, slot):
         """The SSE body: every choice's chunks as they come (each with its index), then
         the summed usage and ``[DONE]``; ``first`` is choice 0's first event."""
-        code = 200
+        async for event in _sse_body(self, self.outs[0], self._chunks(first), slot):
+            yield event
+
+    async def _chunks(self, first):
         queue: asyncio.Queue = asyncio.Queue()
-        primary = self.outs[0]
 
         async def pump(out: _Output, event=None) -> None:
             async for chunk in out.chunks(event, self.usage):
                 await queue.put(chunk)
 
-        tasks = [asyncio.ensure_future(pump(primary, first)),
+        tasks = [asyncio.ensure_future(pump(self.outs[0], first)),
                  *self._others(lambda out: pump(out))]
         self._tasks = tasks
-        try:
-            waiting = set(tasks)
-            while waiting:
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({getter, *waiting}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    yield _sse(getter.result())
-                else:
-                    getter.cancel()
-                for task in done - {getter}:
-                    waiting.discard(task)
-                    if task.exception() is not None:
-                        raise task.exception()
-            while not queue.empty():
-                yield _sse(queue.get_nowait())
-            self.done(200)
-            options = primary.body.stream_options
-            if options is not None and options.include_usage:
-                yield _sse(primary.shape.usage_chunk(self.usage()))
-        except ServeError as exc:
-            code = exc.status
-            yield _sse_data(exc.json_bytes())
-        except BaseException:  # the response was cancelled: the client went away
-            code = 499
-            primary.client_gone()
-            raise
-        finally:
-            self.done(code)
-            slot.release()
-            await self.close()
-        yield b"data: [DONE]\n\n"
+        waiting = set(tasks)
+        while waiting:
+            getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter, *waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                yield getter.result()
+            else:
+                getter.cancel()
+            for task in done - {getter}:
+                waiting.discard(task)
+                if task.exception() is not None:
+                    raise task.exception()
+        while not queue.empty():
+            yield queue.get_nowait()
 
 
 # UTF-8 of U+2028, U+2029 and U+0085, and their JSON escapes. A lead byte never

@@ -20,7 +20,6 @@ address; at most one command runs per instance at a time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -32,6 +31,7 @@ from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.nodeagent.engine_args import with_role
 from pdserve.nodeagent.process import Backoff, EngineProcess
+from pdserve.runtime.aio import wait_event
 from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings, create_channel
 
@@ -192,8 +192,7 @@ class Agent:
         while True:
             self._wake.clear()
             await self.heartbeat_once()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
+            await wait_event(self._wake, self.settings.interval_s)
 
     async def heartbeat_once(self) -> None:
         """One heartbeat; on a standby or an unreachable replica, the next address at once."""

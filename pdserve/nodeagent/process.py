@@ -34,6 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.runtime.aio import wait_event
+
 log = logging.getLogger(__name__)
 ADDRESS_RE = re.compile(r"serving model .* on (\S+:\d+)")
 ERROR_RE = re.compile(r"error|exception|fatal|killed|abort|denied|not found|no such|cannot", re.I)
@@ -157,8 +159,7 @@ class EngineProcess:
             delay = 0.0 if self._skip_backoff.is_set() else self.backoff.delay_s(num_short_runs)
             self._skip_backoff.clear()
             self._set("restarting")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._skip_backoff.wait(), delay)
+            await wait_event(self._skip_backoff, delay)
             self._skip_backoff.clear()
             self.num_restarts += 1
 

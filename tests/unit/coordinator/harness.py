@@ -36,7 +36,23 @@ class LoopThread:
         self.thread.start()
 
     def run(self, coro, timeout_s: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"not done after {timeout_s:g}s; the loop's tasks:\n"
+                               + self.describe_tasks()) from None
+
+    def describe_tasks(self) -> str:
+        """Each task of the loop and where it waits: what a stuck test names."""
+        async def describe() -> str:
+            lines = []
+            for task in asyncio.all_tasks():
+                frames = task.get_stack(limit=8)
+                where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames))
+                lines.append(f"{task.get_name()}: {where}")
+            return "\n".join(sorted(lines))
+        return asyncio.run_coroutine_threadsafe(describe(), self.loop).result(5)
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
