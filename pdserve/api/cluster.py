@@ -235,6 +235,16 @@ class HybridPoolSpec(PoolSpec):
     replicas: int = Field(default=0, ge=0, le=1024)
 
 
+class MooncakeSpec(ApiModel):
+    """Mooncake's protocol: its TCP one (anywhere), or RDMA over the named NICs (an
+    engine refuses to start when the host has no RDMA device, or lacks a named one)."""
+
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    devices: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)]] = Field(
+        default_factory=list, max_length=16)
+    """RDMA device names, e.g. ``[mlx5_0, mlx5_1]``; empty: Mooncake chooses."""
+
+
 class KVTransferSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": KV_TRANSFER_RULES}):
     """How KV moves from prefill to decode."""
 
@@ -244,6 +254,8 @@ class KVTransferSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": KV
     """mooncake (RDMA, or its TCP protocol), nixl (UCX), tcp, or shm (same node only)."""
     decode_allocation: DecodeAllocation = "dispatch"
     """When decode reserves blocks: at dispatch, or when prefill completes."""
+    mooncake: MooncakeSpec = Field(default_factory=MooncakeSpec)
+    """With transport mooncake: its protocol and RDMA devices."""
     timeout_seconds: float = Field(default=30.0, gt=0)
     """Deadline for one request's transfer; on expiry both sides free the blocks."""
 

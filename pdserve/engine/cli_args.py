@@ -59,6 +59,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="when D reserves destination blocks: at admission, or once P's prefill is done")
     k.add_argument("--no-kv-partial-transfer", dest="kv_partial_transfer", action="store_false",
                    help="D receives a prompt's whole KV even when its prefix cache holds the start")
+    k.add_argument("--kv-mooncake-protocol", default="tcp", choices=("tcp", "rdma"),
+                   help="Mooncake transport's protocol (rdma needs an RDMA NIC)")
+    k.add_argument("--kv-mooncake-devices", default="", metavar="NAMES",
+                   help="RDMA devices Mooncake uses, comma-separated (e.g. mlx5_0,mlx5_1)")
     k.add_argument("--kv-pool", default="", metavar="HOST:PORT",
                    help="share prefix KV blocks through the Mooncake Store master at HOST:PORT")
     k.add_argument("--kv-pool-segment-mib", type=int, default=256,
@@ -82,6 +86,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
         kv_auth_token=args.kv_auth_token, decode_allocation=args.decode_allocation,
         kv_partial_transfer=args.kv_partial_transfer, kv_pool=args.kv_pool,
+        kv_mooncake_protocol=args.kv_mooncake_protocol,
+        kv_mooncake_devices=args.kv_mooncake_devices,
         kv_pool_segment_bytes=args.kv_pool_segment_mib << 20,
         fault_kv_send_delay_s=args.fault_kv_send_delay,
         **{field: getattr(args, field) for _, field, _ in KV_DEADLINES},

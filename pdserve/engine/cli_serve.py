@@ -16,6 +16,7 @@ import sys
 
 from pdserve.engine.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.engine.config import ConfigError
+from pdserve.engine.kv_transfer.transport.base import TransportUnavailable
 from pdserve.runtime.logs import configure_logging
 
 
@@ -52,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
         # The cluster token also guards the KV transport: no one else writes into our KV.
         config.kv_auth_token = config.kv_auth_token or security.token
         engine = LLMEngine(config)
-    except (ConfigError, ValueError, OSError) as exc:
+    except (ConfigError, ValueError, OSError, TransportUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

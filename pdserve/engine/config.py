@@ -269,6 +269,9 @@ class EngineConfig:
     decode_allocation: str = "dispatch"  # or "prefill_complete"
     # D takes the prompt's leading blocks from its own prefix cache; P sends only the rest.
     kv_partial_transfer: bool = True
+    # Mooncake's protocol ("tcp", or "rdma" over the named NICs, e.g. "mlx5_0,mlx5_1").
+    kv_mooncake_protocol: str = "tcp"
+    kv_mooncake_devices: str = ""
     # The cluster's shared KV pool: host:port of its Mooncake Store master ("": none),
     # and the memory this engine contributes to it.
     kv_pool: str = ""

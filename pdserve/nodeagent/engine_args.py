@@ -35,6 +35,10 @@ def build_engine_argv(cluster: PDCluster, pool: Pool, extra: list[str] | None = 
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
             "--kv-transport", transport, "--decode-allocation", kv.decode_allocation,
             "--kv-transfer-timeout", f"{kv.timeout_seconds:g}"]
+    if transport == "mooncake":
+        argv += ["--kv-mooncake-protocol", kv.mooncake.protocol]
+        if kv.mooncake.devices:
+            argv += ["--kv-mooncake-devices", ",".join(kv.mooncake.devices)]
     if engine.num_kv_blocks:
         argv += ["--num-kv-blocks", str(engine.num_kv_blocks)]
     else:

@@ -69,6 +69,9 @@ def build_connector(config: EngineConfig, model_config: ModelConfig, runner,
                    timeout_s=config.kv_transfer_timeout_s)
     if config.kv_transport == "tcp":
         options["require_grants"] = True  # writes only into blocks reserved for the writer
+    if config.kv_transport == "mooncake":  # RDMA where a NIC exists; refused where none does
+        options.update(protocol=config.kv_mooncake_protocol,
+                       device_names=config.kv_mooncake_devices)
     transport = create_transport(config.kv_transport, **options)
     kv = runner.kv_cache
     layout = KVLayout(

@@ -19,7 +19,7 @@ from tests.unit.engine.pd_harness import (
 )
 
 MODES = ("pull", "push", "layerwise")
-TRANSPORTS = ("tcp", "shm", "mooncake")
+TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
 BS = 8
 
 def _prompts(mode: str) -> tuple[list[int], list[int], list[int]]:

@@ -31,6 +31,10 @@ from typing import NamedTuple
 import numpy as np
 
 
+class TransportUnavailable(RuntimeError):
+    """A transport cannot start on this host as configured (no RDMA NIC, a backend that
+    does not load); the engine refuses to start with this message, without a traceback."""
+
 class TransferItem(NamedTuple):
     """One contiguous run: ``length`` bytes at ``local_addr`` <-> ``remote_addr``."""
 

@@ -37,6 +37,7 @@ from pdserve.engine.kv_transfer.transport.base import (
     RDMA_DEVICE_DIR,
     BatchHandle,
     Regions,
+    TransportUnavailable,
     poll_while,
     rdma_devices,
 )
@@ -77,7 +78,7 @@ class MooncakeTransport(ChannelTransport):
         mc_host = advertise_host or host
         rc = self._engine.initialize(mc_host, "P2PHANDSHAKE", protocol, device_names)
         if rc != 0:
-            raise RuntimeError(f"Mooncake initialize({mc_host}, P2PHANDSHAKE, {protocol}) = {rc}")
+            raise TransportUnavailable(f"Mooncake initialize({mc_host}, P2PHANDSHAKE, {protocol}) = {rc}")
         self.session_id = f"{mc_host}:{self._engine.get_rpc_port()}"
         super().__init__(host=host, port=port, advertise_host=advertise_host,
                          auth_token=auth_token, timeout_s=timeout_s, limits=limits)
@@ -135,11 +136,11 @@ def check_protocol(protocol: str, device_names: str) -> None:
         return
     present = rdma_devices()
     if not present:
-        raise RuntimeError(
+        raise TransportUnavailable(
             f"Mooncake protocol rdma needs an RDMA NIC, and this host has none "
             f"({RDMA_DEVICE_DIR} is empty or missing); use protocol tcp")
     missing = [d for d in device_names.split(",") if d.strip() and d.strip() not in present]
     if missing:
-        raise RuntimeError(
+        raise TransportUnavailable(
             f"RDMA device(s) {', '.join(missing)} not found on this host (it has "
             f"{', '.join(present)})")

@@ -37,7 +37,12 @@ import uuid
 
 import numpy as np
 
-from pdserve.engine.kv_transfer.transport.base import BatchHandle, poll_while, rdma_devices
+from pdserve.engine.kv_transfer.transport.base import (
+    BatchHandle,
+    TransportUnavailable,
+    poll_while,
+    rdma_devices,
+)
 from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
 from pdserve.engine.kv_transfer.transport.limits import ChannelLimits
 from pdserve.engine.kv_transfer.transport.link import PeerLink
@@ -55,7 +60,7 @@ def _load_api():
     try:
         from nixl_cu12 import _api
     except ImportError as exc:
-        raise RuntimeError(
+        raise TransportUnavailable(
             f"the nixl transport needs the nixl-cu12 package ({exc}); install it, or "
             "choose transport tcp") from None
     finally:
@@ -95,9 +100,9 @@ class NixlTransport(ChannelTransport):
         try:  # one sender thread per peer calls the agent: STRICT makes it thread-safe
             self._agent = api.nixl_agent(self.agent_name, config)
         except Exception as exc:  # noqa: BLE001 - the bindings raise bare Exception types
-            raise RuntimeError(f"NIXL agent could not start: {exc}") from exc
+            raise TransportUnavailable(f"NIXL agent could not start: {exc}") from exc
         if backend not in self._agent.backends:
-            raise RuntimeError(
+            raise TransportUnavailable(
                 f"NIXL backend {backend} could not start here (plugins found: "
                 f"{', '.join(self._agent.get_plugin_list()) or 'none'})")
         self._registrations: list = []

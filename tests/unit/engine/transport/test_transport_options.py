@@ -60,3 +60,27 @@ def test_nixl_registers_each_region_once_and_no_batch_registers_more(monkeypatch
         p.close()
         d.close()
     assert_kv_threads_gone()
+
+
+def test_the_spec_s_mooncake_protocol_reaches_the_engine_which_refuses_rdma_without_a_nic():
+    """kvTransfer.mooncake → the NodeAgent's engine flags → the engine, which refuses at
+    start, saying why, on this host (it has no RDMA device)."""
+    import subprocess
+    import sys
+
+    from pdserve.api.manifest import parse_manifest
+    from pdserve.nodeagent.engine_args import build_engine_argv
+
+    cluster = parse_manifest({"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                              "metadata": {"name": "m"}, "spec": {
+                                  "model": {"preset": "tiny"}, "prefill": {"replicas": 1},
+                                  "decode": {"replicas": 1}, "kvTransfer": {
+                                      "transport": "mooncake",
+                                      "mooncake": {"protocol": "rdma", "devices": ["mlx5_0"]}}}})
+    argv = build_engine_argv(cluster, "decode", ["--num-kv-blocks", "8"])
+    at = argv.index("--kv-mooncake-protocol")
+    assert argv[at:at + 4] == ["--kv-mooncake-protocol", "rdma", "--kv-mooncake-devices", "mlx5_0"]
+    assert not mooncake.rdma_devices()  # what this test is about: no NIC here
+    done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "RDMA" in done.stdout + done.stderr and "Traceback" not in done.stderr
