@@ -10,6 +10,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.llm_engine import LLMEngine
 
+MODES = ("pull", "push", "layerwise")
+TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")  # every transport, in the correctness tests
 COMMON = dict(model="tiny", num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
 
 

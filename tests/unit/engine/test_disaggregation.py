@@ -12,6 +12,8 @@ import torch
 
 from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.pd_harness import (
+    MODES,
+    TRANSPORTS,
     assert_all_free,
     make_engine,
     prompt_kv,
@@ -20,8 +22,6 @@ from tests.unit.engine.pd_harness import (
     tokens,
 )
 
-MODES = ("pull", "push", "layerwise")
-TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
 PROMPTS = [list(range(1, 60)), [7, 7, 3, 9, 250, 11, 5, 90, 91, 92, 93], list(range(200, 240))]
 
 

@@ -10,6 +10,8 @@ import torch
 
 from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.pd_harness import (
+    MODES,
+    TRANSPORTS,
     assert_all_free,
     make_engine,
     prompt_kv,
@@ -18,8 +20,6 @@ from tests.unit.engine.pd_harness import (
     tokens,
 )
 
-MODES = ("pull", "push", "layerwise")
-TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
 BS = 8
 
 def _prompts(mode: str) -> tuple[list[int], list[int], list[int]]:
