@@ -92,6 +92,7 @@ class Cluster:
                 rec = self.records[rep.instance_id] = InstanceRecord(
                     rep.instance_id, pool=rep.pool or rep.role,
                     assigned_role=rep.pool or rep.role, health_since_s=now_s)
+                self._drains.pop(rep.instance_id, None)  # a drain of an earlier one is done
                 self.record_event(f"{rep.instance_id}: registered ({rec.pool} pool, agent {agent_id})")
             self._update_from_report(rec, agent_id, rep, now_s)
         commands = self._pending.pop(agent_id, [])
@@ -155,6 +156,7 @@ class Cluster:
         """Called when the operator deletes the cluster: every record goes, and nothing
         is left to write or delete (``Controller.forget_cluster`` empties the store)."""
         self.records.clear()
+        self._drains.clear()
         self.dirty.clear()
         self.removed.clear()
         self.replacements.clear()
@@ -181,6 +183,7 @@ class Cluster:
             self._set_health(rec, new, f"missed {int(missed)} heartbeats", now_s)
             if rec.health == FAILED and now_s - rec.last_heartbeat_s >= self.settings.forget_after_s:
                 del self.records[rec.instance_id]
+                self._drains.pop(rec.instance_id, None)
                 self.removed.add(rec.instance_id)
                 self.record_event(f"{rec.instance_id}: forgotten (silent for {self.settings.forget_after_s:g}s)")
 

@@ -43,7 +43,8 @@ def engine_settings(cluster: PDCluster, pool: Pool) -> dict:
     spec's (the agent reads none): 1 for ``pool``, 0 for the others, which keeps the file
     a valid PDCluster whatever the other pools' GPUs and parallelism, and scaling out of
     the hash. Every pool's parallelism is kept (the spec's rule relates them), and the
-    pool's threads and GPUs (an engine on GPUs runs without a KV transport)."""
+    pool's threads and GPUs (an engine on GPUs runs without a KV transport); the KV pool
+    when enabled (its segment size is an engine flag)."""
     spec = cluster.spec
     model = spec.model.to_manifest()
     model.pop("servedName", None)  # the Coordinator's
@@ -53,8 +54,9 @@ def engine_settings(cluster: PDCluster, pool: Pool) -> dict:
         pools[pool]["threads"] = getattr(spec, pool).threads
     if getattr(spec, pool).gpus:
         pools[pool]["gpus"] = getattr(spec, pool).gpus
+    pool_spec = {"kvPool": spec.kv_pool.to_manifest()} if spec.kv_pool.enabled else {}
     return {"model": model, "engine": spec.engine.to_manifest(),
-            "kvTransfer": spec.kv_transfer.to_manifest(),
+            "kvTransfer": spec.kv_transfer.to_manifest(), **pool_spec,
             "heartbeat": {"intervalSeconds": spec.heartbeat.interval_seconds}, **pools}
 
 

@@ -38,6 +38,22 @@ def test_a_drain_is_queued_once_delivered_and_then_waits_for_an_idle_heartbeat()
     assert c.request_drain("d0", 5.0).is_drained
 
 
+def test_an_instance_forgotten_and_registered_again_is_drained_afresh():
+    """A new instance under an old name (a recreated Pod) gets its own drain command; the
+    earlier instance's drain says nothing about it."""
+    c = Cluster(ClusterSettings(forget_after_s=5.0), now_s=0.0)
+    c.started_s = -100.0  # past the new-leader grace window
+    c.apply_heartbeat("agent", [report("d0")], 1.0)
+    c.request_drain("d0", 5.0)
+    assert [x.kind for x in c.apply_heartbeat("agent", [report("d0")], 2.0)] == ["drain"]
+    c.tick(40.0)  # silent: FAILED, then forgotten
+    assert "d0" not in c.records
+    c.apply_heartbeat("agent", [report("d0", num_running=2)], 41.0)
+    again = c.request_drain("d0", 5.0)
+    assert not again.is_drained and again.num_running == 2
+    assert [x.kind for x in c.apply_heartbeat("agent", [report("d0", num_running=2)], 42.0)] == ["drain"]
+
+
 def test_acknowledging_a_replacement_clears_the_failure_history_and_forget_drops_all():
     c = Cluster(ClusterSettings(), now_s=0.0)
     c.apply_heartbeat("agent", [report("d0")], 1.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import yaml
+
 from pdserve.api import PDCluster
 from pdserve.api.manifest import load_manifest, parse_manifest
 from pdserve.operator import builders as b
@@ -278,6 +280,8 @@ def test_a_kv_pool_gets_its_master_deployment_and_service_and_every_engine_joins
     for pool in ("prefill", "decode"):
         args = build_engine_pod(c, f"c-{pool}-0", pool, "uid", IMAGE)["spec"]["containers"][0]["args"]
         assert "--engine-arg=--kv-pool=c-kv-pool:50600" in args
+        engine_file = yaml.safe_load(build_engine_config_map(c, pool)["data"]["cluster.yaml"])
+        assert engine_file["spec"]["kvPool"]["segmentSize"] == "64Mi"  # the engine's segment flag
     off = cluster()
     assert not [o for o in build_static_objects(off, settings) if "kv-pool" in o["metadata"]["name"]]
     assert engine_hashes(c) != engine_hashes(off)  # enabling the pool rolls the engines
