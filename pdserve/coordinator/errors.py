@@ -27,7 +27,7 @@ class ServeError(Exception):
         self.param = param
         self.headers = headers or {}
         self.is_counted = False
-        """Set once the request was counted (``serving._Output.done``): the app's error
+        """Set once the request was counted (``output.Output.done``): the app's error
         handler then logs it without counting it again."""
         self.request_id: str | None = None
         """The Coordinator's own id of the request (its engines' request id), set by

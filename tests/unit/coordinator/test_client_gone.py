@@ -40,7 +40,7 @@ def test_a_client_that_goes_away_is_counted_and_logged_at_debug(loop, stubs, cap
         wait_for(lambda: metric(app, "pdserve_coordinator_aborts_total", reason="client_gone") == 1)
         assert metric(app, "pdserve_coordinator_requests_total", endpoint="completions",
                       code="499") == 1
-    gone = [r for r in caplog.records if r.name == "pdserve.coordinator.serving"
+    gone = [r for r in caplog.records if r.name == "pdserve.coordinator.output"
             and "went away" in r.getMessage()]
     assert [r.levelno for r in gone] == [logging.DEBUG]
     # The Coordinator's log (pdserve, uvicorn); the stub engines' gRPC server logs apart.
