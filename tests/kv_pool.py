@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 
 from tests.etcd import free_port
@@ -28,7 +30,14 @@ class PoolMaster:
                           f"--metrics_port={self.metrics_port}", "--rpc_address=127.0.0.1",
                           "--default_kv_lease_ttl=100"])
         self.proc.wait_for(r"Master service started on port", timeout_s=30)
-        return self
+        deadline = time.monotonic() + 10
+        while True:  # it logs that line just before it listens
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                assert time.monotonic() < deadline, "mooncake_master does not listen"
+                time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_PUTS = 4096
 RECHECK_S = 2.0
+JOIN_WAIT_S = 30.0  # at start, for a master that is not listening yet
 RPC_FAILED = -900  # Mooncake's error code for a call the master did not answer
 
 
@@ -241,12 +242,17 @@ def _reachable(master: str) -> bool:
 
 def connect(master: str, local_host: str, segment_bytes: int):
     """A Mooncake Store client of the pool at ``master`` (host:port of mooncake_master),
-    contributing ``segment_bytes`` of this process's memory to it (TCP protocol)."""
+    contributing ``segment_bytes`` of this process's memory to it (TCP protocol). Waits
+    up to ``JOIN_WAIT_S`` for the master to listen (its Pod or process may start after
+    the engine's)."""
     from mooncake.store import MooncakeDistributedStore
 
-    if not _reachable(master):
-        raise RuntimeError(f"cannot join the KV pool at {master}: its master does not accept "
-                           f"connections")
+    deadline = time.monotonic() + JOIN_WAIT_S  # a master starting beside the engines
+    while not _reachable(master):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"cannot join the KV pool at {master}: its master does not "
+                               f"accept connections (waited {JOIN_WAIT_S:g}s)")
+        time.sleep(0.5)
     store = MooncakeDistributedStore()
     rc = store.setup(local_host, "P2PHANDSHAKE", segment_bytes, 64 << 20, "tcp", "", master)
     if rc != 0:

@@ -4,15 +4,21 @@ blocks balanced), and a pool that is gone is a cache miss, never an error."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from pdserve.engine import kv_pool
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from tests.kv_pool import PoolMaster
+from tests.procs import Proc
 from tests.unit.engine.pd_harness import assert_all_free, prompt_kv
 
 PROMPT = list(range(3, 70))  # eight full blocks of 8 and three tokens
@@ -65,27 +71,49 @@ def test_a_prompt_computed_on_one_engine_is_a_hit_on_another(master):
         b.close()
 
 
-def test_a_pool_that_is_gone_is_a_cache_miss(master):
-    a = _engine(master.address)
+def gone_scenario(address: str, master_gone: str) -> None:
+    """The engine's side of ``test_a_pool_that_is_gone_is_a_cache_miss``, in a process of
+    its own (as engines are): a client of a dead master keeps threads that reconnect
+    forever, which must not stay in the test process. Prints what the test checks."""
+    a = _engine(address)
+    reference, _, _ = _run(a, "a", PROMPT)
+    a.kv_pool.flush()
+    print("puts done", flush=True)
+    deadline = time.monotonic() + 60
+    while not Path(master_gone).exists():  # the test stops the master, then says so
+        assert time.monotonic() < deadline, "the test did not stop the master"
+        time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while a.kv_pool.is_up:  # the pool's own check finds the master gone
+        assert time.monotonic() < deadline, "the pool still looks up"
+        time.sleep(0.1)
+    out, cached, _ = _run(a, "after", [t + 100 for t in PROMPT])  # computed, no error
+    again = _run(a, "again", PROMPT)[0]  # its own cache still serves
+    assert_all_free(a)
+    s = a.kv_pool.stats
+    print(json.dumps({"cached": cached, "num_out": len(out), "num_down": s.num_down,
+                      "num_puts": s.num_puts, "same": again == reference}), flush=True)
+    os._exit(0)  # the client of the dead master is not closed: its close waits for it
+
+
+def test_a_pool_that_is_gone_is_a_cache_miss(master, tmp_path):
+    flag = tmp_path / "master-gone"
+    engine = Proc([sys.executable, "-c", "import sys; from tests.unit.engine.test_kv_pool import "
+                   "gone_scenario; gone_scenario(*sys.argv[1:])", master.address, str(flag)])
     try:
-        reference, _, _ = _run(a, "a", PROMPT)
+        engine.wait_for("puts done", timeout_s=120)
         master.stop()
-        deadline = time.monotonic() + 10
-        while a.kv_pool.is_up:  # the pool's own check finds the master gone
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        other = [t + 100 for t in PROMPT]
-        out, cached, _ = _run(a, "after", other)  # lookups fail: computed, no error
-        assert cached == 0 and len(out) == 5
-        assert a.kv_pool.stats.num_down == 1 and a.kv_pool.stats.num_puts == 8
-        assert _run(a, "again", PROMPT)[0] == reference  # its own cache still serves
-        assert_all_free(a)
+        flag.touch()
+        result = json.loads(engine.wait_for(r"^\{.*\}$", timeout_s=120).group(0))
+        assert engine.popen.wait(30) == 0
     finally:
-        a.close()
+        engine.stop()
+    assert result == {"cached": 0, "num_out": 5, "num_down": 1, "num_puts": 8, "same": True}
 
 
-def test_an_engine_without_a_reachable_master_refuses_to_start():
-    with pytest.raises(RuntimeError, match="cannot join the KV pool"):
+def test_an_engine_without_a_reachable_master_refuses_to_start(monkeypatch):
+    monkeypatch.setattr(kv_pool, "JOIN_WAIT_S", 1.0)  # it waits this long for a master to listen
+    with pytest.raises(RuntimeError, match=r"cannot join the KV pool .* \(waited 1s\)"):
         _engine("127.0.0.1:1")
 
 
