@@ -7,6 +7,7 @@ import logging
 import threading
 
 import httpx
+import pytest
 
 from tests.unit.coordinator.harness import BODY, metric, serve
 
@@ -62,15 +63,19 @@ def test_beyond_concurrency_and_queue_is_429(loop, stubs):
         assert metric(app, "pdserve_coordinator_rejected_total", reason="queue_full") == 1
 
 
-def test_prefill_and_decode_failures_are_retried(loop, stubs):
-    engines = [stubs(role="prefill", behavior="fail"), stubs(role="prefill"),
-               stubs(role="decode", behavior="fail"), stubs(role="decode", num_tokens=2)]
+@pytest.mark.parametrize("failing, stage", [("prefill", "before_handoff"),
+                                            ("decode", "before_first_token")])
+def test_prefill_and_decode_failures_are_retried(loop, stubs, failing, stage):
+    """One failing engine beside a working one in one pool (a failing P and D together
+    race: whichever leg fails first is the one retried)."""
+    other = "decode" if failing == "prefill" else "prefill"
+    engines = [stubs(role=failing, behavior="fail", num_tokens=2), stubs(role=failing, num_tokens=2),
+               stubs(role=other, num_tokens=2)]
     with serve(loop, engines, prefill_policy="round_robin", decode_policy="round_robin") as app:
-        for _ in range(4):
+        for _ in range(4):  # round robin: the failing engine is chosen within two requests
             r = httpx.post(app.url + "/v1/completions", json=BODY, timeout=10)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "AB"
-        assert metric(app, "pdserve_coordinator_retries_total", leg="prefill", stage="before_handoff") >= 1
-        assert metric(app, "pdserve_coordinator_retries_total", leg="decode", stage="before_first_token") >= 1
+        assert metric(app, "pdserve_coordinator_retries_total", leg=failing, stage=stage) >= 1
 
 
 def test_retry_budget_ends_with_a_clear_error(loop, stubs):
