@@ -91,7 +91,7 @@ class Router:
                 self.metrics.fallbacks.labels("fail", reason).inc()
                 raise ServeError(503, f"no engine pair to serve the request ({detail}); "
                                  "fallback policy is fail", code="no_route")
-            if policy == "hybrid" and not self._may_change(exclude):
+            if policy == "hybrid" and not self._may_change(exclude, reason):
                 self.metrics.fallbacks.labels("hybrid", reason).inc()
                 raise ServeError(503, f"no engine pair to serve the request ({detail}) and no "
                                  "hybrid engine to fall back to", code="no_route")
@@ -117,11 +117,13 @@ class Router:
                      (ctx.num_tokens - 1) // ctx.block_size)
         self.metrics.prefix_predicted.inc(blocks * ctx.block_size)
 
-    def _may_change(self, exclude: set[str]) -> bool:
-        """Whether waiting may give the hybrid fallback a route: a Controller may switch
-        engines to hybrid; without one, an engine of the view that is not routable now
-        (down, draining) may come back. Excluded engines stay excluded for this request."""
-        if self.settings.controller:
+    def _may_change(self, exclude: set[str], reason: str) -> bool:
+        """Whether waiting may give the request a route: a Controller may switch engines
+        to hybrid; without one, the pair checks retry a pair whose probe failed or is not
+        done yet (``no_probed_pair``: a busy engine is not a dead one), and an engine of
+        the view that is not routable now (down, draining) may come back. Excluded
+        engines stay excluded for this request."""
+        if self.settings.controller or reason == "no_probed_pair":
             return True
         return any(not i.routable for i in self.registry.all() if i.instance_id not in exclude)
 

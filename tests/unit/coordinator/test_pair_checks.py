@@ -61,3 +61,16 @@ def test_a_pair_that_comes_good_is_routed_after_its_next_probe(loop, stubs):
         assert r.status_code == 200, r.text
         assert time.monotonic() - started < 5
         assert httpx.get(app.url + "/ready").status_code == 200
+
+
+def test_a_pair_whose_probe_failed_is_retried_while_the_request_waits(loop, stubs):
+    """A busy P failed its pair's probe (a timeout under load): the pair checks retry it,
+    so a request waits for the retry instead of a 503 at once, and is served."""
+    d = stubs(role="decode", num_tokens=2, kv_endpoint="10.9.9.9:7005")
+    p = stubs(role="prefill", probe_failures={"10.9.9.9:7005": "DEADLINE_EXCEEDED (busy)"})
+    with serve(loop, [p, d], pair_probe_retry_s=0.3) as app:
+        assert not httpx.get(app.url + "/ready", params={"verbose": 1}).json()["pairs"][0]["usable"]
+        stubs.by_address[p].probe_failures.clear()  # no longer busy: the next probe passes
+        r = httpx.post(app.url + "/v1/completions", json=BODY, timeout=10)
+        assert r.status_code == 200, r.text
+        assert stubs.by_address[d].request_ids
