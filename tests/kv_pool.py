@@ -1,22 +1,13 @@
-"""A real Mooncake Store master for tests (the binary the Mooncake wheel ships)."""
+"""A real Mooncake Store master for tests, started as users start it (``pdserve kv-pool``)."""
 
 from __future__ import annotations
 
-import shutil
 import socket
-import sys
 import time
-from pathlib import Path
 
+from pdserve.runtime.kv_pool_master import READY_LINE
 from tests.etcd import free_port
-from tests.procs import Proc
-
-
-def master_binary() -> str:
-    found = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
-    if not Path(found).exists():
-        raise AssertionError("mooncake_master is missing: make test installs the Mooncake wheel")
-    return found
+from tests.procs import PDSERVE, Proc
 
 
 class PoolMaster:
@@ -26,10 +17,9 @@ class PoolMaster:
         self.proc: Proc | None = None
 
     def start(self) -> PoolMaster:
-        self.proc = Proc([master_binary(), f"--rpc_port={self.port}",
-                          f"--metrics_port={self.metrics_port}", "--rpc_address=127.0.0.1",
-                          "--default_kv_lease_ttl=100"])
-        self.proc.wait_for(r"Master service started on port", timeout_s=30)
+        self.proc = Proc([*PDSERVE, "kv-pool", "--port", str(self.port),
+                          "--metrics-port", str(self.metrics_port)])
+        self.proc.wait_for(READY_LINE, timeout_s=30)
         deadline = time.monotonic() + 10
         while True:  # it logs that line just before it listens
             try:

@@ -68,6 +68,7 @@ class Router:
         ``prefer``: the plan of a sibling choice (``n > 1``), kept while its engines are
         routable, so this choice finds the prompt's blocks in their prefix caches."""
         if prefer is not None and self._still_usable(prefer, exclude):
+            self._predict(prefer.prefill or prefer.single, ctx)  # its hits are counted too
             return Plan(prefer.kind, prefer.prefill, prefer.decode, prefer.single, prefer.fallback)
         counted = False
         while True:
