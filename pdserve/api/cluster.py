@@ -85,24 +85,21 @@ SPEC_RULES = [
         f"GPU engines serve in the hybrid pool",
         f".{pool}.gpus",
     ) for pool in ("prefill", "decode")),
-    *(_rule(
-        f"self.{pool}.replicas == 0 || self.{pool}.parallelism.tensorParallelSize == 1",
-        f"spec.{pool}.parallelism.tensorParallelSize must be 1 while spec.{pool}.replicas > 0: "
-        f"KV transfer between tensor-parallel engines is not implemented; tensor parallelism "
-        f"serves in the hybrid pool",
-        f".{pool}.parallelism.tensorParallelSize",
-    ) for pool in ("prefill", "decode")),
 ]
 KV_POOL_RULE = _rule(
-    "!has(self.kvPool) || !self.kvPool.enabled || self.hybrid.replicas == 0"
-    " || (self.hybrid.gpus == 0 && self.hybrid.parallelism.tensorParallelSize == 1)",
-    "spec.kvPool needs every engine's KV in host memory as whole blocks: the hybrid pool "
-    "must have gpus 0 and tensorParallelSize 1 while the pool is enabled",
+    "!has(self.kvPool) || !self.kvPool.enabled || ("
+    "(self.hybrid.replicas == 0"
+    " || (self.hybrid.gpus == 0 && self.hybrid.parallelism.tensorParallelSize == 1))"
+    " && (self.prefill.replicas == 0 || self.prefill.parallelism.tensorParallelSize == 1)"
+    " && (self.decode.replicas == 0 || self.decode.parallelism.tensorParallelSize == 1))",
+    "spec.kvPool needs every engine's KV in host memory as whole blocks: while the pool is "
+    "enabled, every pool with replicas must have tensorParallelSize 1 (and the hybrid pool "
+    "gpus 0)",
     ".kvPool.enabled",
 )
 PD_POOL_RULES = SPEC_RULES[2:]
 """The rules above that hold for the prefill and decode pools alone, in pool order
-(gpus of prefill and decode, then their tensor parallelism)."""
+(the gpus of prefill, then of decode)."""
 POOL_RULES = [_rule(
     "self.gpus == 0 || self.gpus >= self.parallelism.tensorParallelSize",
     "gpus must be 0 or at least parallelism.tensorParallelSize (one GPU per rank)",
@@ -376,15 +373,13 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": [*S
         if tp_prefill % self.decode.parallelism.tensor_parallel_size:
             raise ValueError(SPEC_RULES[1]["message"])
         pd_pools = (self.prefill, self.decode)
-        for pool, rule in zip(pd_pools, PD_POOL_RULES[:2], strict=True):
+        for pool, rule in zip(pd_pools, PD_POOL_RULES, strict=True):
             if pool.replicas and pool.gpus:
                 raise ValueError(rule["message"])
-        for pool, rule in zip(pd_pools, PD_POOL_RULES[2:], strict=True):
-            if pool.replicas and pool.parallelism.tensor_parallel_size != 1:
-                raise ValueError(rule["message"])
         hybrid = self.hybrid
-        if self.kv_pool.enabled and hybrid.replicas and (
-                hybrid.gpus or hybrid.parallelism.tensor_parallel_size != 1):
+        sharded = [pool for pool in (hybrid, *pd_pools)
+                   if pool.replicas and pool.parallelism.tensor_parallel_size != 1]
+        if self.kv_pool.enabled and (sharded or (hybrid.replicas and hybrid.gpus)):
             raise ValueError(KV_POOL_RULE["message"])
         return self
 

@@ -44,6 +44,27 @@ class ConfigError(ValueError):
     """A configuration or checkpoint that pdserve cannot serve; the message says why."""
 
 
+
+def kv_heads_of(rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:
+    """(first, count) of the KV heads rank ``rank`` of ``tp_size`` holds: its equal share,
+    or, with fewer heads than ranks, the one head it replicates (``tp_size /
+    num_kv_heads`` consecutive ranks hold each head)."""
+    if num_kv_heads >= tp_size:
+        count = num_kv_heads // tp_size
+        return rank * count, count
+    return rank // (tp_size // num_kv_heads), 1
+
+
+def split_error(tp_size: object, num_kv_heads: int) -> str | None:
+    """Why ``num_kv_heads`` cannot be laid out over ``tp_size`` ranks, or None."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        return f"tp_size must be a positive integer, got {tp_size!r}"
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        return (f"{num_kv_heads} KV heads cannot be split over {tp_size} ranks (one must be "
+                f"a multiple of the other)")
+    return None
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """A RoPE scaling type and its parameters, as ``rope.inv_freq`` reads them."""
@@ -332,13 +353,6 @@ class EngineConfig:
                 f"kv_transport {self.kv_transport!r} moves host memory only and cannot carry a "
                 f"KV cache on device {self.device!r}; run this engine with --device cpu, or "
                 f"with --kv-transport none (role hybrid: it serves whole requests)")
-        if self.tensor_parallel_size > 1 and (self.kv_transport != "none" or self.role != "hybrid"):
-            raise ConfigError(
-                f"tensor_parallel_size {self.tensor_parallel_size} works for a hybrid engine "
-                f"without a KV transport only (--role hybrid --kv-transport none; this one has "
-                f"role {self.role!r}, kv_transport {self.kv_transport!r}): KV transfer between "
-                f"tensor-parallel engines is not implemented, so run prefill and decode engines "
-                f"with --tensor-parallel-size 1")
 
     def check_model(self, model: ModelConfig) -> None:
         """Whether this engine can shard ``model``; called by ``LLMEngine`` before any
@@ -347,12 +361,10 @@ class EngineConfig:
         if model.num_attention_heads % tp:
             raise ConfigError(f"num_attention_heads ({model.num_attention_heads}) of {model.name} "
                               f"must be a multiple of tensor_parallel_size ({tp})")
-        kv_heads = model.num_key_value_heads
-        if kv_heads % tp and tp % kv_heads:
-            raise ConfigError(
-                f"num_key_value_heads ({kv_heads}) of {model.name} and tensor_parallel_size "
-                f"({tp}): one must be a multiple of the other (KV heads are split across the "
-                f"ranks, or each replicated on tensor_parallel_size / num_key_value_heads ranks)")
+        if error := split_error(tp, model.num_key_value_heads):
+            raise ConfigError(f"{model.name}: {error} (KV heads are split across the ranks, or "
+                              f"each replicated on tensor_parallel_size / num_key_value_heads "
+                              f"ranks)")
         if model.intermediate_size % tp:
             raise ConfigError(f"intermediate_size ({model.intermediate_size}) of {model.name} "
                               f"must be a multiple of tensor_parallel_size ({tp})")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import time
 
 from pdserve.api.proto.engine_pb2 import StatsResponse
@@ -53,18 +54,20 @@ class LLMEngine:
         self.tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         try:
             model, tokenizer, num_blocks = self._load(config)
+            allocator = kv_allocator(config)
+            self.runner = ModelRunner(model, num_blocks, config.block_size, allocator,
+                                      self.tp_workers.send_step if self.tp_workers else None)
+            if self.tp_workers is not None:
+                self._start_ranks(num_blocks, getattr(allocator, "fd", None))
         except BaseException:
             if self.tp_workers is not None:
                 self.tp_workers.close()
             raise
+        self._kv_segment = getattr(allocator, "segment", None)
         self.model_config = cfg = model.config
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_events = self.block_manager.events = KVEventLog()
-        allocator = kv_allocator(config)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, allocator,
-                                  self.tp_workers.send_step if self.tp_workers else None)
-        self._kv_segment = getattr(allocator, "segment", None)
         self.connector = build_connector(config, cfg, self.runner, self.block_manager)
         self.kv_pool = attach_pool(config, cfg, self.runner, self.block_manager)
         self.max_model_len = min(
@@ -88,7 +91,7 @@ class LLMEngine:
 
     def _load(self, config: EngineConfig):
         """(model, tokenizer, KV block count) of this rank; the other ranks, if any, have
-        loaded their shards and allocated their KV caches when it returns."""
+        loaded their shards when it returns (their KV caches follow rank 0's)."""
         tp = TensorParallel(0, config.tensor_parallel_size)
         device = config.device if tp.size == 1 else rank_device(config.device, 0)
         prepare_device(device, config.num_threads)
@@ -100,9 +103,15 @@ class LLMEngine:
             raise ConfigError(
                 f"kv_cache_bytes={config.kv_cache_bytes} is below one block ({bytes_per_block} bytes)"
             )
-        if self.tp_workers is not None:
-            self.tp_workers.start_cache(num_blocks, config.block_size)
         return model, tokenizer, num_blocks
+
+    def _start_ranks(self, num_blocks: int, shared_fd: int | None) -> None:
+        """The other ranks allocate (or, sharing rank 0's region, map) their KV caches."""
+        try:
+            self.tp_workers.start_cache(num_blocks, self.config.block_size, shared_fd)
+        finally:
+            if shared_fd is not None:
+                os.close(shared_fd)  # every rank maps the file now
 
     # -- admission -----------------------------------------------------------
 

@@ -134,9 +134,16 @@ class Transformer(nn.Module):
         kv_ready=None,  # optional callback(layer_index) once a layer's KV is in the cache
     ) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed_tokens)
+        # With tensor parallelism a layer's KV is whole on every rank only once o_proj's
+        # all-reduce returned (each rank writes its heads before it joins), so the hook
+        # fires after attention instead of between the cache write and attention.
+        sharded = self.tp.size > 1
         for i, layer in enumerate(self.layers):
             hook = None if kv_ready is None else functools.partial(kv_ready, i)
-            a = layer.self_attn(layer.input_layernorm(h), positions, self.rotary, kv_cache[i], meta, hook)
+            a = layer.self_attn(layer.input_layernorm(h), positions, self.rotary, kv_cache[i], meta,
+                                None if sharded else hook)
+            if sharded and hook is not None:
+                hook()
             h = h + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)

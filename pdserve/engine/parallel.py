@@ -32,8 +32,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+import mmap
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import pickle
 import socket
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.config import kv_heads_of
 from pdserve.engine.device import prepare_device
 
 log = logging.getLogger(__name__)
@@ -66,9 +70,7 @@ class TensorParallel:
     def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
         """(first, count) of this rank's KV heads: its share, or the one head it replicates
         when there are fewer KV heads than ranks."""
-        if num_kv_heads >= self.size:
-            return self.split(num_kv_heads)
-        return self.rank // (self.size // num_kv_heads), 1
+        return kv_heads_of(self.rank, self.size, num_kv_heads)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks in place (row-parallel outputs)."""
@@ -83,6 +85,23 @@ def rank_device(device: str, rank: int) -> str:
     if kind == "cpu":
         return "cpu"
     return f"{kind}:{int(index or 0) + rank}"
+
+
+def create_shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """Rank 0: a KV tensor the ranks of one engine share, ``shape`` being ``(ranks, *one
+    rank's cache)``, in an anonymous memory file (gone once the last rank exits, crash or
+    not), and that file's descriptor for ``TPWorkers.start_cache``. Rank 0's KV connector
+    registers every rank's slab as one region and moves every rank's heads itself."""
+    fd = os.memfd_create("pdserve-kv")
+    os.ftruncate(fd, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+    return map_shared_kv(shape, dtype, fd), fd
+
+
+def map_shared_kv(shape: tuple[int, ...], dtype: torch.dtype, fd: int) -> torch.Tensor:
+    """The shared KV tensor of ``create_shared_kv`` (or a /dev/shm file) mapped from ``fd``."""
+    count = math.prod(shape)
+    mapping = mmap.mmap(fd, count * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
 
 
 def _free_port() -> int:
@@ -158,9 +177,14 @@ class TPWorkers:
         logging.shutdown()
         os._exit(1)
 
-    def start_cache(self, num_blocks: int, block_size: int) -> None:
-        """Every worker allocates its KV cache; returns once all are ready to step."""
-        self._send(("cache", (num_blocks, block_size)))
+    def start_cache(self, num_blocks: int, block_size: int, shared_fd: int | None = None) -> None:
+        """Every worker allocates its KV cache, or, with ``shared_fd`` (a file holding one
+        slab per rank, rank 0's first: ``create_shared_kv``), maps its slab of it; returns once
+        all are ready to step."""
+        self._send(("cache", (num_blocks, block_size, shared_fd is not None)))
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            if shared_fd is not None:
+                multiprocessing.reduction.send_handle(conn, shared_fd, proc.pid)
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.recv_bytes()
@@ -214,7 +238,14 @@ def _worker_main(rank: int, size: int, port: int, config, conn, log_level: str) 
             dist.destroy_process_group()
             return
         if kind == "cache":
-            runner = ModelRunner(model, *payload)
+            num_blocks, block_size, shared = payload
+            allocate = None
+            if shared:
+                fd = multiprocessing.reduction.recv_handle(conn)
+
+                def allocate(shape, dtype, fd=fd):
+                    return map_shared_kv((size, *shape), dtype, fd)[rank]
+            runner = ModelRunner(model, num_blocks, block_size, allocate)
             conn.send_bytes(b"ready")
             continue
         ids, positions, meta = _moved(list(payload), runner.device)

@@ -286,3 +286,48 @@ def test_up_runs_a_kv_pool_so_one_prefill_engines_prompt_is_a_hit_on_the_other(t
         assert up.popen.wait(30) == 0
     finally:
         up.stop()
+
+
+def test_up_runs_a_tensor_parallel_prefill_engine_feeding_a_tp1_decode_engine(tmp_path):
+    """``examples/tensor-parallel-pd.yaml`` as a user runs it: the prefill engine runs two
+    ranks (two processes), every request crosses from them into the TP=1 decode engine,
+    and the Coordinator's answer is what one TP=1 engine generates for the prompt."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    prompt = [(11 * i + 5) % 250 + 1 for i in range(70)]
+    reference = LLMEngine(EngineConfig(model="tiny", dtype="float32", kv_transport="none"))
+    try:
+        [expected] = reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0))
+        expected_text = reference.tokenizer.decode(expected)
+    finally:
+        reference.close()
+    port, run_dir = free_port(), tmp_path / "run"
+    example = Path(__file__).parents[2] / "examples" / "tensor-parallel-pd.yaml"
+    up = Proc([*PDSERVE, "up", "-f", str(example), "--port", str(port), "--run-dir", str(run_dir)])
+    try:
+        up.wait_for(r"pdserve is up", timeout_s=180)
+        for _ in range(2):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           headers={"x-pdserve-timings": "1"},
+                           json={"model": "tp-pd", "prompt": prompt, "max_tokens": 8,
+                                 "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == expected_text
+            timings = r.json()["pdserve_timings"]
+            assert timings["prefill_compute_s"] > 0 and timings["kv_transfer_s"] is not None, timings
+        groups = json.loads((run_dir / "processes.json").read_text())["groups"]
+        roles = {}
+        for pid in engine_pids(groups["nodeagent"]):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            roles[argv[argv.index(b"--role") + 1].decode()] = pid
+        assert sorted(roles) == ["decode", "prefill"]
+        children = Path(f"/proc/{roles['prefill']}/task/{roles['prefill']}/children").read_text()
+        ranks = [pid for pid in children.split()  # not multiprocessing's resource tracker
+                 if b"--multiprocessing-fork" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(ranks) == 1, children  # rank 1; rank 0 is the engine itself
+        up.signal(signal.SIGINT)
+        assert up.popen.wait(30) == 0
+    finally:
+        up.stop()

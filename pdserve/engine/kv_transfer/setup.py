@@ -1,8 +1,9 @@
 """Builds an engine's KV connector from its configuration: transport, layout, worker, sides.
 
 Called once by ``LLMEngine`` at start-up. For the shm transport the KV cache itself
-must live in shared memory, so this module also supplies the runner's allocator, and
-the probes' scratch buffer (one KV block, never part of the cache) lives there too.
+must live in shared memory, and so must a tensor-parallel engine's (rank 0 moves every
+rank's heads), so this module also supplies the runner's allocator; the probes' scratch
+buffer (one KV block, never part of the cache) lives in shared memory with shm too.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import hashlib
+import os
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv_transfer.base import KVConnector
@@ -21,20 +23,32 @@ from pdserve.engine.kv_transfer.worker import ConnectorWorker, Scratch
 
 
 def kv_allocator(config: EngineConfig):
-    """The runner's KV allocator for this transport (None: ordinary memory)."""
-    if config.kv_transport != "shm":
+    """The runner's KV allocator for this transport and tensor parallelism (None:
+    ordinary memory). With a transport and several ranks, one region holds every rank's
+    slab (rank 0's first) and ``allocate.fd`` is its file for the other ranks to map
+    (``parallel.TPWorkers.start_cache``); rank 0's connector moves them all."""
+    ranks = config.tensor_parallel_size
+    if config.kv_transport == "shm":
+        from pdserve.engine.kv_transfer.transport.shm import allocate_shm_tensor
+
+        def allocate(shape, dtype):
+            # Peers map the segment by name: it is unlinked when the engine closes (and at
+            # exit, so a crash-free shutdown leaves nothing in /dev/shm).
+            shm = allocate_shm_tensor((ranks, *shape), dtype)
+            allocate.segment = shm
+            atexit.register(shm.close)
+            if ranks > 1:
+                allocate.fd = os.open(shm.path, os.O_RDWR)
+            return shm.tensor[0]
+    elif ranks > 1 and config.kv_transport != "none":
+        from pdserve.engine.parallel import create_shared_kv
+
+        def allocate(shape, dtype):
+            tensor, allocate.fd = create_shared_kv((ranks, *shape), dtype)
+            return tensor[0]
+    else:
         return None
-    from pdserve.engine.kv_transfer.transport.shm import allocate_shm_tensor
-
-    def allocate(shape, dtype):
-        # Peers map the segment by name: it is unlinked when the engine closes (and at
-        # exit, so a crash-free shutdown leaves nothing in /dev/shm).
-        shm = allocate_shm_tensor(tuple(shape), dtype)
-        allocate.segment = shm
-        atexit.register(shm.close)
-        return shm.tensor
-
-    allocate.segment = None
+    allocate.segment = allocate.fd = None
     return allocate
 
 
@@ -83,7 +97,8 @@ def build_connector(config: EngineConfig, model_config: ModelConfig, runner,
         head_dim=model_config.head_dim,
         dtype_bytes=kv.element_size(),
         num_blocks=runner.num_blocks,
-        base_addr=kv.data_ptr(),
+        base_addr=kv.data_ptr(),  # rank 0's slab first: the region holds every rank's
+        tp_size=config.tensor_parallel_size,
     )
     timeouts = ConnectorTimeouts(
         descriptor_s=config.kv_descriptor_timeout_s, done_s=config.kv_done_timeout_s,

@@ -176,8 +176,8 @@ class ConnectorWorker:
         lay = self.layout
         blocks = np.asarray(xfer.request.block_table[xfer.skip_blocks:], dtype=np.int64)
         starts = np.concatenate([
-            lay.base_addr + ((layer * 2 + kv) * lay.num_blocks + blocks) * lay.block_bytes
-            for layer in range(lay.num_layers) for kv in (0, 1)
+            lay.block_addr(layer, kv, blocks, rank)
+            for rank in range(lay.tp_size) for layer in range(lay.num_layers) for kv in (0, 1)
         ])
         ranges = np.stack([starts, np.full_like(starts, lay.block_bytes)], axis=1)
         self.transport.grant(xfer.peer, xfer.transfer_id, ranges)
@@ -204,7 +204,8 @@ class ConnectorWorker:
         """Pull mode (D): read tokens [start, end) of all layers from the peer's blocks."""
         remote = self.peers[xfer.peer]
         items = token_range_items(self.layout, remote, xfer.request.block_table,
-                                  xfer.remote_blocks, range(self.layout.num_layers), start, end)
+                                  xfer.remote_blocks, range(self.layout.num_layers), start, end,
+                                  local_is_source=False)
         return self.transport.read_batch(xfer.peer, items)
 
     def layer_hook(self, plan: list[tuple[object, int, int]]):

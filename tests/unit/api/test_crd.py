@@ -211,3 +211,23 @@ def test_the_kv_pool_rule_agrees_between_the_crd_and_the_models(enabled, hybrid)
             PDCluster.model_validate(manifest)
     elif not errors:
         assert PDCluster.model_validate(manifest).spec.kv_pool.enabled is bool(enabled)
+
+
+@pytest.mark.parametrize(("tp_prefill", "tp_decode"), [(1, 1), (2, 1), (2, 2)])
+def test_the_kv_pool_refuses_sharded_prefill_and_decode_engines_in_both(tp_prefill, tp_decode):
+    """Prefill and decode engines may shard (their KV is re-laid out in transit), but
+    the pool keeps whole blocks: with it enabled, both pools must run at TP=1."""
+    schema = build_crd("PDCluster")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = {"model": {"preset": "tiny"}, "kvPool": {"enabled": True},
+            "prefill": {"replicas": 1, "parallelism": {"tensorParallelSize": tp_prefill}},
+            "decode": {"replicas": 1, "parallelism": {"tensorParallelSize": tp_decode}}}
+    manifest = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                "metadata": {"name": "x"}, "spec": spec}
+    _, errors = admit(schema, manifest)
+    refused = (tp_prefill, tp_decode) != (1, 1)
+    assert any("kvPool" in e for e in errors) == refused, errors
+    if refused:
+        with pytest.raises(ValueError, match="kvPool"):
+            PDCluster.model_validate(manifest)
+    else:
+        assert errors == [] and PDCluster.model_validate(manifest).spec.kv_pool.enabled
