@@ -11,11 +11,18 @@ baseline that layer-wise must hide: hidden = 1 - exposed(layerwise) / exposed(pu
 "P-side exposed" is P's own measure of the same thing (first token -> every write
 settled and DONE sent), without the gRPC and client hops that the TTFT includes.
 
+``--tp 2:1,1:1,2:2`` measures prefill and decode engines at those tensor-parallel
+sizes (P:D) in the same run, layouts alternated over ``--rounds``: the exposed time of
+P TP=2 -> D TP=1 (each D head gathered from P's ranks, strided per token) against the
+equal-TP layouts (whole blocks). ``--transport`` picks the KV transport (tcp, mooncake).
+
 The rate-limited link needs root (``ip netns``, ``tc``); the benchmark creates the
 namespaces and removes them afterwards, also on failure.
 
     sudo .venv/bin/python benchmarks/kv_exposed_transfer.py            # both links
     .venv/bin/python benchmarks/kv_exposed_transfer.py --links loopback
+    .venv/bin/python benchmarks/kv_exposed_transfer.py --links loopback --model small \
+        --lengths 1024,4096 --modes push,layerwise --tp 1:1,2:1,2:2 --rounds 3
 """
 
 from __future__ import annotations
@@ -64,9 +71,10 @@ def teardown_netns() -> None:
         sh("ip", "netns", "del", ns, check=False)
 
 
-def start(role: str, host: str, ns: str | None, args) -> tuple[Proc, str]:
+def start(role: str, host: str, ns: str | None, args, tp: int) -> tuple[Proc, str]:
     cmd = [*PDSERVE, "engine", "--model", args.model, "--role", role, "--host", host,
-           "--kv-host", host, "--port", "0", "--kv-transport", "tcp", "--threads", "1",
+           "--kv-host", host, "--port", "0", "--kv-transport", args.transport, "--threads", "1",
+           "--tensor-parallel-size", str(tp),
            "--block-size", "16", "--kv-cache-bytes", str(args.kv_cache_mib * 2**20),
            "--max-num-batched-tokens", str(max(args.lengths)), "--no-prefix-caching",
            "--kv-transfer-timeout", "60", "--kv-descriptor-timeout", "60",
@@ -134,15 +142,17 @@ async def kv_endpoint(address: str) -> str:
         return (await c.health()).kv_endpoint
 
 
-def run_link(link: str, args) -> list[dict]:
+def run_link(link: str, args, tp: tuple[int, int] = (1, 1)) -> list[dict]:
     shaped = link != "loopback"
     procs = []
     try:
         if shaped:
             setup_netns(link)
-        p, p_addr = start("prefill", ADDR_P if shaped else "127.0.0.1", NS_P if shaped else None, args)
+        p, p_addr = start("prefill", ADDR_P if shaped else "127.0.0.1", NS_P if shaped else None,
+                          args, tp[0])
         procs.append(p)
-        d, d_addr = start("decode", ADDR_D if shaped else "127.0.0.1", NS_D if shaped else None, args)
+        d, d_addr = start("decode", ADDR_D if shaped else "127.0.0.1", NS_D if shaped else None,
+                          args, tp[1])
         procs.append(d)
         info = {"p": p_addr, "d": d_addr}
         client = [sys.executable, __file__, "--client", "{}", "--model", args.model,
@@ -165,6 +175,7 @@ def run_link(link: str, args) -> list[dict]:
         rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
         for r in rows:
             r["link"] = "loopback" if not shaped else link
+            r["tp"] = f"{tp[0]}:{tp[1]}"
         return rows
     finally:
         for proc in procs:
@@ -173,21 +184,31 @@ def run_link(link: str, args) -> list[dict]:
             teardown_netns()
 
 
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (tp, link, length, mode): the median of each measure over rounds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["tp"], r["link"], r["length"], r["mode"]), []).append(r)
+    return [{**runs[0], **{k: statistics.median(r[k] for r in runs)
+                           for k in ("ttft_s", "queue_s", "prefill_s", "p_transfer_s")}}
+            for runs in groups.values()]
+
+
 def report(rows: list[dict], kv_bytes_per_token: int) -> None:
-    print("| link | prompt | mode | KV MiB | TTFT ms | prefill ms | exposed ms | hidden vs push "
-          "| P-side exposed ms | P-side hidden |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    by_key = {(r["link"], r["length"], r["mode"]): r for r in rows}
+    print("| P:D TP | link | prompt | mode | KV MiB | TTFT ms | prefill ms | exposed ms "
+          "| hidden vs push | P-side exposed ms | P-side hidden |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    by_key = {(r["tp"], r["link"], r["length"], r["mode"]): r for r in rows}
     for r in rows:
         exposed = r["ttft_s"] - r["queue_s"] - r["prefill_s"]
-        push = by_key.get((r["link"], r["length"], "push"))
+        push = by_key.get((r["tp"], r["link"], r["length"], "push"))
         hidden = p_hidden = ""
         if push and r["mode"] == "layerwise":
             push_exposed = push["ttft_s"] - push["queue_s"] - push["prefill_s"]
             hidden = f"{100 * (1 - exposed / push_exposed):.0f}%" if push_exposed > 0 else ""
             if push["p_transfer_s"] > 0:
                 p_hidden = f"{100 * (1 - r['p_transfer_s'] / push['p_transfer_s']):.0f}%"
-        print(f"| {r['link']} | {r['length']} | {r['mode']} | "
+        print(f"| {r['tp']} | {r['link']} | {r['length']} | {r['mode']} | "
               f"{r['length'] * kv_bytes_per_token / 2**20:.1f} | {1e3 * r['ttft_s']:.1f} | "
               f"{1e3 * r['prefill_s']:.1f} | {1e3 * exposed:.1f} | {hidden} | "
               f"{1e3 * r['p_transfer_s']:.1f} | {p_hidden} |")
@@ -202,6 +223,10 @@ def main() -> int:
     parser.add_argument("--links", default="loopback,1gbit", type=lambda s: s.split(","))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-mib", type=int, default=256)
+    parser.add_argument("--transport", default="tcp", choices=("tcp", "mooncake"))
+    parser.add_argument("--tp", default="1:1", help="P:D tensor-parallel sizes, comma-separated",
+                        type=lambda s: [tuple(int(x) for x in pair.split(":")) for pair in s.split(",")])
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every --tp layout, alternated")
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
@@ -216,9 +241,12 @@ def main() -> int:
     kv_per_token = cfg.kv_bytes_per_token(4)
     rows = []
     for link in args.links:
-        rows += run_link(link, args)
-    print(f"model {args.model}: {cfg.num_hidden_layers} layers, KV {kv_per_token} bytes/token (fp32)")
-    report(rows, kv_per_token)
+        for _ in range(args.rounds):
+            for tp in args.tp:
+                rows += run_link(link, args, tp)
+    print(f"model {args.model}: {cfg.num_hidden_layers} layers, KV {kv_per_token} bytes/token "
+          f"(fp32), transport {args.transport}, {args.rounds} round(s) (medians)")
+    report(merge_rounds(rows), kv_per_token)
     return 0
 
 

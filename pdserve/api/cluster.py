@@ -175,8 +175,10 @@ class TopologySpreadSpec(ApiModel):
 
 class PoolSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": POOL_RULES}):
     """A pool of engines with one role; each replica is one PDInstance and one Pod.
-    Its tensor parallelism runs one engine as ``tensorParallelSize`` ranks, one GPU each
-    with ``gpus`` (the hybrid pool only, until KV moves between tensor-parallel engines)."""
+    Its tensor parallelism runs one engine as ``tensorParallelSize`` ranks: one GPU each
+    with ``gpus`` (the hybrid pool only, until a KV transport moves device memory), else
+    ``threads`` cores each. Prefill and decode pools may differ in it (prefill's a
+    multiple of decode's): the KV is re-laid out in transit."""
 
     replicas: int = Field(default=1, ge=0, le=1024)
     gpus: int = Field(default=0, ge=0, le=64)

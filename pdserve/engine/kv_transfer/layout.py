@@ -157,9 +157,11 @@ def token_range_items(
     first = np.flatnonzero(np.concatenate(([True], slot[1:] != slot[:-1] + 1))) if len(tokens) \
         else np.zeros(0, dtype=np.int64)
     span_len = np.diff(np.append(first, len(tokens)))
+    # Both sides hold the same number of heads per rank: every run is a whole token (the
+    # splits are equal, or both replicate), so whole spans of tokens move at once.
+    whole = src.local_kv_heads == dst.local_kv_heads
     parts = []
     for run in head_runs(src, dst):
-        whole = run.count == src.local_kv_heads == dst.local_kv_heads
         if whole:
             s_blk, d_blk, off, n = src_tok[first], dst_tok[first], slot[first], span_len
         else:
@@ -176,4 +178,9 @@ def token_range_items(
                     length = n * (run.count * src.head_bytes)
                 a, b = (s, d) if local_is_source else (d, s)
                 parts.append(np.stack([a, b, length], axis=1))
-    return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int64)
+    if not parts:
+        return np.zeros((0, 3), dtype=np.int64)
+    items = np.concatenate(parts)
+    if not whole:  # in destination order: each token's runs side by side (wire.merge_adjacent)
+        items = items.reshape(len(parts) // (2 * len(layers)), -1, 3).transpose(1, 0, 2)
+    return items.reshape(-1, 3)

@@ -272,8 +272,25 @@ def _windows(lengths: np.ndarray, max_bytes: int) -> np.ndarray:
     return np.asarray(starts, dtype=np.int64)
 
 
+def merge_adjacent(iov: np.ndarray) -> np.ndarray:
+    """``iov`` with each row that starts where the previous one ends folded into it. The
+    payload is one byte stream, so each side merges its own runs: a write whose items
+    are contiguous only on the receiving side (heads gathered from several ranks into
+    one token) is sent from many runs and received into few."""
+    iov = np.asarray(iov).reshape(-1, 2)
+    if len(iov) <= 1:
+        return iov
+    joins = iov[1:, 0] == iov[:-1, 0] + iov[:-1, 1]
+    if not joins.any():
+        return iov
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = iov[starts].copy()
+    merged[:, 1] = np.add.reduceat(iov[:, 1], starts)
+    return merged
+
+
 def _iov_loop(sock: socket.socket, iov: np.ndarray, call, flags: int, max_bytes: int) -> None:
-    iov = split_rows(iov, max_bytes)  # rows are struct iovec; a fresh array we may edit
+    iov = split_rows(merge_adjacent(iov), max_bytes)  # struct iovec rows; a fresh array
     bounds = _windows(iov[:, 1], max_bytes)
     ends = np.cumsum(iov[:, 1], dtype=np.int64)
     window_bytes = np.diff(np.concatenate(([0], ends[bounds[1:] - 1]))).tolist()

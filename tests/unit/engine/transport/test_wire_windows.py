@@ -30,6 +30,15 @@ def test_split_rows_cuts_long_runs_and_keeps_bytes_in_order():
     assert wire.split_rows(iov[:1], MIB).tolist() == [[1000, 5]]  # nothing to cut
 
 
+def test_runs_adjacent_on_one_side_are_merged_for_that_side_alone():
+    # A token's two heads from two ranks: scattered where they are read, one run where
+    # they land; each side of the stream merges its own rows.
+    landing = np.array([[0, 256], [256, 256], [512, 256], [2048, 256]], dtype=np.uint64)
+    assert wire.merge_adjacent(landing).tolist() == [[0, 768], [2048, 256]]
+    read_from = np.array([[0, 256], [4096, 256], [256, 256]], dtype=np.uint64)
+    assert wire.merge_adjacent(read_from).tolist() == read_from.tolist()
+
+
 def test_windows_are_bounded_by_bytes_and_by_iovec_count():
     lengths = np.full(3000, 4096, dtype=np.uint64)  # 12 MiB of 4 KiB rows
     bounds = wire._windows(lengths, MIB)
