@@ -58,6 +58,7 @@ class DecodeBucket:
     blocks: torch.Tensor  # [b, max_blocks] block tables, 0-padded to this bucket's longest
     context_len: int  # longest context in the bucket, in tokens
     mask: torch.Tensor | None  # [b, 1, 1, context_len] bool; None when every context is context_len
+    lens: torch.Tensor | None = None  # [b] each row's context (sliding windows mask by it)
 
 
 @dataclass
@@ -67,6 +68,38 @@ class AttentionMetadata:
     block_size: int = 16
     decode_buckets: list[DecodeBucket] = field(default_factory=list)  # cover rows [0, num_decodes)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Masks of sliding-window layers, built by the first such layer of a step and reused
+    # by the others: (window, "prefill"|"decode", index) -> mask or None (no key outside).
+    window_masks: dict = field(default_factory=dict)
+
+    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
+        """Prefill chunk ``index``'s mask: causal, and within ``window`` if one is given
+        (None: plain causal with no cached prefix, as ``PrefillChunk.mask`` means)."""
+        chunk = self.prefills[index]
+        if window is None or chunk.context_len <= window:
+            return chunk.mask
+        key = (window, "prefill", index)
+        if key not in self.window_masks:
+            device = self.slot_mapping.device
+            q_pos = torch.arange(chunk.context_len - chunk.num_new, chunk.context_len,
+                                 device=device).unsqueeze(1)
+            k_pos = torch.arange(chunk.context_len, device=device).unsqueeze(0)
+            self.window_masks[key] = (k_pos <= q_pos) & (q_pos - k_pos < window)
+        return self.window_masks[key]
+
+    def decode_mask(self, index: int, window: int | None) -> torch.Tensor | None:
+        """Decode bucket ``index``'s mask, within ``window`` if one is given: each row
+        attends to its last ``window`` tokens (its new one included)."""
+        bucket = self.decode_buckets[index]
+        if window is None or bucket.context_len <= window:
+            return bucket.mask
+        key = (window, "decode", index)
+        if key not in self.window_masks:
+            device = self.slot_mapping.device
+            pos = torch.arange(bucket.context_len, device=device).view(1, 1, 1, -1)
+            lens = bucket.lens.to(device).view(-1, 1, 1, 1)
+            self.window_masks[key] = (pos < lens) & (pos >= lens - window)
+        return self.window_masks[key]
 
 
 DECODE_CALL_COST_BLOCKS = 8
@@ -125,7 +158,7 @@ def build_decode_buckets(
             lens_t = torch.tensor(lens, device=device).unsqueeze(1)
             mask = (torch.arange(max_len, device=device).unsqueeze(0) < lens_t).view(len(rows), 1, 1, max_len)
         row_t = None if len(plan) == 1 else torch.tensor(rows, dtype=torch.long, device=device)
-        buckets.append(DecodeBucket(row_t, blocks, max_len, mask))
+        buckets.append(DecodeBucket(row_t, blocks, max_len, mask, torch.tensor(lens)))
     return buckets
 
 
@@ -138,8 +171,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     on_kv_written=None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend.
+    """Write this step's K/V into the cache, then attend (each token to itself and the
+    ``window - 1`` before it, with a sliding ``window``; to its whole context without).
 
     ``on_kv_written()`` fires between the two: the layer's KV is final from then on,
     so a layer-wise sender can start moving it while attention and the MLP compute.
@@ -150,28 +185,27 @@ def paged_attention(
         on_kv_written()
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    for bucket in meta.decode_buckets:
+    for i, bucket in enumerate(meta.decode_buckets):
         qd = q[:nd] if bucket.rows is None else q.index_select(0, bucket.rows)
-        od = _decode_bucket(qd, k_cache, v_cache, bucket, meta.block_size, scale)
+        od = _decode_bucket(qd, k_cache, v_cache, bucket, meta.block_size, scale,
+                            meta.decode_mask(i, window))
         if bucket.rows is None:
             out[:nd] = od
         else:
             out.index_copy_(0, bucket.rows, od)
-    for chunk in meta.prefills:
+    for i, chunk in enumerate(meta.prefills):
         s, e = chunk.start, chunk.start + chunk.num_new
         qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        mask = meta.prefill_mask(i, window)
         if chunk.slots is None:
             kp = k[s:e].transpose(0, 1).unsqueeze(0)
             vp = v[s:e].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
-            )
         else:
             kp = k_cache[chunk.slots].transpose(0, 1).unsqueeze(0)
             vp = v_cache[chunk.slots].transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True
-            )
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
         out[s:e] = op.squeeze(0).transpose(0, 1)
     return out
 
@@ -183,6 +217,7 @@ def _decode_bucket(
     bucket: DecodeBucket,
     block_size: int,
     scale: float,
+    mask: torch.Tensor | None,
 ) -> torch.Tensor:
     # Gather whole blocks: one contiguous copy per block, not one per token.
     # index_select on the flat block ids measured about twice as fast as cache[blocks].
@@ -195,6 +230,6 @@ def _decode_bucket(
     length = bucket.context_len
     kd, vd = kd[:, :length].transpose(1, 2), vd[:, :length].transpose(1, 2)  # [b, KVH, L, D]
     od = F.scaled_dot_product_attention(
-        q.unsqueeze(2), kd, vd, attn_mask=bucket.mask, scale=scale, enable_gqa=True
+        q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return od.squeeze(2)

@@ -10,8 +10,7 @@ Invariant: a checkpoint either loads with the positions, norms and attention spa
 was trained with, or is refused with ``ConfigError``. RoPE scaling is read from
 ``rope_scaling`` (transformers 4.x files) or ``rope_parameters`` (5.x); a type
 ``rope.py`` does not implement is refused, never run as plain RoPE. A sliding window
-shorter than ``max_position_embeddings`` caps the positions served at the window,
-where full attention and the window agree.
+is kept per layer (``sliding_window``, ``sliding_layers``) and enforced in attention.
 """
 
 from __future__ import annotations
@@ -134,15 +133,24 @@ def parse_rope_scaling(raw: dict, max_positions: int) -> RopeScaling | None:
     return scaling
 
 
-def _sliding_window(raw: dict, arch: str) -> int | None:
-    """The attention window, if any layer uses one: Mistral's ``sliding_window``; Qwen's
-    only with ``use_sliding_window``."""
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window"):
-        return None
-    if arch == "LlamaForCausalLM":
-        return None
+def _sliding_window(raw: dict, arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(the attention window, the layers that use it): Mistral's ``sliding_window`` on
+    every layer; Qwen's only with ``use_sliding_window``, on layers from
+    ``max_window_layers`` on; ``layer_types`` (transformers 5.x) where the file has it."""
     window = raw.get("sliding_window")
-    return None if window is None else int(window)
+    if arch == "LlamaForCausalLM" or window is None or (
+            arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window")):
+        return None, ()
+    types = raw.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers:
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif arch == "MistralForCausalLM":
+        layers = tuple(range(num_layers))
+    else:
+        layers = tuple(range(int(raw.get("max_window_layers", 28)), num_layers))
+    if int(window) < 1:
+        raise ConfigError(f"sliding_window must be positive, got {window!r}")
+    return (int(window), layers) if layers else (None, ())
 
 
 def _eos_ids(value, source: str) -> tuple[int, ...]:
@@ -171,7 +179,14 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    # Each token of the layers listed attends to itself and the sliding_window - 1 before it.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
     name: str = "model"
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s attention window (None: it attends over the whole context)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -198,12 +213,7 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             max_positions = int(raw.get("max_position_embeddings", 2048))
             rope_scaling = parse_rope_scaling(raw, max_positions)
-            window = _sliding_window(raw, arch)
-            if window is not None and window < max_positions:
-                log.warning("%s: sliding_window %d < max_position_embeddings %d: serving at most "
-                            "%d positions, where the window attends to everything", name, window,
-                            max_positions, window)
-                max_positions = window
+            window, window_layers = _sliding_window(raw, arch, int(raw["num_hidden_layers"]))
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -226,6 +236,8 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 eos_token_ids=_eos_ids(raw.get("eos_token_id"), "config.json"),
+                sliding_window=window,
+                sliding_layers=window_layers,
                 name=name,
             )
         except KeyError as exc:

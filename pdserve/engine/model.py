@@ -45,9 +45,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel,
+                 window: int | None = None):
         super().__init__()
         self.tp = tp
+        self.window = window  # sliding window of this layer (None: full attention)
         self.num_heads = tp.split(cfg.num_attention_heads)[1]  # this rank's
         self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)[1]
         self.head_dim = cfg.head_dim
@@ -80,7 +82,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, on_kv_written)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, on_kv_written,
+                            self.window)
         out = self.tp.all_reduce(F.linear(o.reshape(t, self.q_size), self.o_weight))
         return out if self.o_bias is None else out + self.o_bias
 
@@ -99,10 +102,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel,
+                 index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, dtype, device, tp)
+        self.self_attn = Attention(cfg, dtype, device, tp, cfg.window_of(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device, tp)
 
@@ -116,7 +120,7 @@ class Transformer(nn.Module):
         self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)[1]  # in this rank's KV cache
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, dtype, device, tp, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = (
             None if cfg.tie_word_embeddings

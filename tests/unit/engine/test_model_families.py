@@ -15,7 +15,8 @@ import torch
 
 from pdserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.loader import load_model
+from pdserve.engine.loader import _fill_preset, load_model
+from pdserve.engine.model import Transformer
 from pdserve.engine.rope import inv_freq
 from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.hf_models import (
@@ -53,14 +54,18 @@ CASES = {  # id: (kind, rope parameters or None, write a transformers 4.x config
     "qwen3": ("qwen3", None, False),
     "qwen3-yarn": ("qwen3", YARN, False),
     "mistral": ("mistral", None, False),
+    # Windows of 8 under 40-token prompts and 20 new tokens: most keys fall outside.
+    "mistral-sliding": ("mistral", None, False, {"sliding_window": 8}),
+    "qwen2-sliding": ("qwen2", None, False, {"use_sliding_window": True, "sliding_window": 8,
+                                             "max_window_layers": 1}),  # layer 1 of 0..1
 }
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_matches_transformers(tmp_path, case):
-    kind, rope, old_file = CASES[case]
-    theta = 10000.0 if kind != "qwen3" else 1000000.0
-    overrides = {"num_hidden_layers": 2}
+    kind, rope, old_file, *extra = CASES[case]
+    theta = 10000.0 if kind not in ("qwen2", "qwen3") else 1000000.0
+    overrides = {"num_hidden_layers": 2, **(extra[0] if extra else {})}
     if rope is not None:
         overrides["rope_parameters"] = {"rope_theta": theta, **rope}
     hf = build_hf_model(kind, seed=3, **overrides)
@@ -122,16 +127,35 @@ def test_partial_rotary_is_refused():
         ModelConfig.from_hf_dict({**HF_CONFIG, "partial_rotary_factor": 0.5})
 
 
-@pytest.mark.parametrize(("arch", "extra", "max_positions"), [
-    ("MistralForCausalLM", {"sliding_window": 1024}, 1024),
-    ("MistralForCausalLM", {"sliding_window": None}, 4096),
-    ("MistralForCausalLM", {"sliding_window": 8192}, 4096),
-    ("Qwen3ForCausalLM", {"sliding_window": 1024, "use_sliding_window": False}, 4096),
-    ("Qwen2ForCausalLM", {"sliding_window": 1024, "use_sliding_window": True}, 1024),
+@pytest.mark.parametrize(("arch", "extra", "window", "layers"), [
+    ("MistralForCausalLM", {"sliding_window": 1024}, 1024, (0, 1)),
+    ("MistralForCausalLM", {"sliding_window": None}, None, ()),
+    ("Qwen3ForCausalLM", {"sliding_window": 1024, "use_sliding_window": False}, None, ()),
+    ("Qwen2ForCausalLM", {"sliding_window": 1024, "use_sliding_window": True,
+                          "max_window_layers": 1}, 1024, (1,)),
+    ("Qwen2ForCausalLM", {"sliding_window": 64, "use_sliding_window": True,
+                          "layer_types": ["sliding_attention", "full_attention"]}, 64, (0,)),
+    ("LlamaForCausalLM", {"sliding_window": 64}, None, ()),
 ])
-def test_sliding_window_caps_the_positions_served(arch, extra, max_positions):
+def test_sliding_windows_are_read_per_layer_and_never_cap_the_positions(arch, extra, window, layers):
     cfg = ModelConfig.from_hf_dict({**HF_CONFIG, "architectures": [arch], **extra})
-    assert cfg.max_position_embeddings == max_positions
+    assert (cfg.sliding_window, cfg.sliding_layers) == (window, layers)
+    assert [cfg.window_of(i) for i in range(2)] == [window if i in layers else None for i in range(2)]
+    assert cfg.max_position_embeddings == 4096
+
+
+def test_a_sliding_window_changes_what_attention_sees():
+    """The windowed oracle cases above can tell a window from full attention."""
+    base = {**HF_CONFIG, "architectures": ["MistralForCausalLM"]}
+    full = ModelConfig.from_hf_dict(base)
+    windowed = ModelConfig.from_hf_dict({**base, "sliding_window": 4})
+    prompt = list(range(1, 30))
+    models = [Transformer(cfg, torch.float32, torch.device("cpu")) for cfg in (full, windowed)]
+    for model in models:
+        _fill_preset(model, seed=7)  # the same weights
+    ours_full, ours_windowed = (full_prefill_logits(m, prompt) for m in models)
+    torch.testing.assert_close(ours_full[:4], ours_windowed[:4])  # inside the window: equal
+    assert not torch.allclose(ours_full[4:], ours_windowed[4:])
 
 
 def test_generation_config_eos_ids_are_merged(tmp_path):
