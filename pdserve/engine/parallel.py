@@ -22,6 +22,11 @@ all ranks run the same forward, meeting in the all-reduces; only rank 0 computes
 Steps travel on pipes rather than a collective so that an idle engine has no collective
 pending (a broadcast waiting for the next request would hit the backend's timeout).
 
+KV caches: each rank holds its own heads. An engine with a KV transport keeps every
+rank's cache in one region rank 0 allocates (``create_shared_kv``; the other ranks map
+their slab of it), so rank 0's connector moves every rank's heads without a transport
+per rank (``kv_transfer/layout.py`` re-lays them out for a peer split differently).
+
 Invariants: the ranks run the same sequence of forwards (rank 0 sends before it computes);
 a worker that exits takes the engine down (log line naming the rank, exit code 1) so that
 its supervisor restarts the whole engine; rank 0 going away ends every worker (pipe closed).
@@ -246,6 +251,8 @@ def _worker_main(rank: int, size: int, port: int, config, conn, log_level: str) 
                 def allocate(shape, dtype, fd=fd):
                     return map_shared_kv((size, *shape), dtype, fd)[rank]
             runner = ModelRunner(model, num_blocks, block_size, allocate)
+            if shared:
+                os.close(fd)  # the mapping stays
             conn.send_bytes(b"ready")
             continue
         ids, positions, meta = _moved(list(payload), runner.device)
