@@ -29,9 +29,9 @@ prints where its time goes.
 ``--src DIR``: run the Coordinator from the ``pdserve`` package under DIR (another
 checkout or a copy of this one). ``--compare DIR``: instead of the phases, two
 Coordinators on the same stubs, this checkout's (B) and DIR's (A), loaded at the
-same time (one wrk each; c=1, then c=32, ``--rounds`` times) so that the machine's
-other load falls on both alike; medians of each side, and of the ratio B / A of
-CPU per request: code revisions compared in one run.
+same time (one wrk each; c=1, c=32, then the stream at c=8, ``--rounds`` times) so
+that the machine's other load falls on both alike; medians of each side, and of
+the ratio B / A of CPU per request: code revisions compared in one run.
 
 Rerun: .venv/bin/python benchmarks/coordinator_overhead.py [--path pd|single] [--profile DIR]
 """
@@ -231,36 +231,44 @@ def start_coordinator(src: str | None, addrs: list[str]) -> tuple[Proc, str]:
 
 def compare(args, addrs: list[str]) -> None:
     """A and B loaded at the same time, each by its own wrk, so that whatever else runs
-    on the machine weighs on both alike; CPU per request is each Coordinator's own."""
+    on the machine weighs on both alike; CPU per request is each Coordinator's own.
+    Phases per round: c=1, c=``--concurrency``, and the stream of ``--stream-tokens``
+    tokens at c=8, whose CPU is also given per output token."""
     sides = {"A": start_coordinator(args.compare, addrs), "B": start_coordinator(None, addrs)}
-    rows: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    stream_body = {**BODY, "max_tokens": args.stream_tokens, "stream": True}
+    phases = (("c=1", BODY, 1), (f"c={args.concurrency}", BODY, args.concurrency),
+              ("stream c=8", stream_body, 8))
+    rows: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     try:
         with concurrent.futures.ThreadPoolExecutor(len(sides)) as pool:
             for rnd in range(args.rounds + 1):  # round 0 warms up
-                for c in (1, args.concurrency):
+                for phase, body, c in phases:
                     with Meter({side: coord.popen.pid for side, (coord, _) in sides.items()}) as m:
-                        runs = {side: pool.submit(wrk, f"http://{hostport}/v1/completions", BODY, c,
+                        runs = {side: pool.submit(wrk, f"http://{hostport}/v1/completions", body, c,
                                                   args.seconds)
                                 for side, (_, hostport) in sides.items()}
                         results = {side: run.result() for side, run in runs.items()}
                     for side, (n, p50, _) in results.items():
                         if rnd:
-                            rows.setdefault((side, c), []).append(
+                            rows.setdefault((phase, side), []).append(
                                 (m.cpu[side] / n * 1e6, n / m.wall_s, p50 * 1e3))
     finally:
         for coord, _ in sides.values():
             coord.stop()
     print(f"A = {args.compare}, B = this checkout; both loaded at once; medians of "
           f"{args.rounds} rounds of {args.seconds:g} s")
-    print(f"{'side':6}{'wrk c':>6}{'CPU µs/req':>12}{'req/s':>9}{'p50 ms':>9}")
-    for (side, c), vals in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        cpu, rps, p50 = (statistics.median(v[i] for v in vals) for i in range(3))
-        print(f"{side:6}{c:6d}{cpu:12.0f}{rps:9.0f}{p50:9.3f}")
-    b_over_a = [statistics.median(b[0] / a[0] for a, b in zip(rows[("A", c)], rows[("B", c)],
+    print(f"{'phase':12}{'side':>5}{'CPU µs/req':>12}{'µs/token':>10}{'req/s':>9}{'p50 ms':>9}")
+    for phase, _, _ in phases:
+        num_tokens = args.stream_tokens if phase.startswith("stream") else NUM_TOKENS
+        for side in sides:
+            vals = rows[(phase, side)]
+            cpu, rps, p50 = (statistics.median(v[i] for v in vals) for i in range(3))
+            print(f"{phase:12}{side:>5}{cpu:12.0f}{cpu / num_tokens:10.1f}{rps:9.0f}{p50:9.3f}")
+    b_over_a = [statistics.median(b[0] / a[0] for a, b in zip(rows[(phase, "A")], rows[(phase, "B")],
                                                               strict=True))
-                for c in (1, args.concurrency)]
+                for phase, _, _ in phases]
     print("CPU per request, B / A (median of the rounds' ratios): "
-          + ", ".join(f"c={c}: {r:.3f}" for c, r in zip((1, args.concurrency), b_over_a, strict=True)))
+          + ", ".join(f"{phase}: {r:.3f}" for (phase, _, _), r in zip(phases, b_over_a, strict=True)))
 
 
 def report(name: str, m: Meter, n: int, lat: list[float] | tuple[float, float] | None,
@@ -307,7 +315,7 @@ def main() -> int:
     ap.add_argument("--profile", default=None, metavar="DIR")
     ap.add_argument("--src", default=None, metavar="DIR", help="run the Coordinator from DIR's pdserve")
     ap.add_argument("--compare", default=None, metavar="DIR",
-                    help="compare this checkout's Coordinator with DIR's, in turns")
+                    help="compare this checkout's Coordinator with DIR's, both loaded at once")
     ap.add_argument("--rounds", type=int, default=5, help="with --compare")
     ap.add_argument("--serve-stub", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

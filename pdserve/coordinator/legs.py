@@ -21,9 +21,9 @@ failure (D only waits for the KV); after it, the failure is moot.
 Logprobs ride along the tokens: ``take_logprobs`` returns those of the tokens
 yielded since the last call, ``prompt_logprobs`` the prompt's (from the engine that
 prefilled). In a PD attempt D's first token is P's, sampled and scored on P: before
-yielding it, the pair waits for P's message of it (already there but for a race of
-two streams); P's stream ending without it fails the attempt like any P failure.
-Requests without logprobs wait for nothing.
+yielding it, the decode leg waits for P's message of it (already there but for a
+race of two streams); P's stream ending without it fails the attempt like any P
+failure. Requests without logprobs wait for nothing.
 
 Load counts on each ``EngineEndpoint``: one in flight per leg from ``start`` to
 ``close``; a single or prefill leg's prompt tokens are pending prefill until the
@@ -114,6 +114,7 @@ class Leg:
         self._is_open = False
         self._has_timings = False
         self._num_pending = 0
+        self._prefill_task: asyncio.Future | None = None  # a pair's decode leg: its P's task
         sampling = request.sampling
         self.wants_logprobs = sampling.logprobs or sampling.prompt_logprobs
         self.logprobs: list[pb.TokenLogprob] = []  # of the tokens yielded, not yet taken
@@ -129,22 +130,25 @@ class Leg:
             self._num_pending = len(self.request.prompt_token_ids)
             self.engine.num_pending_prefill_tokens += self._num_pending
 
-    async def tokens(self, prefill: asyncio.Future | None = None) -> AsyncIterator[list[int]]:
+    async def tokens(self) -> AsyncIterator[list[int]]:
         """The token ids of each message, until a finish in ``END_REASONS``; raises the
-        leg's failure classified. ``prefill``: the pair's prefill task, whose failure
-        before this leg's first token is raised instead."""
+        leg's failure classified. The one loop over the engine's messages: a decode leg
+        of a pair (``DecodeLeg.follow``) also watches its prefill leg here, until its
+        first token."""
         stream = self._call.__aiter__()
+        prefill = self._prefill_task
         while True:
             try:
-                if prefill is None or prefill.done():
+                if prefill is None or self.has_token or prefill.done():
                     msg = await stream.__anext__()
                 else:
-                    msg = await self._next_unless_prefill_fails(stream, prefill)
+                    msg = await self._next_unless_prefill_fails(stream)
             except StopAsyncIteration:
                 raise self._failure("ended_early", self.ENDED_EARLY) from None
             except grpc.aio.AioRpcError as exc:
                 raise self._rpc_failure(exc) from None
-            if msg.finished and msg.finish_reason not in self.END_REASONS:
+            finished = msg.finished
+            if finished and msg.finish_reason not in self.END_REASONS:
                 raise self._failure(msg.finish_reason or "unfinished",
                                     f"finished with {msg.finish_reason}: {msg.error}")
             if not self._has_timings and msg.HasField("timings"):
@@ -153,34 +157,25 @@ class Leg:
                 if self.PREFILLS_PROMPT:  # the first prefill's hits: the client's prompt
                     self._timings.report.setdefault("cached_tokens", msg.num_cached_tokens)
                     self._timings.observe_cached(msg.num_cached_tokens)
-            if msg.token_ids:
-                self.has_token = True
+            ids = msg.token_ids[:]  # a list; one read of the field (upb builds a view per read)
+            if ids:
+                if not self.has_token:
+                    self.has_token = True
+                    if prefill is not None:
+                        await self._prefill_first_token()
                 if self.wants_logprobs:
                     self.logprobs.extend(msg.logprobs)
                     if self.prompt_logprobs is None and msg.prompt_logprobs:
                         self.prompt_logprobs = list(msg.prompt_logprobs)
-                yield list(msg.token_ids)
-            if msg.finished:
+            if finished:  # before its last tokens are handed on: a leg closed then is done
                 self.finished = True
                 self.finish_reason = msg.finish_reason
                 self._record_end(msg.timings)
+                if ids:
+                    yield ids
                 return
-
-    async def _next_unless_prefill_fails(self, stream, prefill: asyncio.Future):
-        # Before its first token a decode leg only waits for P's KV: P's failure wins.
-        # The read left behind (D failed too, or this wait was cancelled) is retrieved,
-        # so its error is not reported as "never retrieved".
-        nxt = asyncio.ensure_future(stream.__anext__())
-        try:
-            await asyncio.wait((nxt, prefill), return_when=asyncio.FIRST_COMPLETED)
-            if not self.has_token and prefill.done() and not prefill.cancelled() \
-                    and prefill.exception() is not None:
-                raise prefill.exception()
-            return await nxt
-        finally:
-            if not nxt.done():
-                nxt.cancel()
-            nxt.add_done_callback(_retrieve)
+            if ids:
+                yield ids
 
     def take_logprobs(self) -> list[pb.TokenLogprob]:
         """The logprobs of the tokens yielded since the last call (``RequestRun``)."""
@@ -261,21 +256,69 @@ class DecodeLeg(Leg):
     kind = "decode"
     PREFILLS_PROMPT = False
 
+    def follow(self, prefill: PrefillLeg, task: asyncio.Future) -> None:
+        """Called by ``PairedLegs.start``: ``task`` runs ``prefill`` to its handoff. Until
+        this leg's first token P's failure is the attempt's, and P's message of the
+        first token is awaited when it carries logprobs."""
+        self._prefill, self._prefill_task = prefill, task
+
     def _record_first(self, t: pb.Timings) -> None:
         """The decode engine's first token: how long it waited for the KV, then for a step."""
         self._timings.observe("decode_wait", t.kv_wait_s)
         self._timings.observe("decode_queue", t.decode_queue_s)
 
+    async def _next_unless_prefill_fails(self, stream):
+        # Before its first token a decode leg only waits for P's KV: P's failure wins.
+        # The read left behind (D failed too, or this wait was cancelled) is retrieved,
+        # so its error is not reported as "never retrieved".
+        prefill = self._prefill_task
+        nxt = asyncio.ensure_future(stream.__anext__())
+        try:
+            await asyncio.wait((nxt, prefill), return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+                raise self._prefill_failure(prefill.exception())
+            return await nxt
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+            nxt.add_done_callback(_retrieve)
+
+    async def _prefill_first_token(self) -> None:
+        """Called before the first token is handed on: until P's message of it (its
+        logprobs) is in, when P was asked for logprobs; P's stream ending without it is
+        P's failure."""
+        if not self._prefill.wants_logprobs:
+            return
+        task, has_first = self._prefill_task, self._prefill.has_first_token
+        if not has_first.is_set():
+            waiter = asyncio.ensure_future(has_first.wait())
+            try:
+                await asyncio.wait((waiter, task), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+        if has_first.is_set():
+            return
+        if not task.cancelled() and task.exception() is not None:
+            raise self._prefill_failure(task.exception())
+        raise self._prefill._failure("no_first_token", "stream ended without the first token")
+
+    def _prefill_failure(self, exc: BaseException) -> BaseException:
+        """P relays D's "decode full" when D gave up reserving blocks for the transfer:
+        that is D's load, so it is reported as D's (without D's address)."""
+        if isinstance(exc, EngineFull) and exc.leg == "prefill" \
+                and exc.details.startswith("decode full"):
+            return EngineFull(self.engine, "decode", "decode full")
+        return exc
+
 
 class PairedLegs:
     """A PD attempt: D is streamed, P runs in a task beside it (D's first token needs
-    P's KV, so P's failure before it ends the attempt)."""
+    P's KV, so P's failure before it ends the attempt: ``DecodeLeg.follow``)."""
 
     def __init__(self, prefill: PrefillLeg, decode: DecodeLeg) -> None:
         self.prefill = prefill
         self.decode = decode
         self._prefill_task: asyncio.Future | None = None
-        self._has_token = False
 
     @property
     def finish_reason(self) -> str | None:
@@ -293,36 +336,12 @@ class PairedLegs:
         self.decode.start(timeout_s)
         self.prefill.start(timeout_s)
         self._prefill_task = asyncio.ensure_future(self.prefill.until_handoff())
+        self.decode.follow(self.prefill, self._prefill_task)
 
-    async def tokens(self) -> AsyncIterator[list[int]]:
-        """D's tokens. P relays D's "decode full" when D gave up reserving blocks for the
-        transfer: that is D's load, so it is reported as D's (without D's address)."""
-        try:
-            async for ids in self.decode.tokens(self._prefill_task):
-                if not self._has_token and self.prefill.wants_logprobs:
-                    await self._prefill_first_token()
-                self._has_token = True
-                yield ids
-        except EngineFull as full:
-            if full.leg == "prefill" and full.details.startswith("decode full"):
-                raise EngineFull(self.decode.engine, "decode", "decode full") from None
-            raise
-
-    async def _prefill_first_token(self) -> None:
-        """Until P's message of the first token (its logprobs) is in; P's stream ending
-        without it is P's failure."""
-        task, has_first = self._prefill_task, self.prefill.has_first_token
-        if not has_first.is_set():
-            waiter = asyncio.ensure_future(has_first.wait())
-            try:
-                await asyncio.wait((waiter, task), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-        if has_first.is_set():
-            return
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception()
-        raise self.prefill._failure("no_first_token", "stream ended without the first token")
+    def tokens(self) -> AsyncIterator[list[int]]:
+        """D's tokens: D's own stream, which watches P until its first token (no
+        generator of the pair's own around it, per token)."""
+        return self.decode.tokens()
 
     def close(self) -> None:
         self.decode.close()

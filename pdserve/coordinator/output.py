@@ -49,6 +49,7 @@ class Output:
         self.echo = echo  # a completion's prompt text, before its output
         self.logprobs = logprobs
         self.metrics = metrics
+        self._itl = metrics.itl  # observed per token
         self.admission = admission
         self.want_timings = want_timings
         self.is_admin = is_admin
@@ -66,21 +67,10 @@ class Output:
         """Next (token ids, released text), or None at the end (finish_reason set)."""
         if self.finish_reason is not None:
             return None
-        try:
-            ids = await self._tokens.__anext__()
-        except StopAsyncIteration:
-            self.finish_reason = self.run.finish_reason or "length"
+        ids = await self._next_ids()
+        if ids is None:
             tail = self.detok.flush()
             return ([], tail) if tail else None
-        now = time.monotonic()
-        if self.first_s is None:
-            self.first_s = now
-        else:
-            if not self._has_first_decode:
-                self._has_first_decode = True
-                self.run.timings.observe("first_decode", now - self.first_s)
-            self.metrics.itl.observe(now - self.last_s)
-        self.last_s = now
         new_text, hit_stop = self.detok.append(ids)
         if hit_stop:
             self.finish_reason = "stop"
@@ -88,9 +78,37 @@ class Output:
             self.metrics.aborts.labels("stop_string").inc()
         return ids, new_text
 
+    async def _next_ids(self) -> list[int] | None:
+        """The next message's token ids, their arrival observed (first token, gaps); None
+        once the run has ended (``finish_reason`` set)."""
+        try:
+            ids = await self._tokens.__anext__()
+        except StopAsyncIteration:
+            self.finish_reason = self.run.finish_reason or "length"
+            return None
+        now = time.monotonic()
+        if self.first_s is None:
+            self.first_s = now
+        else:
+            if not self._has_first_decode:
+                self._has_first_decode = True
+                self.run.timings.observe("first_decode", now - self.first_s)
+            self._itl.observe(now - self.last_s)
+        self.last_s = now
+        return ids
+
     async def collect(self) -> None:
-        while (event := await self.next_event()) is not None:
-            self.text.append(event[1])
+        """The whole answer, not streamed. Without stop strings nothing needs its text
+        before the end, so it is decoded once from all its tokens (the same text as
+        decoding message by message) instead of per message."""
+        if self.detok.stop:
+            while (event := await self.next_event()) is not None:
+                self.text.append(event[1])
+            return
+        ids: list[int] = []
+        while self.finish_reason is None and (more := await self._next_ids()) is not None:
+            ids += more
+        self.text.append(self.detok.append(ids)[0] + self.detok.flush())
 
     async def close(self) -> None:
         await self._tokens.aclose()

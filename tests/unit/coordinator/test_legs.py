@@ -171,6 +171,30 @@ def test_prefill_is_left_to_finish_alone_after_decode_finished():
     asyncio.run(scenario())
 
 
+def test_a_leg_closed_at_its_last_token_is_done_not_aborted():
+    """A stop string in the last message's text closes the run as that message's tokens
+    are handed on: the engine has finished, so nothing is cancelled or aborted."""
+    async def scenario():
+        aborts, timings = Aborts(), RequestTimings("r1", CoordinatorMetrics())
+        p, d, pair = make_pair(aborts, timings)
+        pair.start(10.0)
+        call_of(pair.prefill).send(token_ids=[7], timings=pb.Timings(queue_s=0.05, prefill_s=0.1))
+        call_of(pair.decode).send(token_ids=[7])
+        call_of(pair.decode).send(token_ids=[8], finished=True, finish_reason="length")
+        stream = pair.tokens()
+        assert [await stream.__anext__(), await stream.__anext__()] == [[7], [8]]
+        pair.close()  # before the stream's end was read
+        assert pair.finish_reason == "length" and pair.decode.finished
+        assert not aborts.sent and not call_of(pair.decode).is_cancelled
+        assert not call_of(pair.prefill).is_cancelled  # P ends by itself: its handoff
+        call_of(pair.prefill).send(finished=True, finish_reason="handoff", timings=pb.Timings())
+        await asyncio.wait_for(pair._prefill_task, 5)
+        assert (p.num_inflight, p.num_pending_prefill_tokens, d.num_inflight) == (0, 0, 0)
+        assert not aborts.sent
+
+    asyncio.run(scenario())
+
+
 def test_client_gone_mid_stream_cancels_and_aborts_both_legs():
     async def scenario():
         aborts = Aborts()
