@@ -69,7 +69,7 @@ class AttentionMetadata:
     decode_buckets: list[DecodeBucket] = field(default_factory=list)  # cover rows [0, num_decodes)
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Masks of sliding-window layers, built by the first such layer of a step and reused
-    # by the others: (window, "prefill"|"decode", index) -> mask or None (no key outside).
+    # by the others: (window, "prefill" or "decode", chunk or bucket index) -> mask.
     window_masks: dict = field(default_factory=dict)
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
@@ -78,14 +78,13 @@ class AttentionMetadata:
         chunk = self.prefills[index]
         if window is None or chunk.context_len <= window:
             return chunk.mask
-        key = (window, "prefill", index)
-        if key not in self.window_masks:
-            device = self.slot_mapping.device
+
+        def build(device):
             q_pos = torch.arange(chunk.context_len - chunk.num_new, chunk.context_len,
                                  device=device).unsqueeze(1)
             k_pos = torch.arange(chunk.context_len, device=device).unsqueeze(0)
-            self.window_masks[key] = (k_pos <= q_pos) & (q_pos - k_pos < window)
-        return self.window_masks[key]
+            return (k_pos <= q_pos) & (q_pos - k_pos < window)
+        return self._window_mask((window, "prefill", index), build)
 
     def decode_mask(self, index: int, window: int | None) -> torch.Tensor | None:
         """Decode bucket ``index``'s mask, within ``window`` if one is given: each row
@@ -93,12 +92,16 @@ class AttentionMetadata:
         bucket = self.decode_buckets[index]
         if window is None or bucket.context_len <= window:
             return bucket.mask
-        key = (window, "decode", index)
-        if key not in self.window_masks:
-            device = self.slot_mapping.device
+
+        def build(device):
             pos = torch.arange(bucket.context_len, device=device).view(1, 1, 1, -1)
             lens = bucket.lens.to(device).view(-1, 1, 1, 1)
-            self.window_masks[key] = (pos < lens) & (pos >= lens - window)
+            return (pos < lens) & (pos >= lens - window)
+        return self._window_mask((window, "decode", index), build)
+
+    def _window_mask(self, key: tuple, build) -> torch.Tensor:
+        if key not in self.window_masks:
+            self.window_masks[key] = build(self.slot_mapping.device)
         return self.window_masks[key]
 
 

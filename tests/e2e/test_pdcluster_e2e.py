@@ -109,6 +109,17 @@ def install(cluster, chart: list[dict]) -> str:
     return operator
 
 
+def start_client(cluster) -> None:
+    """A Pod named ``client`` in the serving namespace to ask the Coordinator from
+    (``kubectl exec client -- python3 -c ...``), Running when this returns."""
+    k = cluster.kubectl
+    k.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client", "namespace": SERVING},
+             "spec": {"containers": [{"name": "client", "image": "python", "command": ["sleep", "600"]}],
+                      "terminationGracePeriodSeconds": 1}})
+    until(cluster, lambda: (k.get("Pod", "client", SERVING).get("status") or {}).get("phase") == "Running",
+          30, "the client Pod")
+
+
 def test_minimal_pdcluster_becomes_ready_serves_a_completion_and_is_deleted(cluster, chart):
     k = cluster.kubectl
     operator = install(cluster, chart)
@@ -144,11 +155,7 @@ def test_minimal_pdcluster_becomes_ready_serves_a_completion_and_is_deleted(clus
     assert code == 0 and "nodeagent" in processes.splitlines()[1] and " engine " in processes, processes
 
     # one completion through the Coordinator's Service name, from a Pod
-    k.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client", "namespace": SERVING},
-             "spec": {"containers": [{"name": "client", "image": "python", "command": ["sleep", "600"]}],
-                      "terminationGracePeriodSeconds": 1}})
-    until(cluster, lambda: (k.get("Pod", "client", SERVING).get("status") or {}).get("phase") == "Running", 30,
-          "the client Pod")
+    start_client(cluster)
     url = status["coordinatorUrl"].rstrip("/") + "/v1/completions"
     assert url.startswith("http://tiny-coordinator.serving.svc:8000"), url
     code, out = k.exec("client", ["python3", "-c", COMPLETION, url], SERVING, timeout_s=90)

@@ -10,7 +10,15 @@ import json
 import pytest
 
 from tests.e2e.standin import condition_status
-from tests.e2e.test_pdcluster_e2e import CLUSTER_LABEL, SERVING, chart, etcd, install, until  # noqa: F401
+from tests.e2e.test_pdcluster_e2e import (  # noqa: F401
+    CLUSTER_LABEL,
+    SERVING,
+    chart,
+    etcd,
+    install,
+    start_client,
+    until,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,11 +49,7 @@ def test_the_operator_runs_the_pool_and_engines_share_prefixes_through_it(cluste
     pool = [p for p in pods if p["metadata"]["labels"]["pdserve.io/component"] == "kv-pool"]
     assert len(pool) == 1 and pool[0]["status"]["phase"] == "Running", [p["metadata"]["name"] for p in pods]
     assert k.get("Service", f"{NAME}-kv-pool", SERVING)["spec"]["ports"][0]["port"] == 50551
-    k.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client", "namespace": SERVING},
-             "spec": {"containers": [{"name": "client", "image": "python", "command": ["sleep", "600"]}],
-                      "terminationGracePeriodSeconds": 1}})
-    until(cluster, lambda: (k.get("Pod", "client", SERVING).get("status") or {}).get("phase") == "Running",
-          30, "the client Pod")
+    start_client(cluster)
     url = f"http://{NAME}-coordinator.{SERVING}.svc:8000/v1/completions"
     cached = []
     for _ in range(2):

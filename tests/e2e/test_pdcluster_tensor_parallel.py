@@ -12,7 +12,15 @@ import pytest
 import yaml
 
 from tests.e2e.standin import condition_status
-from tests.e2e.test_pdcluster_e2e import CLUSTER_LABEL, SERVING, chart, etcd, install, until  # noqa: F401
+from tests.e2e.test_pdcluster_e2e import (  # noqa: F401
+    CLUSTER_LABEL,
+    SERVING,
+    chart,
+    etcd,
+    install,
+    start_client,
+    until,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,11 +72,7 @@ def test_a_tp2_prefill_pod_feeds_a_tp1_decode_pod(cluster, chart):  # noqa: F811
             assert code == 0, out
             ranks[pool] = int(out)
     assert ranks == {"prefill": 1, "decode": 0}  # the engine is rank 0; TP=2 has one more
-    k.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client", "namespace": SERVING},
-             "spec": {"containers": [{"name": "client", "image": "python", "command": ["sleep", "600"]}],
-                      "terminationGracePeriodSeconds": 1}})
-    until(cluster, lambda: (k.get("Pod", "client", SERVING).get("status") or {}).get("phase") == "Running",
-          30, "the client Pod")
+    start_client(cluster)
     url = f"http://{name}-coordinator.{SERVING}.svc:8000/v1/completions"
     code, out = k.exec("client", ["python3", "-c", ASK, url, json.dumps(PROMPT)], SERVING,
                        timeout_s=90)
