@@ -160,6 +160,7 @@ class EtcdStore(Store):
         deadline = loop.time() + self._timeout_s
         failures: list[str] = []
         has_logged_in_again = False
+        has_reconnected = False
         num_left = len(self.endpoints)
         while True:
             client = self._client
@@ -174,6 +175,12 @@ class EtcdStore(Store):
                 if not _is_unreachable(exc):
                     raise StoreError(f"etcd {client.endpoint}: {_describe(exc)}") from exc
                 failures.append(f"{client.endpoint}: {_describe(exc)}")
+                if len(self.endpoints) == 1 and not has_reconnected and loop.time() < deadline:
+                    # A connection a partition broke fails its next call even once etcd
+                    # answers again: one more try, on a new connection, within the deadline.
+                    has_reconnected = True
+                    self._replace(client, client.endpoint)
+                    continue
                 num_left -= 1
                 if len(self.endpoints) > 1:
                     following = self.endpoints[(self.endpoints.index(client.endpoint) + 1) % len(self.endpoints)]

@@ -33,11 +33,6 @@ from pdserve.engine.kv_transfer.transport.base import BatchHandle, TransferItem,
 
 log = logging.getLogger(__name__)
 
-# What one item per token costs where it is not cheap (docs/benchmarks.md, "KV transfer
-# between tensor-parallel engines").
-STRIDED_COST = {"mooncake": "; Mooncake's TCP protocol moves each as its own segment (about "
-                            "20 us each): use layer-wise transfer, or equal heads per rank"}
-
 
 @dataclass
 class Scratch:
@@ -142,11 +137,9 @@ class ConnectorWorker:
                 self.send(peer, "HELLO_REJECT", reason=reason)
             return
         if peer not in self.peers and theirs.local_kv_heads != self.layout.local_kv_heads:
-            slow = STRIDED_COST.get(self.transport.name)
-            log.log(logging.WARNING if slow else logging.INFO,
-                    "KV for %s is re-laid out in transit (%d heads per rank here, %d there): "
-                    "one item per token and run of heads%s", peer, self.layout.local_kv_heads,
-                    theirs.local_kv_heads, slow or "")
+            log.info("KV for %s is re-laid out in transit (%d KV heads per rank here, %d "
+                     "there): one item per token and run of heads", peer,
+                     self.layout.local_kv_heads, theirs.local_kv_heads)
         self.peers[peer] = theirs
         self.rejected.pop(peer, None)
         if reply:

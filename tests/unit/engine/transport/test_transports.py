@@ -206,3 +206,32 @@ def test_a_batch_of_thousands_of_scattered_pieces_lands_byte_exact(pair):
     assert status.is_done, f"{status.message} after {time.monotonic() - started:.1f} s"
     landed = peer.dump().view(torch.uint8).view(count, piece)
     assert torch.equal(landed[order], side.kv.view(torch.uint8).view(count, piece))
+
+
+def test_pieces_scattered_here_that_are_one_run_there_move_in_order(pair):
+    """The other half of a re-laid out transfer: small pieces from all over P's memory
+    landing side by side in D's, and read back the same way (Mooncake stages them, one
+    segment per run; the others move them as they are)."""
+    side, peer = pair
+    fill(side.kv, seed=4)
+    piece = 256
+    count = side.kv.nbytes // piece  # 512
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(1)).tolist()
+    base, remote_base = side.kv.data_ptr(), peer.piece(0, 0, 0)
+    items = [TransferItem(base + i * piece, remote_base + j * piece, piece)
+             for j, i in enumerate(order)]  # D's j-th piece is P's order[j]-th
+    status = finish(side.transport, side.transport.write_batch(peer.endpoint, items))
+    assert status.is_done, status.message
+    landed = peer.dump().view(torch.uint8).view(count, piece)
+    assert torch.equal(landed, side.kv.view(torch.uint8).view(count, piece)[order])
+    if side.transport.name == "mooncake":  # it went through the staging buffer
+        assert list(side.transport._staging) == [peer.endpoint]
+
+    # Pulled back the other way round (D reading P's slabs): the peer's side is one run
+    # once sorted, ours is scattered.
+    peer.ask("fill 5")
+    expected = peer.dump().view(torch.uint8).view(count, piece)
+    items.reverse()
+    status = finish(side.transport, side.transport.read_batch(peer.endpoint, items))
+    assert status.is_done, status.message
+    assert torch.equal(side.kv.view(torch.uint8).view(count, piece)[order], expected)
