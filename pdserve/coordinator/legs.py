@@ -138,6 +138,9 @@ class Leg:
         stream = self._call.__aiter__()
         prefill = self._prefill_task
         while True:
+            if prefill is not None and not self.has_token and prefill.done() \
+                    and not prefill.cancelled() and prefill.exception() is not None:
+                raise self._prefill_failure(prefill.exception())  # P failed before D's KV
             try:
                 if prefill is None or self.has_token or prefill.done():
                     msg = await stream.__anext__()

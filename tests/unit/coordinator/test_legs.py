@@ -148,6 +148,27 @@ def test_prefill_failure_before_the_first_token_ends_the_attempt():
     asyncio.run(scenario())
 
 
+def test_a_prefill_that_failed_before_decode_is_read_ends_the_attempt_as_prefill():
+    """P's failure may be in before D's stream is first read (an engine that fails at
+    once): it is still the attempt's failure, not a wait for KV that never comes."""
+    async def scenario():
+        aborts = Aborts()
+        p, d, pair = make_pair(aborts, RequestTimings("r1", CoordinatorMetrics()))
+        pair.start(10.0)
+        call_of(pair.prefill).send(finished=True, finish_reason="error", error="kv send failed")
+        for _ in range(5):  # P's task runs to its failure first
+            await asyncio.sleep(0)
+        assert pair._prefill_task.done()
+        with pytest.raises(LegFailure) as info:
+            async for _ in pair.tokens():
+                pass
+        pair.close()
+        assert (info.value.leg, info.value.stage, info.value.engine) == ("prefill", "before_handoff", p)
+        assert call_of(pair.decode).is_cancelled and aborts.sent == [("d1", "r1")]
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+
+
 def test_prefill_is_left_to_finish_alone_after_decode_finished():
     async def scenario():
         aborts, timings = Aborts(), RequestTimings("r1", CoordinatorMetrics())
