@@ -94,7 +94,9 @@ def test_the_coordinators_own_queue_full_is_429_with_retry_after(loop, stubs):
 
 def test_a_prefill_relaying_its_decodes_full_marks_the_decode_engine_full(loop, stubs):
     relaying = stubs(role="prefill", behavior="peer_full")
-    decodes = [stubs(role="decode", num_tokens=2), stubs(role="decode", num_tokens=2)]
+    # Stub decode engines wait before their first token as real ones wait for P's KV, so
+    # P's relayed refusal is in first (a stub streaming at once would race it).
+    decodes = [stubs(role="decode", num_tokens=2, token_delay_s=0.2) for _ in range(2)]
     engines = [relaying, decodes[0], stubs(role="prefill"), decodes[1]]
     with serve(loop, engines, prefill_policy="round_robin", decode_policy="round_robin") as app:
         for _ in range(4):
