@@ -57,9 +57,14 @@ class Backoff:
         return min(self.max_s, self.base_s * 2 ** max(0, num_consecutive - 1))
 
 
+# Resolved here, in the agent: the child between fork and exec only calls it (loading a
+# library there can deadlock on a lock another thread of the agent held at the fork).
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+
+
 def _die_with_parent() -> None:
     with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _child_setup(cpus: tuple[int, ...]) -> Callable[[], None]:

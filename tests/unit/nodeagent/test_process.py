@@ -21,19 +21,21 @@ def engine(script: str) -> EngineProcess:
     return EngineProcess("e0", lambda: [sys.executable, "-c", script], FAST, lambda: None, echo=False)
 
 
-async def until(predicate, timeout_s: float = 20.0) -> None:
+async def until(predicate, timeout_s: float = 20.0, proc: EngineProcess | None = None) -> None:
     for _ in range(int(timeout_s / 0.02)):
         if predicate():
             return
         await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
+    where = "" if proc is None else (f": state {proc.state}, pid {proc.pid}, {proc.num_restarts} "
+                                     f"restarts, last exit {proc.last_exit!r}")
+    raise AssertionError("condition not reached" + where)
 
 
 async def supervised(proc: EngineProcess, predicate) -> None:
     """Run ``proc`` until ``predicate()``, then stop it (reaped) and end its loop."""
     task = asyncio.create_task(proc.supervise())
     try:
-        await until(predicate)
+        await until(predicate, proc=proc)
     finally:
         await proc.stop()
         await asyncio.wait_for(task, 10)
