@@ -26,7 +26,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.limits import (
@@ -50,14 +50,19 @@ class Channel:
     def __init__(
         self, *, info: Callable[[], dict], on_frame: FrameHandler | None, host: str, port: int,
         advertise_host: str | None, auth_token: str | None, timeout_s: float,
-        limits: ChannelLimits | None = None,
+        limits: ChannelLimits | None = None, frame_limits: Mapping[int, int] | None = None,
+        on_close: Callable[[socket.socket], None] | None = None,
     ) -> None:
+        """``frame_limits``: the ops ``on_frame`` serves and their largest bodies (default
+        tcp's, ``wire.DATA_LIMITS``); ``on_close(sock)`` runs once a served connection ended."""
         self.timeout_s = timeout_s
         self.auth_token = auth_token
         self.limits = limits = limits or ChannelLimits()
         self._info = info
         self._on_frame = on_frame
-        self._frame_limits = {**wire.CHANNEL_LIMITS, **(wire.DATA_LIMITS if on_frame else {})}
+        served = (wire.DATA_LIMITS if frame_limits is None else frame_limits) if on_frame else {}
+        self._frame_limits = {**wire.CHANNEL_LIMITS, **served}
+        self._on_close = on_close
         self._admission = Admission(limits)
         self._refusals = RefusalLog(log, limits.refusal_log_every_s)
         self._notes: queue.SimpleQueue[tuple[str, bytes, float]] = queue.SimpleQueue()
@@ -151,6 +156,8 @@ class Channel:
             with self._lock:
                 self._conns.discard(sock)
             self._admission.leave(host)
+            if self._on_close is not None:
+                self._on_close(sock)
             sock.close()
 
     def _handshake(self, sock: socket.socket, host: str) -> str | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import socket
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -62,16 +63,18 @@ class ChannelTransport(Transport):
     def __init__(
         self, *, host: str, port: int, auth_token: str | None, timeout_s: float,
         advertise_host: str | None = None, on_frame: FrameHandler | None = None,
-        limits: ChannelLimits | None = None,
+        limits: ChannelLimits | None = None, frame_limits: Mapping[int, int] | None = None,
+        on_close: Callable[[socket.socket], None] | None = None,
     ) -> None:
-        """``on_frame`` serves the ops the channel itself does not (tcp's WRITE/READ);
-        ``limits`` caps what peers may cost the port (None: ``ChannelLimits()``)."""
+        """``on_frame`` serves the ops the channel itself does not (tcp's WRITE/READ,
+        or those ``frame_limits`` names); ``on_close`` hears of each served connection's
+        end; ``limits`` caps what peers may cost the port (None: ``ChannelLimits()``)."""
         self.timeout_s = timeout_s
         self._regions = Regions()
         self._channel = Channel(
             info=self._welcome, on_frame=on_frame, host=host, port=port,
             advertise_host=advertise_host, auth_token=auth_token, timeout_s=timeout_s,
-            limits=limits,
+            limits=limits, frame_limits=frame_limits, on_close=on_close,
         )
 
     @property

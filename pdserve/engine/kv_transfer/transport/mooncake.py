@@ -24,12 +24,13 @@ with sleeps: 0.9 GiB/s), while ``transfer_check_status`` is exact for a batch of
 segment and returns at once. Each wait ends at our deadline at the latest; Mooncake's
 own (MC_TRANSFER_TIMEOUT, at least 5 s) can outlast it, and a late result is ignored.
 
-Many small pieces that are few runs on the peer's side (a KV re-laid out between
-engines that split the heads differently: two 256-byte pieces per token, one run per
-block) go through a per-peer staging buffer (``STAGING_BYTES``, registered once), one
-segment per run, chunk by chunk (``staging_plan``): a write gathers its pieces into it
-first, a read scatters them out of it after. Mooncake's TCP protocol costs about 20 us
-per segment, which made such a transfer take seconds.
+Many small pieces (a KV scattered over D's blocks, or re-laid out between engines that
+split the heads differently) move chunk by chunk as few large segments (staging.py):
+packed into our staging buffer where they are scattered here, landing packed in a
+buffer the peer lends our connection where they are scattered there, which the peer
+then scatters into place (or gathers from, for a read) on a channel message. Mooncake's
+TCP protocol costs 20-30 us per segment, which made 2,048 scattered 32 KiB pieces move
+at a third of a socket's rate, and a re-laid out transfer take seconds.
 
 Invariants: remote ranges are checked against the peer's advertised regions before
 submission (Mooncake also refuses them server-side); the process environment gets
@@ -39,16 +40,16 @@ MC_FORCE_TCP=1 for protocol "tcp" and MC_TRANSFER_TIMEOUT unless already set.
 from __future__ import annotations
 
 import collections
-import ctypes
-import itertools
+import json
 import math
 import os
 import socket
 import threading
-from dataclasses import dataclass
+import time
 
 import numpy as np
 
+from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.base import (
     RDMA_DEVICE_DIR,
     BatchHandle,
@@ -60,12 +61,21 @@ from pdserve.engine.kv_transfer.transport.base import (
 from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
 from pdserve.engine.kv_transfer.transport.limits import ChannelLimits
 from pdserve.engine.kv_transfer.transport.link import PeerLink
+from pdserve.engine.kv_transfer.transport.staging import (
+    NUM_SLOTS,
+    SLOT_BYTES,
+    Chunk,
+    ChunkPlan,
+    Landings,
+    chunk_plan,
+    copy_packed,
+    segments,
+)
 
 _MIN_MOONCAKE_TIMEOUT_S = 5
 # Segments submitted and not yet done, per batch. Mooncake's TCP protocol queues them per
 # lane and rejects what does not fit (a push of 4,096 blocks at once never finished).
 MAX_IN_FLIGHT = 256
-STAGING_BYTES = 8 << 20  # per peer (StagingPlan)
 PROTOCOLS = ("tcp", "rdma")
 
 
@@ -102,8 +112,11 @@ class MooncakeTransport(ChannelTransport):
         self.session_id = f"{mc_host}:{self._engine.get_rpc_port()}"
         self._staging: dict[str, np.ndarray] = {}
         self._staging_lock = threading.Lock()
+        self._landings = Landings(self._register_buffer, quarantine_s=timeout_s)
         super().__init__(host=host, port=port, advertise_host=advertise_host,
-                         auth_token=auth_token, timeout_s=timeout_s, limits=limits)
+                         auth_token=auth_token, timeout_s=timeout_s, limits=limits,
+                         on_frame=self._serve_frame, frame_limits=wire.LANDING_LIMITS,
+                         on_close=self._landings.give_back)
 
     def register_memory(self, ptr: int, length: int) -> None:
         rc = self._engine.register_memory(ptr, length)
@@ -117,59 +130,127 @@ class MooncakeTransport(ChannelTransport):
             self._engine.unregister_memory(ptr)
         self._regions = Regions()
         with self._staging_lock:
-            for buffer in self._staging.values():
-                self._engine.unregister_memory(buffer.ctypes.data)
-            self._staging.clear()
+            buffers, self._staging = [*self._staging.values(), *self._landings.buffers], {}
+        for buffer in buffers:
+            self._engine.unregister_memory(buffer.ctypes.data)
 
     def _welcome(self) -> dict:
         return {**super()._welcome(), "session": self.session_id}
 
     def _move(self, link: PeerLink, sock: socket.socket, handle: BatchHandle, batch: Batch) -> None:
-        """Submit the batch as single-segment Mooncake batches and wait for each in turn
-        (see the module docstring); many small pieces that are few runs on the peer's
-        side go through a staging buffer (``staging_plan``)."""
-        engine, session = self._engine, link.info["session"]
-        submit = (engine.batch_transfer_async_write if batch.is_write
-                  else engine.batch_transfer_async_read)
-        plan = staging_plan(batch, self._regions.as_list())
+        """Submit the batch as single-segment Mooncake batches and wait for them in turn
+        (see the module docstring); many small pieces move chunk by chunk through our
+        staging buffer, the peer's landing buffer, or both (``chunk_plan``)."""
+        submit = (self._engine.batch_transfer_async_write if batch.is_write
+                  else self._engine.batch_transfer_async_read)
+        segments_ = _Segments(self._engine, handle, submit, link.info["session"])
+        plan = chunk_plan(batch)
         if plan is None:
             rows = zip(batch.local.tolist(), batch.remote.tolist(), batch.lengths.tolist(), strict=True)
-            if self._run_segments(handle, submit, session, rows):
+            if segments_.submit(rows, 0) and segments_.wait_until(0):
                 handle.finish()
             return
-        staging = self._staging_for(link.peer)
-        for rows in plan.chunks(staging):
-            if not self._run_segments(handle, submit, session, rows):
-                return
-        handle.finish()
+        landing = self._landing(link, sock, handle) if plan.land else None
+        if not handle.status().is_pending:
+            return
+        if plan.land and landing is None:
+            plan = plan.without_landing()
+        if self._run_chunks(link, sock, handle, plan, segments_, landing):
+            handle.finish()
 
-    def _run_segments(self, handle: BatchHandle, submit, session: str, rows) -> bool:
-        """Move every (local, remote, length) row as its own segment, at most
-        ``MAX_IN_FLIGHT`` outstanding; False once ``handle`` failed (or its deadline passed)."""
-        engine, rows = self._engine, iter(rows)
-        in_flight: collections.deque[int] = collections.deque()
-        while True:
-            for local, remote, length in itertools.islice(rows, MAX_IN_FLIGHT - len(in_flight)):
-                batch_id = submit(session, [local], [remote], [length])
-                if batch_id <= 0:
-                    handle.fail(f"Mooncake refused to submit the batch ({batch_id})")
-                    return False
-                in_flight.append(batch_id)
-            if not in_flight:
-                return True
-            batch_id, status = in_flight.popleft(), 0
+    def _run_chunks(self, link: PeerLink, sock: socket.socket, handle: BatchHandle,
+                    plan: ChunkPlan, segments_: _Segments, landing: int | None) -> bool:
+        """Move ``plan`` chunk by chunk, each in one of ``NUM_SLOTS`` slots of our staging
+        buffer and of the peer's landing buffer: a chunk is packed (a write's gathered,
+        a read's gathered by the peer) while the one before it moves. False once
+        ``handle`` failed."""
+        staging = self._staging_for(link.peer).ctypes.data if plan.stage else None
+        regions, is_write = self._regions.as_list(), plan.batch.is_write
+        moving: collections.deque[tuple[int, Chunk]] = collections.deque()  # submitted
+        scattering: collections.deque[tuple[int, _Asked]] = collections.deque()  # peer copies
 
-            def is_pending(batch_id=batch_id) -> bool:
-                nonlocal status
-                status = engine.transfer_check_status(batch_id)  # 0 pending, 1 done, <0 failed
-                return status == 0
-
-            poll_while(is_pending, handle)
-            if status < 0:
-                handle.fail(f"Mooncake batch to {session} failed (status {status})")
+        def settle_oldest() -> bool:
+            """The oldest moving chunk's segments landed: finish its copy out."""
+            i, chunk = moving.popleft()
+            if not segments_.wait_until(i):
                 return False
-            if status == 0:
-                return False  # the deadline passed: the handle says so
+            slot = (i % NUM_SLOTS) * SLOT_BYTES
+            if landing is not None and is_write:
+                asked = self._ask(link, sock, handle, wire.OP_SCATTER, _landing_body(slot, chunk))
+                scattering.append((i, asked))
+            if staging is not None and not is_write:
+                copy_packed(staging + slot, chunk.local, chunk.lengths, regions, into_pieces=True)
+            return True
+
+        for i, chunk in enumerate(plan.chunks()):
+            slot = (i % NUM_SLOTS) * SLOT_BYTES
+            if len(moving) == NUM_SLOTS and not settle_oldest():  # the slot's last chunk
+                return False
+            while scattering and scattering[0][0] <= i - NUM_SLOTS:
+                if not self._settled(handle, scattering.popleft()[1]):
+                    return False
+            if staging is not None and is_write:
+                copy_packed(staging + slot, chunk.local, chunk.lengths, regions, into_pieces=False)
+            if landing is not None and not is_write:
+                asked = self._ask(link, sock, handle, wire.OP_GATHER, _landing_body(slot, chunk))
+                if not self._settled(handle, asked):
+                    return False
+            here = chunk.local if staging is None else staging + slot + chunk.offsets
+            there = chunk.remote if landing is None else landing + slot + chunk.offsets
+            if not segments_.submit(segments(here, there, chunk.lengths), i):
+                return False
+            moving.append((i, chunk))
+        while moving:
+            if not settle_oldest():
+                return False
+        return all(self._settled(handle, asked) for _, asked in scattering)
+
+    def _landing(self, link: PeerLink, sock: socket.socket, handle: BatchHandle) -> int | None:
+        """The address of the landing buffer the peer lends this connection (asked once
+        per connection); None where it has none free (or ``handle`` failed meanwhile)."""
+        if "landing" not in link.info:
+            asked = self._ask(link, sock, handle, wire.OP_LAND, b"")
+            status = asked.wait()
+            if asked.refused:
+                return None
+            if not status.is_done:
+                handle.fail(status.message)
+                return None
+            info = json.loads(asked.reply)
+            if info.get("slot_bytes") != SLOT_BYTES or info.get("num_slots") != NUM_SLOTS:
+                raise ValueError(f"peer {link.peer} lends landing slots we cannot use: {info}")
+            link.info["landing"] = int(info["addr"])
+        return link.info["landing"]
+
+    def _ask(self, link: PeerLink, sock: socket.socket, handle: BatchHandle, op: int,
+             body: bytes) -> _Asked:
+        """Send ``op`` to the peer's channel; the returned handle ends with its answer
+        (ACK, or LANDING whose body it keeps; NACK fails it with the reason), by
+        ``handle``'s deadline at the latest."""
+        asked = _Asked(link.peer, 0, max(0.0, handle.deadline - time.monotonic()))
+
+        def on_reply(_sock, reply_op: int, reply: bytes) -> None:
+            if reply_op == wire.OP_NACK:
+                asked.refused = True
+                asked.fail(f"peer refused {wire.OP_NAMES[op]}: {reply.decode(errors='replace')}")
+            elif reply_op in (wire.OP_ACK, wire.OP_LANDING):
+                asked.reply = reply
+                asked.finish()
+            else:
+                raise ValueError(f"unexpected reply op {reply_op} to {wire.OP_NAMES[op]}")
+
+        link.expect(asked, on_reply)
+        wire.send_frame(sock, op, asked.batch_id, body)
+        return asked
+
+    @staticmethod
+    def _settled(handle: BatchHandle, asked: BatchHandle) -> bool:
+        """Wait for the peer's answer to ``asked``; False (``handle`` failed) unless ACKed."""
+        status = asked.wait()
+        if status.is_done:
+            return True
+        handle.fail(status.message)
+        return False
 
     def _staging_for(self, peer: str) -> np.ndarray:
         """This peer's staging buffer (its sender thread is the only user), registered
@@ -177,80 +258,105 @@ class MooncakeTransport(ChannelTransport):
         with self._staging_lock:
             buffer = self._staging.get(peer)
             if buffer is None:
-                buffer = np.empty(STAGING_BYTES, dtype=np.uint8)
-                rc = self._engine.register_memory(buffer.ctypes.data, buffer.nbytes)
-                if rc != 0:
-                    raise RuntimeError(f"Mooncake register_memory(staging) = {rc}")
+                buffer = np.empty(NUM_SLOTS * SLOT_BYTES, dtype=np.uint8)
+                self._register_buffer(buffer)
                 self._staging[peer] = buffer
             return buffer
 
+    def _register_buffer(self, buffer: np.ndarray) -> None:
+        rc = self._engine.register_memory(buffer.ctypes.data, buffer.nbytes)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake register_memory(staging, {buffer.nbytes}) = {rc}")
 
-@dataclass
-class StagingPlan:
-    """A batch of many small pieces, scattered in our memory, whose peer side is few
-    runs: each run moves as one segment through a staging buffer, chunk by chunk. A
-    write copies its pieces, in order, into the buffer first (a KV re-laid out for a
-    peer that splits the heads differently: two 256-byte pieces per token from two
-    ranks, one run per block of the peer); a read, sorted by peer address, fetches the
-    peer's runs into the buffer and then copies each piece to its place."""
+    # -- server side (the connection's thread): the landing buffer this peer may use -----
 
-    batch: Batch
-    region: tuple[int, int]  # the registered region every local piece lies in
-    unit: int  # every local piece's offset in it, and its length, are multiples of this
-    order: np.ndarray | None  # reads: the pieces sorted by peer address
-
-    def chunks(self, staging: np.ndarray):
-        """Yield each chunk's segments (staging address, peer run, length); a write's
-        pieces are in ``staging`` when they are yielded, a read's are copied out of it
-        when the caller asks for the next chunk (after the segments landed)."""
-        local, remote, lengths = self.batch.local, self.batch.remote, self.batch.lengths
-        if self.order is not None:
-            local, remote, lengths = local[self.order], remote[self.order], lengths[self.order]
-        base, size = self.region
-        unit = self.unit
-        memory = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(base))
-        rows_of = memory[:size - size % unit].reshape(-1, unit)
-        ends = np.cumsum(lengths)
-        start, n = 0, len(lengths)
-        while start < n:
-            done = int(ends[start - 1]) if start else 0
-            stop = max(start + 1, int(np.searchsorted(ends, done + staging.nbytes, side="right")))
-            counts = lengths[start:stop] // unit
-            steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            rows = np.repeat((local[start:stop] - base) // unit, counts) + steps
-            view = staging[:len(rows) * unit].reshape(-1, unit)
-            if self.batch.is_write:
-                np.take(rows_of, rows, axis=0, out=view)
-            offsets = ends[start:stop] - lengths[start:stop] - done
-            joins = remote[start + 1:stop] == remote[start:stop - 1] + lengths[start:stop - 1]
-            heads = np.flatnonzero(np.concatenate(([True], ~joins)))
-            runs = np.add.reduceat(lengths[start:stop], heads)
-            yield zip((staging.ctypes.data + offsets[heads]).tolist(),
-                      remote[start:stop][heads].tolist(), runs.tolist(), strict=True)
-            if not self.batch.is_write:
-                rows_of[rows] = view
-            start = stop
+    def _serve_frame(self, sock: socket.socket, op: int, batch_id: int, body: bytes,
+                     peer: str) -> None:
+        if op == wire.OP_LAND:
+            try:
+                buffer = self._landings.lend(sock)
+            except RuntimeError as exc:
+                buffer, reason = None, str(exc)
+            else:
+                reason = f"every landing buffer is lent ({self._landings.max_count})"
+            if buffer is None:
+                wire.send_frame(sock, wire.OP_NACK, batch_id, reason.encode())
+                return
+            info = {"addr": buffer.ctypes.data, "slot_bytes": SLOT_BYTES, "num_slots": NUM_SLOTS}
+            wire.send_frame(sock, wire.OP_LANDING, batch_id, json.dumps(info).encode())
+            return
+        if len(body) < 8:
+            raise wire.FrameError("malformed landing table", f"{len(body)} bytes")
+        offset = int.from_bytes(body[:8], "little")
+        addrs, lengths = wire.decode_table(body[8:])
+        buffer = self._landings.of(sock)
+        problem = self._regions.check(addrs, lengths, side="remote")
+        if buffer is None:
+            problem = "no landing buffer is lent to this connection"
+        elif problem is None and offset + int(lengths.sum()) > buffer.nbytes:
+            problem = f"{int(lengths.sum())} bytes at {offset} overflow the landing buffer"
+        if problem is not None:
+            wire.send_frame(sock, wire.OP_NACK, batch_id, f"refused: {problem}".encode())
+            return
+        copy_packed(buffer.ctypes.data + offset, addrs, lengths, self._regions.as_list(),
+                    into_pieces=op == wire.OP_SCATTER)
+        wire.send_frame(sock, wire.OP_ACK, batch_id)
 
 
-def staging_plan(batch: Batch, regions: list[tuple[int, int]]) -> StagingPlan | None:
-    """A ``StagingPlan`` for ``batch`` where it pays: its pieces are at most a quarter as
-    many runs on the peer's side, each fits a quarter of the staging buffer, and they
-    lie in one of our regions at offsets of a common unit of at least 64 bytes; None
-    otherwise (each piece is then its own segment)."""
-    local, remote, lengths = batch.local, batch.remote, batch.lengths
-    if len(lengths) < 64 or int(lengths.max()) > STAGING_BYTES // 4:
-        return None
-    order = None if batch.is_write else np.argsort(remote, kind="stable")
-    r, n = (remote, lengths) if order is None else (remote[order], lengths[order])
-    runs = 1 + int(np.count_nonzero(r[1:] != r[:-1] + n[:-1]))
-    if runs * 4 > len(lengths):
-        return None
-    low, high = int(local.min()), int((local + lengths).max())
-    region = next(((b, size) for b, size in regions if b <= low and high <= b + size), None)
-    if region is None:
-        return None
-    unit = int(np.gcd.reduce(np.concatenate([lengths, local - region[0]])))
-    return StagingPlan(batch, region, unit, order) if unit >= 64 else None
+class _Segments:
+    """A batch's Mooncake segments in flight, each its own one-segment batch, at most
+    ``MAX_IN_FLIGHT`` at once, awaited in submission order; each carries the tag of
+    the chunk it belongs to. Every method returns False once the handle failed (a
+    segment failed, Mooncake refused one, or the deadline passed)."""
+
+    def __init__(self, engine, handle: BatchHandle, submit, session: str) -> None:
+        self._engine, self._handle, self._submit, self._session = engine, handle, submit, session
+        self._in_flight: collections.deque[tuple[int, int]] = collections.deque()  # id, tag
+
+    def submit(self, rows, tag: int) -> bool:
+        """Submit every (local, remote, length) row, waiting for the oldest when full."""
+        for local, remote, length in rows:
+            if len(self._in_flight) >= MAX_IN_FLIGHT and not self._wait_oldest():
+                return False
+            batch_id = self._submit(self._session, [local], [remote], [length])
+            if batch_id <= 0:
+                self._handle.fail(f"Mooncake refused to submit the batch ({batch_id})")
+                return False
+            self._in_flight.append((batch_id, tag))
+        return True
+
+    def wait_until(self, tag: int) -> bool:
+        """Wait for every segment tagged ``tag`` or earlier."""
+        while self._in_flight and self._in_flight[0][1] <= tag:
+            if not self._wait_oldest():
+                return False
+        return True
+
+    def _wait_oldest(self) -> bool:
+        batch_id, status = self._in_flight.popleft()[0], 0
+
+        def is_pending() -> bool:
+            nonlocal status
+            status = self._engine.transfer_check_status(batch_id)  # 0 pending, 1 done, <0 failed
+            return status == 0
+
+        poll_while(is_pending, self._handle)
+        if status < 0:
+            self._handle.fail(f"Mooncake batch to {self._session} failed (status {status})")
+            return False
+        return status != 0  # still 0: the deadline passed, and the handle says so
+
+
+class _Asked(BatchHandle):
+    """A question to the peer's channel (OP_LAND, OP_SCATTER, OP_GATHER) and its answer."""
+
+    reply: bytes = b""
+    refused: bool = False  # NACKed: the peer answered no, the link is fine
+
+
+def _landing_body(slot: int, chunk: Chunk) -> bytes:
+    """A SCATTER or GATHER body: the chunk's place in the landing buffer, then its pieces."""
+    return slot.to_bytes(8, "little") + wire.encode_table(chunk.remote, chunk.lengths)
 
 
 def check_protocol(protocol: str, device_names: str) -> None:

@@ -12,7 +12,7 @@ BlockingIOError; ``recv_exact`` maps it to Idle or TimeoutError.
 
 Limits (the KV port faces the network): a reader names the ops it accepts and each
 op's largest body (``HELLO_LIMITS`` before a peer authenticated; ``CHANNEL_LIMITS``,
-plus ``DATA_LIMITS`` for tcp, after; ``WELCOME_LIMITS`` and ``REPLY_LIMITS`` on our
+plus ``DATA_LIMITS`` for tcp or ``LANDING_LIMITS`` for mooncake, after; ``WELCOME_LIMITS`` and ``REPLY_LIMITS`` on our
 own links). ``recv_frame`` checks the op and the length from the
 13-byte header before it reads or allocates any body, and then allocates only as
 bytes arrive, so a header that promises 64 MiB costs nothing until 64 MiB come. A
@@ -44,6 +44,11 @@ OP_ACK = 7
 OP_NACK = 8  # body: utf-8 reason
 OP_NOTIFY = 9  # body: the message; never answered
 OP_FENCE = 10  # answered with OP_ACK once every earlier frame was handled
+# Mooncake's landing buffer (staging.py): a peer's pieces moved as one segment each way.
+OP_LAND = 11  # client -> server: lend this connection a landing buffer; OP_LANDING or OP_NACK
+OP_LANDING = 12  # server -> client: json {"addr", "slot_bytes", "num_slots"}
+OP_SCATTER = 13  # body: u64 landing offset + item table; copy landing -> items, then OP_ACK
+OP_GATHER = 14  # body: the same; copy items -> landing, then OP_ACK
 
 HEADER = struct.Struct("!BQI")
 MAX_HELLO_BYTES = 4 << 10  # token and endpoint: what an unauthenticated peer may send
@@ -56,10 +61,14 @@ HELLO_LIMITS: Mapping[int, int] = {OP_HELLO: MAX_HELLO_BYTES}
 CHANNEL_LIMITS: Mapping[int, int] = {OP_NOTIFY: MAX_NOTIFY_BYTES, OP_FENCE: 0}
 DATA_LIMITS: Mapping[int, int] = {OP_WRITE: MAX_TABLE_BYTES, OP_READ: MAX_TABLE_BYTES}  # tcp
 WELCOME_LIMITS: Mapping[int, int] = {OP_WELCOME: MAX_INFO_BYTES, OP_REFUSE: MAX_REASON_BYTES}
-REPLY_LIMITS: Mapping[int, int] = {OP_ACK: 0, OP_DATA: 0, OP_NACK: MAX_REASON_BYTES}
+LANDING_LIMITS: Mapping[int, int] = {  # mooncake
+    OP_LAND: 0, OP_SCATTER: 8 + MAX_TABLE_BYTES, OP_GATHER: 8 + MAX_TABLE_BYTES}
+REPLY_LIMITS: Mapping[int, int] = {OP_ACK: 0, OP_DATA: 0, OP_NACK: MAX_REASON_BYTES,
+                                   OP_LANDING: 256}
 OP_NAMES = {OP_HELLO: "HELLO", OP_WELCOME: "WELCOME", OP_REFUSE: "REFUSE", OP_WRITE: "WRITE",
             OP_READ: "READ", OP_DATA: "DATA", OP_ACK: "ACK", OP_NACK: "NACK",
-            OP_NOTIFY: "NOTIFY", OP_FENCE: "FENCE"}
+            OP_NOTIFY: "NOTIFY", OP_FENCE: "FENCE", OP_LAND: "LAND", OP_LANDING: "LANDING",
+            OP_SCATTER: "SCATTER", OP_GATHER: "GATHER"}
 # A window is what one sendmsg/recvmsg call is given: at most WINDOW_IOVECS iovecs
 # (Linux's UIO_MAXIOV) and at most *_WINDOW_BYTES bytes, a longer run being cut into
 # window-sized rows first (``split_rows``). A blocking sendmsg moves its whole window;

@@ -208,6 +208,36 @@ def test_a_batch_of_thousands_of_scattered_pieces_lands_byte_exact(pair):
     assert torch.equal(landed[order], side.kv.view(torch.uint8).view(count, piece))
 
 
+@pytest.mark.parametrize("scattered", ["there", "on both sides"])
+def test_pieces_scattered_over_the_peers_memory_move_both_ways(pair, scattered):
+    """A KV over D's scattered blocks: 1,024 small pieces in every other place of the
+    peer's memory, from one run of ours or from every other place of ours too. Pushed,
+    then pulled back (Mooncake lands them in a buffer the peer lends, which the peer
+    scatters, or gathers first for the read)."""
+    side, peer = pair
+    fill(side.kv, seed=6)
+    piece = 64
+    count = side.kv.nbytes // piece // 2  # 1,024: half of each side's pieces
+    gen = torch.Generator().manual_seed(2)
+    there = (torch.randperm(count, generator=gen) * 2).tolist()
+    here = list(range(count)) if scattered == "there" else (torch.randperm(count, generator=gen) * 2).tolist()
+    base, remote_base = side.kv.data_ptr(), peer.piece(0, 0, 0)
+    items = [TransferItem(base + i * piece, remote_base + j * piece, piece) for i, j in zip(here, there, strict=True)]
+    status = finish(side.transport, side.transport.write_batch(peer.endpoint, items))
+    assert status.is_done, status.message
+    ours = side.kv.view(torch.uint8).view(-1, piece)
+    landed = peer.dump().view(torch.uint8).view(-1, piece)
+    assert torch.equal(landed[there], ours[here])
+    if side.transport.name == "mooncake":
+        assert "landing" in side.transport._channel.link(peer.endpoint).info
+
+    peer.ask("fill 7")
+    expected = peer.dump().view(torch.uint8).view(-1, piece)
+    status = finish(side.transport, side.transport.read_batch(peer.endpoint, items))
+    assert status.is_done, status.message
+    assert torch.equal(ours[here], expected[there])
+
+
 def test_pieces_scattered_here_that_are_one_run_there_move_in_order(pair):
     """The other half of a re-laid out transfer: small pieces from all over P's memory
     landing side by side in D's, and read back the same way (Mooncake stages them, one
