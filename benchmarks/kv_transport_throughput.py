@@ -4,7 +4,8 @@ A receiver process (D) owns one KV region per transport; this process (P) pushes
 ``--total-mib`` of KV into it as (layer, K|V, block) pieces of
 ``block_tokens x kv_heads x head_dim x dtype_bytes`` bytes, landing in a shuffled
 order of D's blocks (as a real block table does, so nothing coalesces unless
-``--layout contiguous``). Limits measured in the same run: a raw socket copy
+``--layout contiguous``; ``--layout sparse``: in a shuffled order of every other
+block of a region twice as large, as in a cache whose free blocks are scattered). Limits measured in the same run: a raw socket copy
 (one sendall / recv_into of the whole region, then a 1-byte ack, over loopback),
 the limit of tcp and mooncake, and a single-threaded memcpy (ctypes.memmove), the
 limit of shm and of nixl on one host (UCX copies with cma, one process writing
@@ -40,12 +41,12 @@ def allocate(name: str, num_bytes: int):
     return torch.zeros(num_bytes, dtype=torch.uint8), None
 
 
-def receiver(conn, names: list[str], num_bytes: int) -> None:
+def receiver(conn, names: list[str], num_bytes: int, region_bytes: int) -> None:
     """D: registers one region per transport, serves a raw socket sink, waits for 'done'."""
     keep, offers = [], {}
     for name in names:
         transport = create_transport(name, auth_token=TOKEN, timeout_s=30.0)
-        kv, owner = allocate(name, num_bytes)
+        kv, owner = allocate(name, region_bytes)
         transport.register_memory(kv.data_ptr(), kv.nbytes)
         keep.append((transport, kv, owner))
         offers[name] = (transport.endpoint, kv.data_ptr())
@@ -112,8 +113,10 @@ class TransportPush:
         self.transport.register_memory(self.src.data_ptr(), self.src.nbytes)
         num_pieces = num_bytes // piece_bytes
         order = np.arange(num_pieces)
-        if layout == "scattered":
+        if layout in ("scattered", "sparse"):
             order = np.random.default_rng(0).permutation(num_pieces)
+        if layout == "sparse":
+            order = order * 2
         self.items = np.stack([  # the array form of list[TransferItem]
             self.src.data_ptr() + np.arange(num_pieces) * piece_bytes,
             remote_base + order * piece_bytes,
@@ -144,7 +147,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype-bytes", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--layout", choices=["scattered", "contiguous"], default="scattered")
+    parser.add_argument("--layout", choices=["scattered", "contiguous", "sparse"], default="scattered")
     parser.add_argument("--transports", default="tcp,shm,mooncake,nixl")
     args = parser.parse_args()
     names = args.transports.split(",")
@@ -153,7 +156,8 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    child = ctx.Process(target=receiver, args=(there, names, num_bytes))
+    region_bytes = num_bytes * (2 if args.layout == "sparse" else 1)
+    child = ctx.Process(target=receiver, args=(there, names, num_bytes, region_bytes))
     child.start()
     offers, raw_port = here.recv()
     src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
