@@ -2,8 +2,9 @@
 
 D creates its KV tensor in a /dev/shm file (``ShmTensor``) and registers it; the
 WELCOME reply on the channel names the file and where it is mapped in D. P maps
-the file once per peer and ``ctypes.memmove``s each item (the GIL is released during
-the copy). A batch is DONE only after D answers a FENCE on the channel, so a dead
+the file once per peer and copies the items into it (``staging.copy_pieces``: one
+numpy row copy per run of the side whose pieces are few runs, else one
+``ctypes.memmove`` per item; the GIL is released during the copies). A batch is DONE only after D answers a FENCE on the channel, so a dead
 or stopped D makes the batch FAILED even though the copy itself never needs D.
 
 A segment is named ``/dev/shm/pdserve-kv-<pid>-<12 hex digits>``, ``<pid>`` being the
@@ -35,6 +36,7 @@ from pdserve.engine.kv_transfer.transport.base import BatchHandle
 from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
 from pdserve.engine.kv_transfer.transport.limits import ChannelLimits
 from pdserve.engine.kv_transfer.transport.link import PeerLink
+from pdserve.engine.kv_transfer.transport.staging import copy_pieces
 
 SHM_DIR = "/dev/shm"
 
@@ -127,12 +129,13 @@ class ShmTransport(ChannelTransport):
         """Copy every item through our mapping of the peer's file, then FENCE: D's ACK
         finishes the batch, so a dead or stopped D still FAILs it."""
         mapped = self._translate(link.info["segments"], batch.remote, batch.lengths)
+        ours = self._regions.as_list()
         with self._copy_lock:
-            for src, dst, n in zip(batch.local.tolist(), mapped.tolist(), batch.lengths.tolist(),
-                                   strict=True):
-                if not batch.is_write:
-                    src, dst = dst, src
-                ctypes.memmove(dst, src, n)
+            theirs = [(addr, mm.size()) for mm, _, addr in self._maps.values()]
+            if batch.is_write:
+                copy_pieces(batch.local, mapped, batch.lengths, ours, theirs)
+            else:
+                copy_pieces(mapped, batch.local, batch.lengths, theirs, ours)
         self._fence(link, sock, handle)
 
     def _translate(self, segments: list[dict], remote: np.ndarray, lengths: np.ndarray):

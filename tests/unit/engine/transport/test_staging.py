@@ -18,6 +18,7 @@ from pdserve.engine.kv_transfer.transport.staging import (
     Landings,
     chunk_plan,
     copy_packed,
+    copy_pieces,
     segments,
 )
 
@@ -81,6 +82,23 @@ def test_packed_copies_gather_and_scatter_byte_exact(piece):
     copy_packed(packed.ctypes.data, addrs, lengths, [(base, region.nbytes)], into_pieces=True)
     assert np.array_equal(np.concatenate([region[p * piece:(p + 1) * piece] for p in picks]), expected)
     assert int(region.astype(np.int64).sum()) == int(expected.astype(np.int64).sum())
+
+
+@pytest.mark.parametrize("packed", ["source", "destination", "neither"])
+def test_pieces_copy_in_one_process_whichever_side_is_one_run(packed):
+    piece, n = 256, 128
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 255, 4 * n * piece, dtype=np.uint8)
+    b = np.zeros_like(a)
+    spots = [np.arange(n), rng.permutation(2 * n)[:n] * 2]
+    src_at = spots[0] if packed == "source" else spots[1]
+    dst_at = spots[0] if packed == "destination" else rng.permutation(2 * n)[:n] * 2
+    src, dst = a.ctypes.data + src_at * piece, b.ctypes.data + dst_at * piece
+    copy_pieces(src, dst, np.full(n, piece, dtype=np.int64), [(a.ctypes.data, a.nbytes)],
+                [(b.ctypes.data, b.nbytes)])
+    for i, j in zip(src_at.tolist(), dst_at.tolist(), strict=True):
+        assert np.array_equal(b[j * piece:(j + 1) * piece], a[i * piece:(i + 1) * piece])
+    assert np.count_nonzero(b.reshape(-1, piece).any(axis=1)) <= n
 
 
 def test_landing_buffers_are_lent_per_connection_up_to_the_cap_and_rest_before_reuse():
