@@ -48,8 +48,11 @@ def heartbeat() -> pb.HeartbeatRequest:
 
 
 async def answers_as_leader(stub: pb_grpc.ControllerStub) -> bool:
+    """Whether the Controller handled a Heartbeat as leader. Its deadline is loose: on a
+    loaded machine an answer can take a while, and the timeline below keys each probe
+    to when it was sent (the Controller handles it after that)."""
     try:
-        await stub.Heartbeat(heartbeat(), timeout=0.5)
+        await stub.Heartbeat(heartbeat(), timeout=5.0)
         return True
     except grpc.aio.AioRpcError as exc:
         assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc
@@ -90,17 +93,20 @@ def test_a_partitioned_leader_stops_before_the_standby_leads_and_cannot_write(et
             proxy.hang()
             hung_at = loop.time()
             timeline: list[tuple[float, bool, bool]] = []
-            while not timeline or not timeline[-1][2]:
+            while not timeline or not timeline[-1][2]:  # (sent s, old leads, new leads)
                 assert loop.time() - hung_at < 15, "the standby never took over"
+                sent_s = loop.time() - hung_at
                 old_acts, new_acts = await answers_as_leader(old_stub), await answers_as_leader(new_stub)
-                timeline.append((loop.time() - hung_at, old_acts, new_acts))
+                timeline.append((sent_s, old_acts, new_acts))
                 await asyncio.sleep(0.005)
             assert not any(old_acts and new_acts for _, old_acts, new_acts in timeline)
             old_stopped_s = next(t for t, old_acts, _ in timeline if not old_acts)
             new_started_s = next(t for t, _, new_acts in timeline if new_acts)
             print(f"old leader stopped {old_stopped_s:.2f}s into the partition, "
                   f"the standby led from {new_started_s:.2f}s")
-            assert old_stopped_s <= LEAD_FRACTION * LEADER_TTL_S + 0.2
+            # No Heartbeat sent after its lead ran out (so handled after it) is served as leader.
+            assert all(not old_acts for t, old_acts, _ in timeline
+                       if t >= LEAD_FRACTION * LEADER_TTL_S + 0.2)
             assert all(not old_acts for t, old_acts, _ in timeline if t >= old_stopped_s)
             assert old_stopped_s < new_started_s
 
