@@ -14,8 +14,9 @@ passes for every peer except those in ``probe_failures`` (KV endpoint -> reason)
 
 Like a real engine it refuses (INVALID_ARGUMENT) a request id already in flight and
 a transfer id longer than 128 characters, and Abort ends the stream of the request
-it names. ``request_ids`` lists every Generate's request id, ``aborted`` every
-Abort's, ``max_inflight`` the most requests it held at once.
+it names. Session serves this Generate per request, as the engine's does
+(``pdserve.runtime.session_server``). ``request_ids`` lists every Generate's request
+id, ``aborted`` every Abort's, ``max_inflight`` the most requests it held at once.
 
 The "full" answer is the engine contract the Coordinator implements
 (``coordinator/legs.py``): gRPC status RESOURCE_EXHAUSTED, details starting
@@ -32,11 +33,12 @@ import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+from pdserve.runtime.session_server import SessionServicer
 
 MAX_TRANSFER_ID_CHARS = 128  # as pdserve.engine.kv_transfer.params
 
 
-class StubEngine(pb_grpc.EngineServicer):
+class StubEngine(SessionServicer, pb_grpc.EngineServicer):
     def __init__(self, role: str = "hybrid", behavior: str = "ok", num_tokens: int = 1,
                  kv_compat_hash: str = "stub", kv_endpoint: str = "127.0.0.1:1",
                  fail_after: int = 0, token_delay_s: float = 0.0,

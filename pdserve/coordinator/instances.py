@@ -3,8 +3,9 @@
 Each engine is one ``EngineEndpoint`` (the Coordinator's picture of a PDInstance).
 ``InstanceRegistry`` is written by one source (the static poller or the Controller
 watcher) through ``replace``, and read by the router on every request.
-It also owns one ``EngineClient`` per engine address and the Coordinator's own
-count of legs in flight per engine (exact, unlike polled load).
+It also owns one ``EngineClient`` per engine address, with the ``EngineSession``
+every leg on that engine rides (``sessions.py``), and the Coordinator's own count of
+legs in flight per engine (exact, unlike polled load).
 
 Invariants: only ``routable`` instances (healthy, not draining) are in pools; an
 instance that just failed a leg is ``suspect`` for ``suspect_s``, and one that just
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from pdserve.runtime.aio import wait_event
 from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings
+
+from .sessions import EngineSession
 
 
 @dataclass
@@ -92,6 +95,7 @@ class InstanceRegistry:
         self._suspect_s = suspect_s
         self._instances: dict[str, EngineEndpoint] = {}
         self._clients: dict[str, EngineClient] = {}
+        self._sessions: dict[str, EngineSession] = {}
         self._changed = asyncio.Event()
         self.mode = "PD"  # the Controller's view mode: "PD" | "FALLBACK"
         self.fallback_reason = ""
@@ -184,7 +188,17 @@ class InstanceRegistry:
             client = self._clients[address] = EngineClient(address, self._security)
         return client
 
+    def session(self, address: str) -> EngineSession:
+        """The engine's Session stream, for the legs sent to it (opened on first use)."""
+        session = self._sessions.get(address)
+        if session is None:
+            session = self._sessions[address] = EngineSession(self.client(address))
+        return session
+
     async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
+        self._sessions.clear()
         for client in self._clients.values():
             await client.close()
         self._clients.clear()

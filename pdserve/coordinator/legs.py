@@ -1,12 +1,13 @@
 """The legs of a request: one engine stream each, and the PD pair of two.
 
-A leg is one Generate call on one engine. ``Leg`` runs a whole request on one
+A leg is one request on its engine's Session stream (``sessions.SessionCall``: to a
+leg, what a Generate call would be). ``Leg`` runs a whole request on one
 engine (conditional disaggregation on D, or a hybrid engine); ``PrefillLeg`` and
 ``DecodeLeg`` are the halves of a PD attempt, which ``PairedLegs`` runs together:
 the decode leg streamed, the prefill leg awaited beside it in a task. Both shapes
 answer the same calls, made by ``RequestRun`` on the event loop:
 
-  start(timeout_s)   send the call(s); count the load on their engines
+  start(timeout_s)   send the request(s); count the load on their engines
   tokens()           the output token ids, until the engine finishes the request
   close()            restore the load counts; cancel and abort what did not finish
 
@@ -46,10 +47,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
-from pdserve.runtime.engine_client import EngineClient
 
 from .errors import ServeError
 from .instances import EngineEndpoint, InstanceRegistry
+from .sessions import EngineSession
 from .timings import RequestTimings
 
 log = logging.getLogger(__name__)
@@ -93,14 +94,14 @@ class EngineFull(Exception):
 
 
 class Leg:
-    """One Generate call; this class is the single leg, the subclasses a PD pair's halves."""
+    """One request on an engine; this class is the single leg, the subclasses a PD pair's halves."""
 
     kind = "single"
     END_REASONS: tuple[str, ...] = ("stop", "length")  # finish reasons that end it well
     ENDED_EARLY = "stream ended without finishing"
     PREFILLS_PROMPT = True  # its engine prefills the prompt: counted as pending prefill
 
-    def __init__(self, engine: EngineEndpoint, request: pb.GenerateRequest, client: EngineClient,
+    def __init__(self, engine: EngineEndpoint, request: pb.GenerateRequest, client: EngineSession,
                  timings: RequestTimings, aborter: Aborter) -> None:
         self.engine = engine
         self.request = request
@@ -121,8 +122,8 @@ class Leg:
         self.prompt_logprobs: list[pb.TokenLogprob] | None = None
 
     def start(self, timeout_s: float) -> None:
-        """Called once, by ``RequestRun`` or ``PairedLegs.start``: sends the call with a
-        gRPC deadline of ``timeout_s`` (what is left of the request's), counts the load."""
+        """Called once, by ``RequestRun`` or ``PairedLegs.start``: sends the request with a
+        deadline of ``timeout_s`` (what is left of the request's), counts the load."""
         self._call = self._client.generate(self.request, timeout_s=timeout_s)
         self._is_open = True
         self.engine.num_inflight += 1

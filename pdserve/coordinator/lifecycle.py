@@ -288,7 +288,7 @@ class RequestRun:
         return PairedLegs(prefill, decode)
 
     def _leg(self, kind: type[Leg], engine: EngineEndpoint, request: pb.GenerateRequest):
-        return kind(engine, request, self.deps.registry.client(engine.address), self.timings,
+        return kind(engine, request, self.deps.registry.session(engine.address), self.timings,
                     self.deps.aborter)
 
 

@@ -8,7 +8,8 @@ engine's message, logged at INFO without a traceback), then streams outputs from
 asyncio queue fed by the loop thread. A call that ends early (client gone, RPC
 cancelled, even during admission) aborts its own request and no other, so its KV
 blocks are freed at once. The Abort RPC ends a request's stream with a last message
-(``finish_reason`` "abort").
+(``finish_reason`` "abort"). Session (the Coordinator's one stream per engine) runs
+this same Generate for each request it carries (``runtime/session_server.py``).
 
 How a stream ends is decided in one place, ``end_status``: a request the engine had
 no room for (``finish_reason`` "full": D found no KV blocks within its reserve wait,
@@ -49,6 +50,7 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import RequestStatus, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.runtime.security import SecuritySettings, add_port, server_interceptors
+from pdserve.runtime.session_server import SessionServicer
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +117,9 @@ def end_status(out: RequestOutput) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
-class EngineService(pb_grpc.EngineServicer):
+class EngineService(SessionServicer, pb_grpc.EngineServicer):
+    """The Engine service; ``Session`` runs ``Generate`` per request (runtime/session_server.py)."""
+
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
 

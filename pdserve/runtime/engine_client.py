@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import grpc
+
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
 from pdserve.runtime.security import SecuritySettings, create_channel
@@ -34,6 +36,11 @@ class EngineClient:
         self, request: pb.GenerateRequest, timeout_s: float | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
         return self._stub.Generate(request, timeout=timeout_s, metadata=self._md)
+
+    def session(self) -> grpc.aio.StreamStreamCall:
+        """A Session call (many requests on one stream; the Coordinator's
+        ``sessions.EngineSession`` owns it): ``write`` SessionRequests, iterate SessionResponses."""
+        return self._stub.Session(metadata=self._md)
 
     async def abort(self, request_id: str) -> bool:
         return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._md)).aborted

@@ -189,6 +189,32 @@ class GenerateRequest(_message.Message):
     kv_transfer: KVTransferParams
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("generate", "cancel")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    generate: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generate: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("messages", "ends")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    ends: _containers.RepeatedCompositeFieldContainer[RequestEnd]
+    def __init__(self, messages: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[RequestEnd, _Mapping]]] = ...) -> None: ...
+
+class RequestEnd(_message.Message):
+    __slots__ = ("request_id", "code", "details")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    details: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "error", "timings", "logprobs", "prompt_logprobs", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -37,8 +37,9 @@ def test_a_full_decode_engine_sends_requests_to_one_with_room(loop, stubs):
 
 
 def test_a_full_prefill_engine_sends_requests_to_one_with_room(loop, stubs):
+    # D waits before its first token as a real one waits for KV: P's refusal is read first.
     engines = [stubs(role="prefill", behavior="full"), stubs(role="prefill"),
-               stubs(role="decode", num_tokens=2)]
+               stubs(role="decode", num_tokens=2, token_delay_s=0.05)]
     with serve(loop, engines, prefill_policy="round_robin") as app:
         for _ in range(4):
             assert httpx.post(app.url + "/v1/completions", json=BODY, timeout=10).status_code == 200

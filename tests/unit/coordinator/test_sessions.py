@@ -1,0 +1,221 @@
+"""The Coordinator's Session stream to an engine, against stub engines: requests on
+one stream kept apart by id, one request's error, cancel or deadline leaving the
+others running, an engine gone failing every request on it and a new session
+opened for the next, and the engine side (runtime/session_server.py) batching
+messages and ending a malformed request alone. Each script ends with a leak check:
+no call left in the session, no request left on the stub."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from pdserve.api.proto import engine_pb2 as pb
+from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+from pdserve.coordinator.sessions import EngineSession
+from pdserve.runtime.engine_client import EngineClient, build_generate_request
+from tests.stub_engine import StubEngine, start_stub
+
+
+def request(rid: str, max_tokens: int = 4, **kwargs) -> pb.GenerateRequest:
+    return build_generate_request(rid, prompt_token_ids=[1, 2, 3], max_tokens=max_tokens, **kwargs)
+
+
+async def read_all(call) -> list[pb.GenerateResponse]:
+    return [message async for message in call]
+
+
+async def until(predicate, timeout_s: float = 2.0) -> None:
+    async def poll():
+        while not predicate():
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+def run(scenario) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+@contextlib.asynccontextmanager
+async def session_on(stub: StubEngine):
+    """A session to ``stub`` served on a free port; at the end, the leak check: no
+    call left in the session, no request left on the stub."""
+    server, address = await start_stub(stub)
+    client = EngineClient(address)
+    session = EngineSession(client)
+    try:
+        yield session
+        await until(lambda: not stub._inflight)
+        assert session.num_calls == 0
+    finally:
+        await session.close()
+        await client.close()
+        await server.stop(grace=None)
+
+
+async def error_of(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await read_all(call)
+    return info.value
+
+
+def test_two_requests_on_one_session_get_their_own_messages():
+    async def scenario():
+        stub = StubEngine(num_tokens=6, token_delay_s=0.01)
+        async with session_on(stub) as session:
+            a, b = session.generate(request("a", 3), 10.0), session.generate(request("b", 5), 10.0)
+            got_a, got_b = await asyncio.gather(read_all(a), read_all(b))
+            assert [m.request_id for m in got_a] == ["a"] * 3 and got_a[-1].finished
+            assert [m.num_output_tokens for m in got_b] == [1, 2, 3, 4, 5] and got_b[-1].finished
+            assert {m.request_id for m in got_b} == {"b"} and stub.max_inflight == 2
+            first = session._call
+            assert len(await read_all(session.generate(request("c"), 10.0))) == 4
+            assert session._call is first  # one stream for all three
+
+    run(scenario)
+
+
+def test_one_requests_error_ends_it_alone():
+    async def scenario():
+        async with session_on(StubEngine(num_tokens=4, token_delay_s=0.02)) as session:
+            good = session.generate(request("good"), 10.0)
+            bad = session.generate(request("bad", kv_transfer={  # the stub refuses its long id
+                "role": "decode", "mode": "push", "transfer_id": "x" * 200, "peer": "p:1"}), 10.0)
+            error = await error_of(bad)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "transfer_id" in error.details()
+            assert len(await read_all(good)) == 4
+            assert len(await read_all(session.generate(request("after"), 10.0))) == 4
+
+    run(scenario)
+
+
+def test_a_full_engine_answers_full_on_the_session():
+    async def scenario():
+        async with session_on(StubEngine(behavior="full", num_full=1)) as session:
+            error = await error_of(session.generate(request("first"), 10.0))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert error.details().startswith("prefill full")
+            assert len(await read_all(session.generate(request("second"), 10.0))) == 1
+
+    run(scenario)
+
+
+def test_cancel_of_one_request_leaves_the_other_running():
+    async def scenario():
+        stub = StubEngine(num_tokens=500, token_delay_s=0.02)  # "a" alone would take 10 s
+        async with session_on(stub) as session:
+            a, b = session.generate(request("a", 500), 10.0), session.generate(request("b", 5), 10.0)
+            assert (await a.__anext__()).request_id == "a"
+            assert a.cancel() and not a.cancel()
+            await until(lambda: "a" not in stub._inflight)  # its Generate was cancelled
+            assert [m.num_output_tokens for m in await read_all(b)] == [1, 2, 3, 4, 5]
+            assert (await error_of(a)).code() == grpc.StatusCode.CANCELLED
+
+    run(scenario)
+
+
+def test_a_deadline_fails_its_request_and_cancels_it_on_the_engine():
+    async def scenario():
+        async with session_on(StubEngine(num_tokens=500, token_delay_s=0.05)) as session:
+            slow = session.generate(request("slow", 500), 0.2)  # 25 s left alone
+            quick = session.generate(request("quick", 2), 10.0)
+            assert (await error_of(slow)).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert len(await read_all(quick)) == 2
+
+    run(scenario)
+
+
+def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens():
+    async def scenario():
+        stub = StubEngine(num_tokens=50, token_delay_s=0.05)
+        server, address = await start_stub(stub)
+        async with EngineClient(address) as client:
+            session = EngineSession(client)
+            calls = [session.generate(request(rid, 50), 10.0) for rid in ("a", "b")]
+            for call in calls:
+                await call.__anext__()
+            await server.stop(grace=None)  # the engine goes away mid-stream
+            for call in calls:
+                assert (await error_of(call)).code() in (grpc.StatusCode.UNAVAILABLE,
+                                                         grpc.StatusCode.CANCELLED)
+            assert session.num_calls == 0 and session._call is None
+            # The engine is back on its address: the next request opens a new session.
+            server = grpc.aio.server()
+            pb_grpc.add_EngineServicer_to_server(StubEngine(num_tokens=3), server)
+            port = int(address.rsplit(":", 1)[1])
+            assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+            await server.start()
+            got = []
+            for attempt in range(20):  # the channel reconnects with backoff
+                try:
+                    got = await read_all(session.generate(request(f"c{attempt}", 3), 10.0))
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.1)
+            assert len(got) == 3 and session.num_calls == 0
+            await session.close()
+        await server.stop(grace=None)
+
+    run(scenario)
+
+
+def test_a_session_closed_by_the_coordinator_aborts_its_requests_on_the_engine():
+    async def scenario():
+        stub = StubEngine(num_tokens=500, token_delay_s=0.05)  # 25 s left alone
+        async with session_on(stub) as session:
+            calls = [session.generate(request(rid, 500), 10.0) for rid in ("a", "b")]
+            for call in calls:
+                await call.__anext__()
+            assert sorted(stub._inflight) == ["a", "b"]
+            await session.close()  # the leak check waits for the stub to have none left
+
+    run(scenario)
+
+
+class RaisingStub(StubEngine):
+    """Generate raises on a prompt of one token (a bug an input triggers)."""
+
+    async def Generate(self, request, context):
+        if len(request.prompt_token_ids) == 1:
+            raise RuntimeError("a bug")
+        async for message in super().Generate(request, context):
+            yield message
+
+
+def test_the_engine_side_batches_and_ends_a_malformed_request_alone():
+    async def scenario():
+        stub = RaisingStub(num_tokens=4)
+        server, address = await start_stub(stub)
+        async with EngineClient(address) as client:
+            call = client.session()
+            await call.write(pb.SessionRequest(generate=[
+                request("a"), request("b"), pb.GenerateRequest(prompt_token_ids=[1]),
+                build_generate_request("bug", prompt_token_ids=[7])]))
+            messages, ends = [], {}
+            num_responses = 0
+            while len(ends) < 4:
+                response = await call.read()
+                num_responses += 1
+                messages += response.messages
+                ends.update((e.request_id, (e.code, e.details)) for e in response.ends)
+            assert ends[""][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]  # no request id
+            assert ends["bug"][0] == grpc.StatusCode.UNKNOWN.value[0] and "a bug" in ends["bug"][1]
+            assert ends["a"] == ends["b"] == (0, "")
+            assert [m.request_id for m in messages].count("a") == 4
+            assert num_responses < len(messages)  # the messages ready at once share a response
+            await call.write(pb.SessionRequest(generate=[request("a"), request("a")]))
+            seen = []
+            while len(seen) < 2:
+                seen += [(e.request_id, e.code) for e in (await call.read()).ends]
+            assert ("a", grpc.StatusCode.INVALID_ARGUMENT.value[0]) in seen  # a second "a" at once
+            assert ("a", 0) in seen  # the first ran
+            await call.done_writing()  # the client's side ends: the session ends after its requests
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+        assert not stub._inflight
+        await server.stop(grace=None)
+
+    run(scenario)
