@@ -68,7 +68,10 @@ def test_models_and_context_limit_use_the_engines_max_model_len(loop, stubs):
 
 def test_usage_reports_cached_tokens_of_the_prefill_and_continuous_stats(loop, stubs):
     p = stubs(role="prefill", num_cached_tokens=16)
-    d = stubs(role="decode", num_tokens=3, num_cached_tokens=0)
+    # D waits before each token as a real one waits for P's KV: P's message, which carries
+    # the prompt's cached tokens, comes first (on its own stream, it could otherwise be
+    # read after D's whole answer)
+    d = stubs(role="decode", num_tokens=3, num_cached_tokens=0, token_delay_s=0.05)
     with serve(loop, [p, d]) as app:
         client = openai.OpenAI(base_url=app.url + "/v1", api_key="x")
         out = client.completions.create(model="tiny", prompt="hello world", max_tokens=3)
