@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from pdserve.engine.kv_transfer.transport.base import coalesce
 from pdserve.engine.kv_transfer.transport.channel_transport import Batch
 
 SLOT_BYTES = 8 << 20  # a chunk: our staging buffer, one landing slot
@@ -88,20 +89,17 @@ def chunk_plan(batch: Batch) -> ChunkPlan | None:
     if n < _MIN_PIECES or int(lengths.max()) > SLOT_BYTES // 4:
         return None
     by_remote = np.argsort(remote, kind="stable")
-    if _num_runs(remote[by_remote], lengths[by_remote]) * 4 <= n:
+    if len(_run_heads(remote[by_remote], lengths[by_remote])) * 4 <= n:
         return ChunkPlan(_reordered(batch, by_remote), stage=True, land=False)
     by_local = np.argsort(local, kind="stable")
-    if _num_runs(local[by_local], lengths[by_local]) * 4 <= n:
+    if len(_run_heads(local[by_local], lengths[by_local])) * 4 <= n:
         return ChunkPlan(_reordered(batch, by_local), stage=False, land=True)
     return ChunkPlan(batch, stage=True, land=True)
 
 
-def segments(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray):
+def segments(local: np.ndarray, remote: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
     """(local, remote, length) rows, one per run that continues on both sides."""
-    joins = (local[1:] == local[:-1] + lengths[:-1]) & (remote[1:] == remote[:-1] + lengths[:-1])
-    heads = np.flatnonzero(np.concatenate(([True], ~joins)))
-    return zip(local[heads].tolist(), remote[heads].tolist(),
-               np.add.reduceat(lengths, heads).tolist(), strict=True)
+    return coalesce(np.stack([local, remote, lengths], axis=1)).tolist()
 
 
 def copy_packed(packed: int, addrs: np.ndarray, lengths: np.ndarray,
@@ -144,8 +142,8 @@ def copy_pieces(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
     for packed_side, pieces, regions, into_pieces in ((src, dst, dst_regions, True),
                                                      (dst, src, src_regions, False)):
         order = np.argsort(packed_side, kind="stable")
-        ordered, sizes = packed_side[order], lengths[order]
-        heads = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1] + sizes[:-1])))
+        ordered = packed_side[order]
+        heads = _run_heads(ordered, lengths[order])
         if n >= _MIN_PIECES and len(heads) * 4 <= n:
             bounds = [*heads.tolist(), n]
             for start, stop in itertools.pairwise(bounds):
@@ -210,8 +208,9 @@ class Landings:
                     loan.sock, loan.free_since = None, time.monotonic()
 
 
-def _num_runs(addrs: np.ndarray, lengths: np.ndarray) -> int:
-    return 1 + int(np.count_nonzero(addrs[1:] != addrs[:-1] + lengths[:-1]))
+def _run_heads(addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Where each run of pieces that continue each other starts."""
+    return np.flatnonzero(np.concatenate(([True], addrs[1:] != addrs[:-1] + lengths[:-1])))
 
 
 def _reordered(batch: Batch, order: np.ndarray) -> Batch:

@@ -65,7 +65,7 @@ def test_segments_are_the_runs_that_continue_on_both_sides():
     local = np.array([0, 10, 20, 40, 50], dtype=np.int64)
     remote = np.array([100, 110, 200, 210, 220], dtype=np.int64)
     lengths = np.full(5, 10, dtype=np.int64)
-    assert list(segments(local, remote, lengths)) == [(0, 100, 20), (20, 200, 10), (40, 210, 20)]
+    assert segments(local, remote, lengths) == [[0, 100, 20], [20, 200, 10], [40, 210, 20]]
 
 
 @pytest.mark.parametrize("piece", [64, 3])  # in rows of a common unit; piece by piece
