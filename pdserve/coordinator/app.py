@@ -35,8 +35,9 @@ from pdserve.runtime.security import SecuritySettings
 
 from .admission import Admission
 from .discovery import StaticDiscovery
-from .errors import ServeError
-from .guard import GuardMiddleware
+from .errors import ServeError, validation_error
+from .guard import Guard, GuardMiddleware
+from .hot_routes import CompletionRoutes
 from .instances import InstanceRegistry
 from .kv_events import KVEventFeeds
 from .legs import Aborter
@@ -105,6 +106,20 @@ class Rejections:
         self.record(scope["method"], scope["path"], err)
 
 
+class CoordinatorApp(FastAPI):
+    """The app: FastAPI, whose routes and middlewares serve every request but the
+    completion routes' POSTs, which go to ``hot`` (``hot_routes.CompletionRoutes``)."""
+
+    hot: CompletionRoutes | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and self.hot is not None:
+            endpoint = ENDPOINTS.get(scope["path"])
+            if endpoint is not None:
+                return await self.hot(scope, receive, send, endpoint)
+        await super().__call__(scope, receive, send)
+
+
 def read_api_key(path: str | None, what: str = "API key") -> str | None:
     if not path:
         return None
@@ -116,7 +131,7 @@ def read_api_key(path: str | None, what: str = "API key") -> str | None:
 
 def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | None = None,
                registry: InstanceRegistry | None = None, start_view: bool = True,
-               pairs: PairChecks | None = None) -> FastAPI:
+               pairs: PairChecks | None = None) -> CoordinatorApp:
     """Called by ``pdserve coordinator`` and by tests. ``registry`` with ``start_view=False``
     lets a test feed the instance view by hand; such a view has no pair checks unless
     ``pairs`` is given (a view source always runs them)."""
@@ -161,16 +176,17 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
             await deps.aborter.close()
             await registry.close()
 
-    app = FastAPI(title="pdserve Coordinator", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+    app = CoordinatorApp(title="pdserve Coordinator", version=__version__, lifespan=lifespan,
+                         docs_url=None, redoc_url=None)
     app.state.deps = deps
     app.state.admission = admission
+    guard = Guard(settings.max_body_bytes, read_api_key(settings.api_key_file),
+                  rejections.on_guard_refusal,
+                  admin_key=read_api_key(settings.admin_key_file, "admin key"),
+                  body_timeout_s=settings.http_body_timeout_s)
+    app.hot = CompletionRoutes(completions, guard, rejections)
     app.add_middleware(RequestLogMiddleware)  # one line per request, with its request id
-    app.add_middleware(GuardMiddleware, max_body_bytes=settings.max_body_bytes,
-                       api_key=read_api_key(settings.api_key_file),
-                       on_refuse=rejections.on_guard_refusal,
-                       admin_key=read_api_key(settings.admin_key_file, "admin key"),
-                       body_timeout_s=settings.http_body_timeout_s)
+    app.add_middleware(GuardMiddleware, guard=guard)
 
     def answer(request: Request, err: ServeError) -> Response:
         rejections.record(request.method, request.url.path, err)
@@ -182,13 +198,7 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        # The field's path: names and list indexes, not the union member pydantic tried
-        # ("prompt", not "prompt.constrained-str").
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]
-                         if isinstance(p, int) or p.isidentifier()) or None
-        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
-        return answer(request, ServeError(400, message, code="invalid_request", param=where))
+        return answer(request, validation_error(exc.errors(), 1))  # after "body"
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):

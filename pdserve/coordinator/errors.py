@@ -39,3 +39,15 @@ class ServeError(Exception):
 
     def json_bytes(self) -> bytes:
         return orjson.dumps(self.body())
+
+
+def validation_error(errors: list[dict], loc_start: int) -> ServeError:
+    """The 400 of a request that failed pydantic's validation, naming its first error's
+    field: the names and list indexes of its location from ``loc_start`` on (FastAPI's
+    locations begin with "body"), not the union member pydantic tried ("prompt", not
+    "prompt.constrained-str")."""
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ())[loc_start:]
+                     if isinstance(p, int) or p.isidentifier()) or None
+    message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
+    return ServeError(400, message, code="invalid_request", param=where)

@@ -51,61 +51,53 @@ def _presents(authorization: bytes, key: bytes | None, allow_basic: bool) -> boo
     return hmac.compare_digest(credentials.partition(b":")[2], key)
 
 
-class GuardMiddleware:
-    def __init__(self, app, max_body_bytes: int, api_key: str | None,
+class Guard:
+    """The checks themselves; ``GuardMiddleware`` applies them to every route, and the
+    completion routes' hot path (``hot_routes``) calls them directly."""
+
+    def __init__(self, max_body_bytes: int, api_key: str | None,
                  on_refuse: Callable[[dict, ServeError], None] | None = None, *,
                  admin_key: str | None = None, body_timeout_s: float = 30.0) -> None:
         """``on_refuse(scope, error)`` is called for every request refused here (the
         app logs and counts it), before the answer is sent."""
-        self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self._key = api_key.encode() if api_key else None
         self._admin_key = admin_key.encode() if admin_key else None
         self._on_refuse = on_refuse
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        refusal = self._authorize(scope)
-        if refusal is not None:
-            return await self._refuse(scope, send, refusal)
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
+    async def read_body(self, scope, receive, send) -> bytes | None:
+        """The whole body, within the size limit and the body timeout; None when it was
+        refused here (answered already) or the client left before sending it."""
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_body_bytes:
-                return await self._refuse(scope, send, self._too_large())
+                await self.refuse(scope, send, self._too_large())
+                return None
         chunks, size = [], 0
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.body_timeout_s
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                return await self._refuse(scope, send, ServeError(
-                    408, f"the request body did not arrive within {self.body_timeout_s:g}s",
-                    code="body_timeout", headers={"Connection": "close"}))
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                return await self._refuse(scope, send, self._too_large())
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        replay = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return None  # the client left before sending its body
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        break
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await self.refuse(scope, send, ServeError(
+                408, f"the request body did not arrive within {self.body_timeout_s:g}s",
+                code="body_timeout", headers={"Connection": "close"}))
+            return None
+        if size > self.max_body_bytes:
+            await self.refuse(scope, send, self._too_large())
+            return None
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-        async def replay_receive():
-            nonlocal replay
-            if replay is not None:
-                message, replay = replay, None
-                return message
-            return await receive()
-
-        await self.app(scope, replay_receive, send)
-
-    def _authorize(self, scope) -> ServeError | None:
+    def authorize(self, scope) -> ServeError | None:
         """Marks the scope admin or not; the refusal when the path needs a key it lacks."""
         path = scope["path"]
         is_ui = _is_ui(path)
@@ -125,17 +117,49 @@ class GuardMiddleware:
         return ServeError(401, "missing or wrong API key: send Authorization: Bearer <key>",
                           code="invalid_api_key")
 
-    async def _refuse(self, scope, send, err: ServeError) -> None:
+    async def refuse(self, scope, send, err: ServeError) -> None:
         if self._on_refuse is not None:
             self._on_refuse(scope, err)
-        await _send_error(send, err)
+        await send_error(send, err)
 
     def _too_large(self) -> ServeError:
         return ServeError(413, f"request body larger than {self.max_body_bytes} bytes",
                           code="body_too_large")
 
 
-async def _send_error(send, err: ServeError) -> None:
+class GuardMiddleware:
+    """``Guard``'s checks in front of every route of the app it wraps; the body is
+    buffered and replayed to the app."""
+
+    def __init__(self, app, guard: Guard) -> None:
+        self.app = app
+        self.guard = guard
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self.guard.authorize(scope)
+        if refusal is not None:
+            return await self.guard.refuse(scope, send, refusal)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body = await self.guard.read_body(scope, receive, send)
+        if body is None:
+            return
+        replay = {"type": "http.request", "body": body, "more_body": False}
+
+        async def replay_receive():
+            nonlocal replay
+            if replay is not None:
+                message, replay = replay, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay_receive, send)
+
+
+async def send_error(send, err: ServeError) -> None:
+    """``err`` as OpenAI's error JSON, with its status and headers."""
     body = err.json_bytes()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]

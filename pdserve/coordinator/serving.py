@@ -26,7 +26,6 @@ and logged at DEBUG: it is the client's doing, not an error of the server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import random
@@ -51,6 +50,7 @@ from .structured import output_format, template_messages
 log = logging.getLogger(__name__)
 TIMINGS_HEADER = "x-pdserve-timings"
 REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID, _TIMINGS = REQUEST_ID_HEADER.encode(), TIMINGS_HEADER.encode()
 MAX_CLIENT_ID_CHARS = 128
 # A chat's max_tokens when it gives none: past any engine's capacity, so the engine
 # ends it at its context limit; fits the wire's int32.
@@ -62,17 +62,30 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
-def client_request_id(request: Request) -> str | None:
-    """The client's ``x-request-id`` label, None when it sent none; 400 when it is not
-    1-128 visible ASCII characters (it goes into headers and log lines as it is)."""
-    given = request.headers.get(REQUEST_ID_HEADER, "")
+def client_request_id(given: bytes | None) -> str | None:
+    """The client's ``x-request-id`` label (``given``: the header's value), None when it
+    sent none; 400 when it is not 1-128 visible ASCII characters (it goes into headers
+    and log lines as it is)."""
     if not given:
         return None
-    if _CLIENT_ID.fullmatch(given) is None:
+    text = given.decode("latin-1")
+    if _CLIENT_ID.fullmatch(text) is None:
         raise ServeError(400, f"x-request-id must be 1-{MAX_CLIENT_ID_CHARS} visible ASCII "
-                         f"characters without spaces (got {len(given)} characters)",
+                         f"characters without spaces (got {len(text)} characters)",
                          code="invalid_request_id", param=REQUEST_ID_HEADER)
-    return given
+    return text
+
+
+def _request_headers(scope) -> tuple[bytes | None, bytes | None]:
+    """(``x-request-id``, ``x-pdserve-timings``) as sent, each None when absent: one pass
+    over the request's headers (lower-case names, as ASGI gives them)."""
+    given = timings = None
+    for name, value in scope["headers"]:
+        if name == _REQUEST_ID and given is None:
+            given = value
+        elif name == _TIMINGS and timings is None:
+            timings = value
+    return given, timings
 
 
 def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
@@ -140,9 +153,36 @@ def check_context_length(body: CompletionRequest | ChatCompletionRequest, num_pr
                          code="context_length_exceeded")
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+class DisconnectWatch:
+    """While open, cancels the task that opened it when the client goes away (one watcher
+    task per request, not one per await); ``gone`` says whether that is why the task
+    was cancelled. Used as ``with DisconnectWatch(receive) as watch:`` around the work."""
+
+    __slots__ = ("gone", "_task", "_watch", "_is_open")
+
+    def __init__(self, receive) -> None:
+        self.gone = False
+        self._task = asyncio.current_task()
+        self._is_open = True
+        self._watch = asyncio.ensure_future(self._wait(receive))
+
+    async def _wait(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self._is_open:
+            self.gone = True
+            self._task.cancel()
+
+    def __enter__(self) -> DisconnectWatch:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        self._is_open = False
+        self._watch.cancel()
+        if self.gone and kind is not None and issubclass(kind, asyncio.CancelledError):
+            self._task.uncancel()
+            raise ClientGone from None
+        return False
 
 
 class Completions:
@@ -172,7 +212,8 @@ class Completions:
         if body.model != settings.model_name:
             raise ServeError(404, f"model {body.model!r} does not exist; this server serves "
                              f"{settings.model_name!r}", code="model_not_found", param="model")
-        label = client_request_id(request)
+        given_id, timings_header = _request_headers(request.scope)
+        label = client_request_id(given_id)
         fmt = output_format(body)  # structured output and tools: 400 before routing
         prompt_ids = self._prompt_ids(body, fmt.tools)
         params = build_generation_params(body, settings, self.prompts.vocab_size, fmt.guided)
@@ -203,7 +244,7 @@ class Completions:
             out.shape = fmt.wrap(out.shape)
             return out
 
-        want_timings = request.headers.get(TIMINGS_HEADER) == "1"
+        want_timings = timings_header == b"1"
         out = output(0)
         run = out.run
         headers = {REQUEST_ID_HEADER: run.label}
@@ -247,19 +288,8 @@ class Completions:
     async def _race_disconnect(self, request: Request, coro):
         """Awaits ``coro`` unless the client goes away first: then it is cancelled (its
         legs aborted) and ``ClientGone`` raised, which ``handle`` answers quietly."""
-        work = asyncio.ensure_future(coro)
-        watch = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-        if work.cancelled():
-            raise ClientGone
-        return work.result()
+        with DisconnectWatch(request.receive):
+            return await coro
 
     async def _first(self, request: Request, run: RequestRun, out: Output):
         return await self._race_disconnect(request, out.next_event())

@@ -8,7 +8,8 @@ the readable text format. The request id a Coordinator assigns is the engines'
 request id too, so one grep of it finds the Coordinator's, P's and D's lines.
 
 ``RequestLogMiddleware`` (ASGI) logs one line per finished HTTP request with its
-``x-request-id`` response header, method, path, status and duration.
+``x-request-id`` response header, method, path, status and duration
+(``log_request``, which a route serving itself calls directly).
 """
 
 from __future__ import annotations
@@ -68,15 +69,18 @@ class RequestLogMiddleware:
                         seen["request_id"] = value.decode("latin-1")
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
-                self._emit(scope, seen, start)
+                log_request(self.log, scope, seen["status"], seen["request_id"], start)
 
         await self.app(scope, receive, send_logged)
 
-    def _emit(self, scope, seen: dict, start: float) -> None:
-        rid = seen["request_id"]
-        if rid is None and not self.log.isEnabledFor(logging.DEBUG):
-            return  # probes, metrics and the status page: not worth a line each
-        level = logging.INFO if rid is not None else logging.DEBUG
-        self.log.log(level, "request %s %s %s %d %.3fs", rid or "-", scope["method"],
-                     scope["path"], seen["status"], time.monotonic() - start,
-                     extra={"request_id": rid})
+
+def log_request(logger: logging.Logger, scope, status: int, request_id: str | None,
+                start: float) -> None:
+    """The access line of a finished request (``start``: its ``time.monotonic()`` at
+    arrival): INFO when it carries a request id, else DEBUG (probes, metrics and the
+    status page are not worth a line each)."""
+    if request_id is None and not logger.isEnabledFor(logging.DEBUG):
+        return
+    level = logging.INFO if request_id is not None else logging.DEBUG
+    logger.log(level, "request %s %s %s %d %.3fs", request_id or "-", scope["method"],
+               scope["path"], status, time.monotonic() - start, extra={"request_id": request_id})
