@@ -155,7 +155,9 @@ def build_config(app, settings: CoordinatorSettings, log_level: str = "info") ->
     """The uvicorn config serving ``app`` with ``settings``' HTTP limits."""
     protocol = type("CoordinatorHttpProtocol", (_LimitedHttpToolsProtocol,),
                     {"header_timeout_s": settings.http_header_timeout_s})
+    # proxy_headers off: nothing of the Coordinator reads the client's address or
+    # scheme, which is all uvicorn's X-Forwarded-* middleware would rewrite, per request.
     return uvicorn.Config(app, log_level=log_level, access_log=False, loop="uvloop",
-                          http=protocol, lifespan="on",
+                          http=protocol, lifespan="on", proxy_headers=False,
                           timeout_keep_alive=settings.http_keep_alive_s,
                           limit_concurrency=settings.max_connections)
