@@ -48,9 +48,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -72,8 +72,9 @@ LOG_INTERVAL_S = 10.0  # one line per engine, leg and reason per interval
 
 
 def new_request_id() -> str:
-    """The Coordinator's id of a new request; its engines see it (``RequestRun``)."""
-    return f"cmpl-{uuid.uuid4().hex}"
+    """The Coordinator's id of a new request; its engines see it (``RequestRun``). 128
+    random bits, written as uuid4's hex is (``uuid.UUID`` itself costs five times more)."""
+    return "cmpl-" + os.urandom(16).hex()
 
 
 @dataclass
