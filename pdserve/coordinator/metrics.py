@@ -44,25 +44,27 @@ class CoordinatorMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "pdserve_coordinator_"
         self.requests = KeptCounter(p + "requests_total", "Finished HTTP requests.",
-                                ["endpoint", "code"], registry=r)
-        self.fallbacks = KeptCounter(p + "fallbacks_total", "Requests that met an empty pool, by "
-                                 "fallback policy and reason.", ["policy", "reason"], registry=r)
+                                    ["endpoint", "code"], registry=r)
+        self.fallbacks = KeptCounter(p + "fallbacks_total", "Requests that met an empty pool, "
+                                     "by fallback policy and reason.", ["policy", "reason"],
+                                     registry=r)
         self.retries = KeptCounter(p + "retries_total", "Legs retried after a failure.",
-                               ["leg", "stage"], registry=r)
+                                   ["leg", "stage"], registry=r)
         self.continuations = Counter(p + "continuations_total", "Streams continued on a new "
                                      "pair after the decode engine failed mid-stream.", registry=r)
-        self.overloads = KeptCounter(p + "overload_total", "Legs an engine refused for want of "
-                                 "room (\"decode full\", \"prefill full\"): load, not failures.",
-                                 ["leg"], registry=r)
+        self.overloads = KeptCounter(p + "overload_total", "Legs an engine refused for want "
+                                     "of room (\"decode full\", \"prefill full\"): load, not "
+                                     "failures.", ["leg"], registry=r)
         self.rejected = KeptCounter(p + "rejected_total", "Requests refused by admission control.",
-                                ["reason"], registry=r)
+                                    ["reason"], registry=r)
         self.local_prefills = Counter(p + "local_prefills_total", "Requests run on one engine "
                                       "by conditional disaggregation.", registry=r)
         self.prefill_decisions = KeptCounter(
             p + "prefill_decisions_total", "Where a PD request's prompt was prefilled (decode: "
             "conditional disaggregation), by the reason.", ["where", "reason"], registry=r)
-        self.aborts = KeptCounter(p + "aborts_total", "Requests ended early (client gone, deadline, "
-                              "stop string), both legs aborted.", ["reason"], registry=r)
+        self.aborts = KeptCounter(p + "aborts_total", "Requests ended early (client gone, "
+                                  "deadline, stop string), both legs aborted.", ["reason"],
+                                  registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens_total", "Output tokens.", registry=r)
         self.inflight = Gauge(p + "inflight_requests", "Requests being served.", registry=r)
@@ -82,7 +84,7 @@ class CoordinatorMetrics:
         self.itl = LoopHistogram(p + "inter_token_latency_seconds", "Gap between consecutive "
                                  "output tokens of a stream.", LATENCY_BUCKETS, r)
         self.routes = KeptCounter(p + "routing_decisions_total", "Engines chosen, by pool and "
-                              "the policy that chose them.", ["pool", "policy"], registry=r)
+                                  "the policy that chose them.", ["pool", "policy"], registry=r)
         self.prefix_predicted = Counter(
             p + "prefix_predicted_tokens_total", "Prompt tokens the prefix index expected the "
             "prefilling engine to find in its cache, at routing.", registry=r)

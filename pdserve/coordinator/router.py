@@ -80,7 +80,7 @@ class Router:
         self.decode_policy = build_policy(settings.decode_policy, index, "decode")
         self._pairing: Pairing | None = None
         self._pairing_key: tuple = ()
-        self._pairing_members: tuple[EngineEndpoint, ...] = ()  # held: their ids stay theirs
+        self._pairing_members: tuple[EngineEndpoint, ...] = ()  # alive: the key's ids stay theirs
 
     async def plan(self, ctx: RouteContext, exclude: set[str], deadline: float,
                    prefer: Plan | None = None) -> Plan:

@@ -5,11 +5,10 @@ Stable across processes (not Python's ``hash``): a Coordinator computes the same
 chain from a prompt that an engine computes from its cache.
 
 A block's hash is the 16-byte BLAKE2b digest of its parent's hash (none for the
-first block) followed by its token ids as signed 64-bit integers (``array("q")``, the machine's
-byte order).
-``hash_chain`` (the router's, once per attempt) hashes a whole prompt's bytes
-from one buffer and copies a prepared hasher rather than building one per block;
-its hashes are ``hash_block``'s.
+first block) followed by its token ids as signed 64-bit integers (``array("q")``,
+the machine's byte order). ``hash_chain`` (the router's, once per attempt) reads a
+whole prompt's bytes from one buffer and copies a prepared hasher rather than
+making one per block; its hashes are ``hash_block``'s.
 """
 
 from __future__ import annotations

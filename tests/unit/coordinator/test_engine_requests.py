@@ -1,7 +1,7 @@
 """The legs' requests are the messages the field-by-field construction makes, byte for
 byte: for every kind of leg, first attempts and continuations, with and without the
-optional sampling fields, and a request's sampling kept for it is never changed by
-the legs built from it."""
+optional sampling fields; a PD attempt's prefill request, made from its decode
+request, leaves that one as it was."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ PROMPT = list(range(40)) + [2**31 - 1, 0]
 
 
 def field_by_field(params: GenerationParams, leg_id: str, prompt_ids: list[int],
-                   num_generated: int, kv_transfer: pb.KVTransferParams | None) -> pb.GenerateRequest:
+                   num_generated: int,
+                   kv_transfer: pb.KVTransferParams | None) -> pb.GenerateRequest:
     """Every field of the request set from ``params`` in one constructor call."""
     prefills = kv_transfer is None or kv_transfer.role == "prefill"
     return pb.GenerateRequest(
@@ -58,11 +59,14 @@ def wire(request: pb.GenerateRequest) -> tuple[bytes, bytes]:
 @pytest.mark.parametrize("num_generated", [0, 1, 4])
 def test_each_leg_request_is_the_field_by_field_message(params, num_generated):
     prompt = PROMPT + [7] * num_generated
+
+    def expected(leg_id, kv_transfer):
+        return wire(field_by_field(params, leg_id, prompt, num_generated, kv_transfer))
+
     for kv_transfer in (None, kv("prefill"), kv("decode")):
         request = params.engine_request("r1", prompt, num_generated, kv_transfer)
-        assert wire(request) == wire(field_by_field(params, "r1", prompt, num_generated, kv_transfer))
-    decode, prefill = params.paired_requests("r1.2", prompt, num_generated, kv("decode"), kv("prefill"))
-    assert wire(decode) == wire(field_by_field(params, "r1.2", prompt, num_generated, kv("decode")))
-    assert wire(prefill) == wire(field_by_field(params, "r1.2", prompt, num_generated, kv("prefill")))
-    again = params.engine_request("r1", PROMPT, 0)  # the kept sampling is unchanged by the legs
-    assert wire(again) == wire(field_by_field(params, "r1", PROMPT, 0, None))
+        assert wire(request) == expected("r1", kv_transfer)
+    decode, prefill = params.paired_requests("r1.2", prompt, num_generated, kv("decode"),
+                                             kv("prefill"))
+    assert wire(decode) == expected("r1.2", kv("decode"))  # after the prefill one was made
+    assert wire(prefill) == expected("r1.2", kv("prefill"))
