@@ -2,7 +2,8 @@
 
 A request beyond both is refused at once with 429 and ``Retry-After``; a queued
 request waits for a slot until its deadline (then 429 as well). Slots are released
-exactly once (``Slot.release`` is idempotent), whoever ends the request.
+exactly once (``Slot.release`` is idempotent), whoever ends the request. The gauges
+of requests served and waiting read ``num_running`` and ``num_waiting`` when rendered.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Admission:
         self.num_waiting = 0
         self._waiters: list[asyncio.Future] = []
         self._mean_s = 1.0  # EWMA of request durations, for Retry-After
+        metrics.inflight.set_function(lambda: self.num_running)
+        metrics.queued.set_function(lambda: self.num_waiting)
 
     def _retry_after(self) -> dict[str, str]:
         backlog = (self.num_waiting + 1) / max(1, self.max_concurrency)
@@ -53,7 +56,6 @@ class Admission:
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         self.num_waiting += 1
-        self.metrics.queued.inc()
         try:
             await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
@@ -66,18 +68,15 @@ class Admission:
             raise
         finally:
             self.num_waiting -= 1
-            self.metrics.queued.dec()
             if fut in self._waiters:
                 self._waiters.remove(fut)
         return Slot(self)
 
     def _enter(self) -> None:
         self.num_running += 1
-        self.metrics.inflight.inc()
 
     def _release(self) -> None:
         self.num_running -= 1
-        self.metrics.inflight.dec()
         while self._waiters:
             fut = self._waiters.pop(0)
             if not fut.done():

@@ -4,18 +4,21 @@ Names are ``pdserve_coordinator_<what>_<unit>``. Labels are bounded: endpoints a
 stages are fixed sets, status codes are HTTP codes, reasons are the router's and
 lifecycle's short labels (never free text, request ids or addresses).
 
-Every metric is observed and rendered (``/metrics``) on the event loop. The one
-observed per output token, the inter-token latency, is a ``LoopHistogram``: the same
-series as prometheus_client's ``Histogram`` without its two locked increments per
-observation.
+Every metric is observed and rendered (``/metrics``) on the event loop, a few times
+per request, so the per-request ones skip prometheus_client's locks: the histograms
+(stages, TTFT, TPOT, end to end, and the inter-token latency, observed per output
+token) are ``LoopHistogram``s, the same series as prometheus_client's ``Histogram``
+without its two locked increments per observation (nor ``_created``); the labelled
+counters are ``KeptCounter``s, whose ``labels`` finds a child it made before in a
+dict (prometheus_client's takes a lock and builds the value tuple per call).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -40,26 +43,28 @@ class CoordinatorMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "pdserve_coordinator_"
-        self.requests = Counter(p + "requests_total", "Finished HTTP requests.",
-                                ["endpoint", "code"], registry=r)
-        self.fallbacks = Counter(p + "fallbacks_total", "Requests that met an empty pool, by "
-                                 "fallback policy and reason.", ["policy", "reason"], registry=r)
-        self.retries = Counter(p + "retries_total", "Legs retried after a failure.",
-                               ["leg", "stage"], registry=r)
+        self.requests = KeptCounter(p + "requests_total", "Finished HTTP requests.",
+                                    ["endpoint", "code"], registry=r)
+        self.fallbacks = KeptCounter(p + "fallbacks_total", "Requests that met an empty pool, "
+                                     "by fallback policy and reason.", ["policy", "reason"],
+                                     registry=r)
+        self.retries = KeptCounter(p + "retries_total", "Legs retried after a failure.",
+                                   ["leg", "stage"], registry=r)
         self.continuations = Counter(p + "continuations_total", "Streams continued on a new "
                                      "pair after the decode engine failed mid-stream.", registry=r)
-        self.overloads = Counter(p + "overload_total", "Legs an engine refused for want of "
-                                 "room (\"decode full\", \"prefill full\"): load, not failures.",
-                                 ["leg"], registry=r)
-        self.rejected = Counter(p + "rejected_total", "Requests refused by admission control.",
-                                ["reason"], registry=r)
+        self.overloads = KeptCounter(p + "overload_total", "Legs an engine refused for want "
+                                     "of room (\"decode full\", \"prefill full\"): load, not "
+                                     "failures.", ["leg"], registry=r)
+        self.rejected = KeptCounter(p + "rejected_total", "Requests refused by admission control.",
+                                    ["reason"], registry=r)
         self.local_prefills = Counter(p + "local_prefills_total", "Requests run on one engine "
                                       "by conditional disaggregation.", registry=r)
-        self.prefill_decisions = Counter(
+        self.prefill_decisions = KeptCounter(
             p + "prefill_decisions_total", "Where a PD request's prompt was prefilled (decode: "
             "conditional disaggregation), by the reason.", ["where", "reason"], registry=r)
-        self.aborts = Counter(p + "aborts_total", "Requests ended early (client gone, deadline, "
-                              "stop string), both legs aborted.", ["reason"], registry=r)
+        self.aborts = KeptCounter(p + "aborts_total", "Requests ended early (client gone, "
+                                  "deadline, stop string), both legs aborted.", ["reason"],
+                                  registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens_total", "Output tokens.", registry=r)
         self.inflight = Gauge(p + "inflight_requests", "Requests being served.", registry=r)
@@ -67,19 +72,19 @@ class CoordinatorMetrics:
         self.queued_for_route = Gauge(p + "route_waiting_requests", "Requests waiting for an "
                                       "engine pool (fallback policy queue).", registry=r)
         self.instances = Gauge(p + "instances", "Routable engines by role.", ["role"], registry=r)
-        self.stage = Histogram(p + "stage_duration_seconds", "Per-request stage durations "
-                               "reported by the engines.", ["stage"], buckets=LATENCY_BUCKETS,
-                               registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "Mean gap between output "
-                              "tokens after the first.", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "request_duration_seconds", "Arrival to last token.",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.stage = LoopHistogram(p + "stage_duration_seconds", "Per-request stage durations "
+                                   "reported by the engines.", LATENCY_BUCKETS, r,
+                                   labelnames=("stage",), series=[(s,) for s in STAGES])
+        self.ttft = LoopHistogram(p + "time_to_first_token_seconds", "Arrival to first token.",
+                                  LATENCY_BUCKETS, r)
+        self.tpot = LoopHistogram(p + "time_per_output_token_seconds", "Mean gap between "
+                                  "output tokens after the first.", LATENCY_BUCKETS, r)
+        self.e2e = LoopHistogram(p + "request_duration_seconds", "Arrival to last token.",
+                                 LATENCY_BUCKETS, r)
         self.itl = LoopHistogram(p + "inter_token_latency_seconds", "Gap between consecutive "
                                  "output tokens of a stream.", LATENCY_BUCKETS, r)
-        self.routes = Counter(p + "routing_decisions_total", "Engines chosen, by pool and "
-                              "the policy that chose them.", ["pool", "policy"], registry=r)
+        self.routes = KeptCounter(p + "routing_decisions_total", "Engines chosen, by pool and "
+                                  "the policy that chose them.", ["pool", "policy"], registry=r)
         self.prefix_predicted = Counter(
             p + "prefix_predicted_tokens_total", "Prompt tokens the prefix index expected the "
             "prefilling engine to find in its cache, at routing.", registry=r)
@@ -114,28 +119,71 @@ class CoordinatorMetrics:
         return generate_latest(self.registry)
 
 
+class KeptCounter(Counter):
+    """prometheus_client's ``Counter`` (the same series) whose ``labels`` keeps each
+    child it returned in a dict of the values as given: a label set seen before costs
+    one look-up. Label values are bounded sets (the module's docstring), so is the dict."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._kept: dict[tuple, Counter] = {}
+
+    def labels(self, *values: object, **by_name: object) -> Counter:
+        if by_name:
+            return super().labels(*values, **by_name)
+        child = self._kept.get(values)
+        if child is None:
+            child = self._kept[values] = super().labels(*values)
+        return child
+
+
 class LoopHistogram:
-    """A histogram without labels, observed and collected on the event loop only, so
-    without locks: ``observe`` is a bisection and two additions. Renders as
-    prometheus_client's ``Histogram`` (``_bucket`` with ``le``, ``_count``, ``_sum``)."""
+    """A histogram observed and collected on the event loop only, so without locks:
+    ``observe`` is a bisection and two additions. Renders as prometheus_client's
+    ``Histogram`` (``_bucket`` with ``le``, ``_count``, ``_sum``; no ``_created``).
+    Without ``labelnames`` it is one series, observed through ``observe``; with them,
+    one series per value tuple of ``series`` (a fixed set, rendered from zero in that
+    order), observed through ``labels(*values).observe``."""
 
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...],
-                 registry: CollectorRegistry) -> None:
+                 registry: CollectorRegistry, labelnames: tuple[str, ...] = (),
+                 series: Iterable[tuple[str, ...]] = ((),)) -> None:
         self.name = name
         self.documentation = documentation
-        self._bounds = [*buckets, float("inf")]
-        self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
-        self._sum = 0.0
+        self._labelnames = labelnames
+        bounds = [*buckets, float("inf")]
+        self._series = {values: LoopSeries(bounds) for values in series}
+        if not labelnames:
+            self.observe = self._series[()].observe
         registry.register(self)
+
+    def labels(self, *values: str) -> LoopSeries:
+        return self._series[values]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self._labelnames)
+        for values, series in self._series.items():
+            family.add_metric(list(values), series.cumulative(), series.sum)
+        yield family
+
+
+class LoopSeries:
+    """One series of a ``LoopHistogram``: counts per bucket (not cumulative) and the sum."""
+
+    __slots__ = ("_bounds", "_counts", "sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self._bounds = bounds
+        self._counts = [0] * len(bounds)
+        self.sum = 0.0
 
     def observe(self, amount: float) -> None:
         self._counts[bisect.bisect_left(self._bounds, amount)] += 1
-        self._sum += amount
+        self.sum += amount
 
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        cumulative, total = [], 0
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, total = [], 0
         for bound, count in zip(self._bounds, self._counts, strict=True):
             total += count
-            cumulative.append((floatToGoString(bound), total))
-        yield HistogramMetricFamily(self.name, self.documentation, buckets=cumulative,
-                                    sum_value=self._sum)
+            out.append((floatToGoString(bound), total))
+        return out

@@ -19,7 +19,9 @@ is unknown again. At most ``max_concurrency`` probes run at once; each ends with
 for a route (``InstanceRegistry.notify_changed``).
 
 One task (``run``), on the app's event loop, owns the results; the router and
-/ready read them on the same loop.
+/ready read them on the same loop. ``version`` counts the changes of what ``usable``
+answers (a pair's verdict, the KV endpoint it was probed at, a pair dropped), so the
+router may keep its pairing until it moves.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class PairChecks(Rounds):
         self.interval_s, self.retry_s, self.timeout_s = interval_s, retry_s, timeout_s
         self._limit = asyncio.Semaphore(max_concurrency)
         self._results: dict[tuple[str, str], PairResult] = {}  # (P id, D id) -> last probe
+        self.version = 0  # bumped whenever ``usable`` may answer differently
 
     # -- read by the router and /ready ---------------------------------------------
 
@@ -112,6 +115,7 @@ class PairChecks(Rounds):
         live = {(p.instance_id, d.instance_id) for p, d in self._pairs(self.registry.all(), False)}
         for key in set(self._results) - live:  # engines gone from the view
             del self._results[key]
+            self.version += 1
         if {key for key, r in self._results.items() if r.ok} != before:
             self.registry.notify_changed()
 
@@ -131,6 +135,8 @@ class PairChecks(Rounds):
             log.info("pair %s -> %s usable again", p.instance_id, d.instance_id)
         self._results[(p.instance_id, d.instance_id)] = PairResult(
             ok, reason, d.kv_endpoint, time.monotonic(), handshake_s)
+        if old is None or old.ok != ok or old.kv_endpoint != d.kv_endpoint:
+            self.version += 1
 
     async def _ask(self, p: EngineEndpoint, d: EngineEndpoint) -> tuple[bool, str, float]:
         client = self.registry.client(p.address)

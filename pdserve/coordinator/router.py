@@ -19,12 +19,18 @@ until the deadline; ``fail`` answers 503 at once. A colocated deployment (only h
 by design: view mode COLOCATED) is no fallback: its engines serve under every
 policy and nothing is counted as a fallback. Never silent: each fallback is counted
 (``pdserve_coordinator_fallbacks_total``) and the reason is in the error text.
+
+Cost: which engines can pair (``compatible``: every P × D) is worked out once per
+set of pools and kept while the registry's ``version``, the pair checks' ``version``
+and the pools' members stay the same (the only inputs of ``can_pair``: compat
+hashes and KV endpoints change only through ``InstanceRegistry.replace``); a
+request then costs the policies' choices and the prefix index's look-ups.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .conditional import decide
 from .errors import ServeError
@@ -48,6 +54,17 @@ class Plan:
         return [e for e in (self.prefill, self.decode, self.single) if e is not None]
 
 
+@dataclass
+class Pairing:
+    """``compatible``'s answer for one set of pools, and each engine's partners: the
+    engines of the other pool it can pair with, in pool order."""
+
+    prefill: list[EngineEndpoint]
+    decode: list[EngineEndpoint]
+    reason: str
+    partners: dict[str, list[EngineEndpoint]] = field(default_factory=dict)
+
+
 class Router:
     def __init__(self, settings: CoordinatorSettings, registry: InstanceRegistry,
                  index: PrefixIndex, metrics: CoordinatorMetrics,
@@ -61,6 +78,9 @@ class Router:
         self.metrics = metrics
         self.prefill_policy = build_policy(settings.prefill_policy, index, "prefill")
         self.decode_policy = build_policy(settings.decode_policy, index, "decode")
+        self._pairing: Pairing | None = None
+        self._pairing_key: tuple = ()
+        self._pairing_members: tuple[EngineEndpoint, ...] = ()  # alive: the key's ids stay theirs
 
     async def plan(self, ctx: RouteContext, exclude: set[str], deadline: float,
                    prefer: Plan | None = None) -> Plan:
@@ -146,33 +166,54 @@ class Router:
 
     def compatible(self, pools: Pools) -> tuple[list[EngineEndpoint], list[EngineEndpoint], str]:
         """The P and D candidates that can pair (``can_pair`` with some engine of the
-        other pool), or a reason label. Also /ready's test."""
+        other pool), or a reason label. Also /ready's test. The lists are shared by
+        every caller until the pairing changes: read them, never change them."""
+        pairing = self.pairing(pools)
+        return pairing.prefill, pairing.decode, pairing.reason
+
+    def pairing(self, pools: Pools) -> Pairing:
+        """``compatible``'s answer with each candidate's partners; the last one is kept
+        (``Cost`` above) and built afresh when the registry, the pair checks or the
+        pools' members changed."""
+        key = (self.registry.version, self.pairs.version if self.pairs is not None else 0,
+               tuple(map(id, pools.prefill)), tuple(map(id, pools.decode)))
+        if key != self._pairing_key:
+            self._pairing = self._build_pairing(pools)
+            self._pairing_key = key
+            self._pairing_members = (*pools.prefill, *pools.decode)
+        return self._pairing
+
+    def _build_pairing(self, pools: Pools) -> Pairing:
         if not pools.prefill and not pools.decode:
-            return [], [], "no_prefill_or_decode_engine"
+            return Pairing([], [], "no_prefill_or_decode_engine")
         if not pools.prefill:
-            return [], [], "no_prefill_engine"
+            return Pairing([], [], "no_prefill_engine")
         if not pools.decode:
-            return [], [], "no_decode_engine"
+            return Pairing([], [], "no_decode_engine")
         common = {p.kv_compat_hash for p in pools.prefill} & {d.kv_compat_hash for d in pools.decode}
         if not common:
-            return [], [], "no_compatible_pair"
-        prefill = [p for p in pools.prefill if any(self.can_pair(p, d) for d in pools.decode)]
-        decode = [d for d in pools.decode if any(self.can_pair(p, d) for p in pools.prefill)]
+            return Pairing([], [], "no_compatible_pair")
+        partners = {p.instance_id: [d for d in pools.decode if self.can_pair(p, d)]
+                    for p in pools.prefill}
+        partners.update({d.instance_id: [p for p in pools.prefill if self.can_pair(p, d)]
+                         for d in pools.decode})
+        prefill = [p for p in pools.prefill if partners[p.instance_id]]
+        decode = [d for d in pools.decode if partners[d.instance_id]]
         if not prefill:
-            return [], [], "no_probed_pair"
-        return prefill, decode, ""
+            return Pairing([], [], "no_probed_pair")
+        return Pairing(prefill, decode, "", partners)
 
     def plan_now(self, pools: Pools, ctx: RouteContext) -> tuple[Plan | None, str]:
         """The PD plan for these pools, or (None, reason label). Called by ``plan``."""
-        prefill, decode, reason = self.compatible(pools)
-        if reason:
-            return None, reason
+        pairing = self.pairing(pools)
+        if pairing.reason:
+            return None, pairing.reason
         if self.settings.kv_mode == "pull":
-            p = self.prefill_policy.choose(prefill, ctx)
-            d = self.decode_policy.choose([i for i in decode if self.can_pair(p, i)], ctx)
+            p = self.prefill_policy.choose(pairing.prefill, ctx)
+            d = self.decode_policy.choose(pairing.partners[p.instance_id], ctx)
         else:  # decode first: D reserves its blocks before P writes into them
-            d = self.decode_policy.choose(decode, ctx)
-            p = self.prefill_policy.choose([i for i in prefill if self.can_pair(i, d)], ctx)
+            d = self.decode_policy.choose(pairing.decode, ctx)
+            p = self.prefill_policy.choose(pairing.partners[d.instance_id], ctx)
         s = self.settings
         cached = self.index.match(d.instance_id, ctx.hashes) * ctx.block_size
         decision = decide(p, d, ctx.num_tokens - cached, s.local_prefill_max_tokens,

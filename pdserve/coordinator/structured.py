@@ -30,6 +30,7 @@ tools ends with ``finish_reason`` "tool_calls". A call cut by ``max_tokens`` sta
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import uuid
 from dataclasses import dataclass
@@ -125,9 +126,25 @@ class OutputFormat:
         return shape if self.tools is None else ToolCallShaper(shape, self.calls_only)
 
 
+UNCONSTRAINED = OutputFormat()
+_CONSTRAINTS = ("response_format", *_GUIDED, "tools", "tool_choice")
+
+
+@functools.cache
+def _constraint_fields(body_type: type) -> tuple[str, ...]:
+    """The fields of ``_CONSTRAINTS`` a request model has (all of them for a type that
+    does not say: read with a default)."""
+    fields = getattr(body_type, "model_fields", None)
+    return _CONSTRAINTS if fields is None else tuple(f for f in _CONSTRAINTS if f in fields)
+
+
 def output_format(body) -> OutputFormat:
     """Called by serving for every request, before routing. Raises a 400 naming the
-    field for a malformed constraint, or for two fields that both constrain."""
+    field for a malformed constraint, or for two fields that both constrain. A request
+    that sets none of them (the common case) costs a read of each field its model has:
+    a missing attribute of a pydantic model is an exception raised and caught."""
+    if all(getattr(body, f, None) is None for f in _constraint_fields(type(body))):
+        return UNCONSTRAINED
     sources = []
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.type != "text":

@@ -11,7 +11,8 @@ the engine matching the longest leading run of block hashes (``PrefixIndex``); i
 that covers at least CACHE_THRESHOLD of the blocks pick it (ties: least loaded),
 else pick the least loaded (its choice is recorded by the router, so the next
 prompt with this prefix follows it).
-Cost: O(N * B) hash look-ups for N candidates and a prompt of B full blocks.
+Cost: O(N * B) hash look-ups for N candidates and a prompt of B full blocks; none
+for a pool of one.
 The index is the Coordinator's estimate (see ``prefix_index``), not engine events.
 """
 
@@ -35,6 +36,8 @@ class PrefixCacheAware(Policy):
 
     def choose(self, candidates: list[EngineEndpoint], ctx: RouteContext) -> EngineEndpoint:
         self._tick += 1
+        if len(candidates) == 1:  # no choice: neither load nor the index can change it
+            return candidates[0]
         ordered = sorted(candidates, key=lambda i: i.instance_id)
         depths = [i.queue_depth for i in ordered]
         lo, hi = min(depths), max(depths)

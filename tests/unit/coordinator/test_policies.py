@@ -68,6 +68,8 @@ def test_prefix_cache_aware_follows_the_cache_unless_imbalanced():
     assert policy.choose([a, b], ctx(PROMPT[:16] + list(range(700, 748)))) is b
     a.num_running = BALANCE_ABS * 3
     assert policy.choose([a, b], ctx()) is b  # imbalanced: balance wins over cache
+    assert policy.choose([a], ctx(range(500, 564))) is a  # a pool of one: no choice
+    assert [policy.choose([a, b], ctx()) for _ in range(2)] == [b, b]  # and after it, the same
 
 
 def test_slo_aware_estimates_queue_prompt_and_cache():

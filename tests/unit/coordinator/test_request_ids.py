@@ -3,10 +3,12 @@ request (header, timings, logs) but never becomes an engine's request or transfe
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
 
+from pdserve.coordinator.lifecycle import new_request_id
 from tests.unit.coordinator.harness import BODY, serve
 
 LONGEST = "r" * 128
@@ -60,3 +62,9 @@ def test_a_client_id_that_cannot_be_a_label_is_refused_naming_the_header(loop, s
         r = httpx.post(app.url + "/v1/completions", json=BODY)  # none: the Coordinator's id
         assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["id"]
         assert r.json()["id"].startswith("cmpl-")
+
+
+def test_the_coordinators_ids_are_cmpl_and_32_hex_digits_never_repeated():
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)

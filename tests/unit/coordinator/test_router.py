@@ -10,6 +10,7 @@ import pytest
 from pdserve.coordinator.errors import ServeError
 from pdserve.coordinator.instances import InstanceRegistry
 from pdserve.coordinator.metrics import CoordinatorMetrics
+from pdserve.coordinator.pairs import PairChecks
 from pdserve.coordinator.policies import RouteContext
 from pdserve.coordinator.prefix_index import PrefixIndex
 from pdserve.coordinator.router import Router
@@ -175,3 +176,51 @@ def test_a_colocated_deployment_serves_on_hybrid_engines_and_counts_no_fallback(
     samples = metrics.registry.get_sample_value
     assert not any(samples("pdserve_coordinator_fallbacks_total", {"policy": policy, "reason": r})
                    for r in ("no_prefill_or_decode_engine", "no_prefill_engine", "no_decode_engine"))
+
+
+def test_the_kept_pairing_follows_the_view_the_pools_and_the_probes():
+    """``compatible`` is worked out once per set of pools and kept; each input of
+    ``can_pair`` changing gives a fresh answer, never the kept one."""
+    registry = InstanceRegistry()
+    registry.replace([inst("p1", "prefill"), inst("d1", "decode"), inst("d2", "decode")])
+    pairs = PairChecks(registry)
+    verdicts = {"d1:2": True, "d2:2": True}
+
+    async def ask(p, d):
+        return verdicts[d.kv_endpoint], "" if verdicts[d.kv_endpoint] else "unreachable", 0.0
+
+    pairs._ask = ask
+    router = Router(CoordinatorSettings(**ALWAYS_PD), registry, PrefixIndex(1000),
+                    CoordinatorMetrics(), pairs)
+
+    def decode_ids():
+        prefill, decode, reason = router.compatible(registry.pools())
+        return reason or [d.instance_id for d in decode]
+
+    assert decode_ids() == "no_probed_pair"  # nothing probed yet
+    asyncio.run(pairs.check_once())
+    assert decode_ids() == ["d1", "d2"]
+    assert decode_ids() == ["d1", "d2"]  # kept
+    verdicts["d2:2"] = False
+    pairs.recheck("d2")
+    asyncio.run(pairs.check_once())
+    assert decode_ids() == ["d1"]  # a probe's verdict changed
+    registry.replace([inst("p1", "prefill"), inst("d1", "decode", "other"), inst("d2", "decode")])
+    assert decode_ids() == "no_probed_pair"  # the view changed d1's compat hash; d2 failed
+    registry.replace([inst("p1", "prefill"), inst("d1", "decode"), inst("d2", "decode")])
+    assert decode_ids() == ["d1"]
+    registry.get("d1").draining = True  # out of the pools: only d2 is left, unusable
+    assert decode_ids() == "no_probed_pair"
+    registry.get("d1").draining = False
+    registry.mark_failed("d1")  # a suspect is only a last resort: d2 alone in the pool
+    assert decode_ids() == "no_probed_pair"
+    assert [d.instance_id for d in router.compatible(registry.pools({"d2"}))[1]] == ["d1"]
+
+
+def test_the_kept_pairing_picks_a_partner_of_the_chosen_engine():
+    router, registry, _ = make_router([inst("p1", "prefill", "A"), inst("p2", "prefill", "B"),
+                                       inst("d1", "decode", "A"), inst("d2", "decode", "B")])
+    for _ in range(4):
+        p = plan(router)
+        assert p.prefill.kv_compat_hash == p.decode.kv_compat_hash
+    assert {plan(router).decode.instance_id for _ in range(4)} == {"d1", "d2"}

@@ -75,6 +75,23 @@ def test_each_source_becomes_its_wire_constraint():
     assert output_format(_chat(guided_json=json.dumps(schema))).guided == ("json_schema", json.dumps(schema))
 
 
+def test_a_body_without_constraints_is_unconstrained_whatever_its_fields():
+    """Completions have no tool fields, chats have them unset; an object that is not a
+    request model is read with defaults."""
+    class Bare:
+        guided_regex = None
+
+    for body in (CompletionRequest(model="tiny", prompt="x"), _chat(), Bare()):
+        fmt = output_format(body)
+        assert (fmt.guided, fmt.tools, fmt.wrap("shape")) == (None, None, "shape")
+    assert output_format(_chat(tool_choice="none")).guided is None
+
+    class Choosy(Bare):
+        guided_regex = "[0-9]+"
+
+    assert output_format(Choosy()).guided == ("regex", "[0-9]+")
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, "response_format.json_schema.schema"),
