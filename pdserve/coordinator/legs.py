@@ -107,7 +107,6 @@ class Leg:
         self.request = request
         self.has_token = False
         self.finished = False
-        self.num_batched = 1  # messages whose ids the last yield of tokens(batched) held
         self.finish_reason: str | None = None
         self._client = client
         self._timings = timings
@@ -132,15 +131,12 @@ class Leg:
             self._num_pending = len(self.request.prompt_token_ids)
             self.engine.num_pending_prefill_tokens += self._num_pending
 
-    async def tokens(self, batched: bool = False) -> AsyncIterator[list[int]]:
+    async def tokens(self) -> AsyncIterator[list[int]]:
         """The token ids of each message, until a finish in ``END_REASONS``; raises the
         leg's failure classified. The one loop over the engine's messages: a decode leg
         of a pair (``DecodeLeg.follow``) also watches its prefill leg here, until its
-        first token. ``batched``: the messages that are in together are taken at once
-        and their ids handed on together (``num_batched`` says how many messages with
-        ids that was), for a reader that needs no event per message."""
+        first token."""
         stream = self._call.__aiter__()
-        read = stream.batch if batched else stream.__anext__
         prefill = self._prefill_task
         while True:
             if prefill is not None and not self.has_token and prefill.done() \
@@ -148,59 +144,42 @@ class Leg:
                 raise self._prefill_failure(prefill.exception())  # P failed before D's KV
             try:
                 if prefill is None or self.has_token or prefill.done():
-                    got = await read()
+                    msg = await stream.__anext__()
                 else:
-                    got = await self._next_unless_prefill_fails(read)
+                    msg = await self._next_unless_prefill_fails(stream)
             except StopAsyncIteration:
                 raise self._failure("ended_early", self.ENDED_EARLY) from None
             except grpc.aio.AioRpcError as exc:
                 raise self._rpc_failure(exc) from None
-            together: list[int] = []
-            num_batched = 0
-            for msg in got if batched else (got,):
-                ids = self._take(msg)
-                if ids and not self.has_token:
+            finished = msg.finished
+            if finished and msg.finish_reason not in self.END_REASONS:
+                raise self._failure(msg.finish_reason or "unfinished",
+                                    f"finished with {msg.finish_reason}: {msg.error}")
+            if not self._has_timings and msg.HasField("timings"):
+                self._has_timings = True
+                self._record_first(msg.timings)
+                if self.PREFILLS_PROMPT:  # the first prefill's hits: the client's prompt
+                    self._timings.report.setdefault("cached_tokens", msg.num_cached_tokens)
+                    self._timings.observe_cached(msg.num_cached_tokens)
+            ids = msg.token_ids[:]  # a list; one read of the field (upb builds a view per read)
+            if ids:
+                if not self.has_token:
                     self.has_token = True
                     if prefill is not None:
                         await self._prefill_first_token()
+                if self.wants_logprobs:
+                    self.logprobs.extend(msg.logprobs)
+                    if self.prompt_logprobs is None and msg.prompt_logprobs:
+                        self.prompt_logprobs = list(msg.prompt_logprobs)
+            if finished:  # before its last tokens are handed on: a leg closed then is done
+                self.finished = True
+                self.finish_reason = msg.finish_reason
+                self._record_end(msg.timings)
                 if ids:
-                    if not batched:
-                        yield ids
-                    else:
-                        together += ids
-                        num_batched += 1
-                if self.finished:
-                    break
-            if together:
-                self.num_batched = num_batched
-                yield together
-            if self.finished:
+                    yield ids
                 return
-
-    def _take(self, msg: pb.GenerateResponse) -> list[int]:
-        """One message's token ids, its timings and logprobs recorded; sets ``finished``
-        (before its last ids are handed on: a leg closed then is done) or raises the
-        failure it reports."""
-        finished = msg.finished
-        if finished and msg.finish_reason not in self.END_REASONS:
-            raise self._failure(msg.finish_reason or "unfinished",
-                                f"finished with {msg.finish_reason}: {msg.error}")
-        if not self._has_timings and msg.HasField("timings"):
-            self._has_timings = True
-            self._record_first(msg.timings)
-            if self.PREFILLS_PROMPT:  # the first prefill's hits: the client's prompt
-                self._timings.report.setdefault("cached_tokens", msg.num_cached_tokens)
-                self._timings.observe_cached(msg.num_cached_tokens)
-        ids = msg.token_ids[:]  # a list; one read of the field (upb builds a view per read)
-        if ids and self.wants_logprobs:
-            self.logprobs.extend(msg.logprobs)
-            if self.prompt_logprobs is None and msg.prompt_logprobs:
-                self.prompt_logprobs = list(msg.prompt_logprobs)
-        if finished:
-            self.finished = True
-            self.finish_reason = msg.finish_reason
-            self._record_end(msg.timings)
-        return ids
+            if ids:
+                yield ids
 
     def take_logprobs(self) -> list[pb.TokenLogprob]:
         """The logprobs of the tokens yielded since the last call (``RequestRun``)."""
@@ -267,7 +246,7 @@ class PrefillLeg(Leg):
 
     async def until_handoff(self) -> None:
         """The pair's prefill task: the prefill engine's stream to its handoff."""
-        async for _ in self.tokens(batched=True):
+        async for _ in self.tokens():
             self.has_first_token.set()
 
     def _stage(self) -> str:
@@ -292,12 +271,12 @@ class DecodeLeg(Leg):
         self._timings.observe("decode_wait", t.kv_wait_s)
         self._timings.observe("decode_queue", t.decode_queue_s)
 
-    async def _next_unless_prefill_fails(self, read):
+    async def _next_unless_prefill_fails(self, stream):
         # Before its first token a decode leg only waits for P's KV: P's failure wins.
         # The read left behind (D failed too, or this wait was cancelled) is retrieved,
         # so its error is not reported as "never retrieved".
         prefill = self._prefill_task
-        nxt = asyncio.ensure_future(read())
+        nxt = asyncio.ensure_future(stream.__anext__())
         try:
             await asyncio.wait((nxt, prefill), return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
@@ -363,14 +342,10 @@ class PairedLegs:
         self._prefill_task = asyncio.ensure_future(self.prefill.until_handoff())
         self.decode.follow(self.prefill, self._prefill_task)
 
-    def tokens(self, batched: bool = False) -> AsyncIterator[list[int]]:
+    def tokens(self) -> AsyncIterator[list[int]]:
         """D's tokens: D's own stream, which watches P until its first token (no
         generator of the pair's own around it, per token)."""
-        return self.decode.tokens(batched)
-
-    @property
-    def num_batched(self) -> int:
-        return self.decode.num_batched
+        return self.decode.tokens()
 
     def close(self) -> None:
         self.decode.close()

@@ -168,7 +168,6 @@ class RequestRun:
         self.params = params
         self.deadline = deadline
         self.generated: list[int] = []
-        self.num_batched = 1  # engine messages the last ids yielded came in
         self.logprobs: list[pb.TokenLogprob] = []  # one per generated token, when asked for
         self.prompt_logprobs: list[pb.TokenLogprob] | None = None  # when asked for
         self.finish_reason: str | None = None
@@ -182,10 +181,8 @@ class RequestRun:
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
 
-    async def tokens(self, batched: bool = False) -> AsyncIterator[list[int]]:
-        """Called by serving; iterate to the end or close it (stop string, client gone).
-        ``batched``: the ids of the messages that came in together are handed on
-        together (``Leg.tokens``), ``num_batched`` says how many messages that was."""
+    async def tokens(self) -> AsyncIterator[list[int]]:
+        """Called by serving; iterate to the end or close it (stop string, client gone)."""
         s = self.deps.settings
         exclude: set[str] = set()
         failures = 0
@@ -211,8 +208,7 @@ class RequestRun:
                     if left <= 0:
                         raise ServeError(504, "the request's deadline passed", code="deadline")
                     legs.start(left)
-                    async for ids in legs.tokens(batched):
-                        self.num_batched = legs.num_batched
+                    async for ids in legs.tokens():
                         self.generated.extend(ids)
                         if self.params.logprobs:
                             self.logprobs += legs.take_logprobs()

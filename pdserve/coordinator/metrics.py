@@ -155,7 +155,6 @@ class LoopHistogram:
         self._series = {values: LoopSeries(bounds) for values in series}
         if not labelnames:
             self.observe = self._series[()].observe
-            self.observe_many = self._series[()].observe_many
         registry.register(self)
 
     def labels(self, *values: str) -> LoopSeries:
@@ -181,11 +180,6 @@ class LoopSeries:
     def observe(self, amount: float) -> None:
         self._counts[bisect.bisect_left(self._bounds, amount)] += 1
         self.sum += amount
-
-    def observe_many(self, amount: float, count: int) -> None:
-        """``count`` observations of ``amount``."""
-        self._counts[bisect.bisect_left(self._bounds, amount)] += count
-        self.sum += amount * count
 
     def cumulative(self) -> list[tuple[str, int]]:
         out, total = [], 0

@@ -59,9 +59,7 @@ class Output:
         self.first_s: float | None = None
         self.last_s: float | None = None
         self.finish_reason: str | None = None
-        # An answer collected whole without stop strings needs no event per message: the
-        # messages that came in together are taken together (``collect``).
-        self._tokens = run.tokens(batched=not body.stream and not detok.stop)
+        self._tokens = run.tokens()
         self._has_first_decode = False
         self._counted = False
 
@@ -81,8 +79,7 @@ class Output:
         return ids, new_text
 
     async def _next_ids(self) -> list[int] | None:
-        """The next message's token ids (or the messages' that came in together), their
-        arrival observed (first token, gaps: the ones that came together 0 apart); None
+        """The next message's token ids, their arrival observed (first token, gaps); None
         once the run has ended (``finish_reason`` set)."""
         try:
             ids = await self._tokens.__anext__()
@@ -90,19 +87,13 @@ class Output:
             self.finish_reason = self.run.finish_reason or "length"
             return None
         now = time.monotonic()
-        gaps = self.run.num_batched  # the messages, each after the one before it
         if self.first_s is None:
-            self.first_s, gap = now, 0.0
-            gaps -= 1
+            self.first_s = now
         else:
-            gap = now - self.last_s
-        if gaps:
             if not self._has_first_decode:
                 self._has_first_decode = True
-                self.run.timings.observe("first_decode", gap)
-            self._itl.observe(gap)
-            if gaps > 1:
-                self._itl.observe_many(0.0, gaps - 1)
+                self.run.timings.observe("first_decode", now - self.first_s)
+            self._itl.observe(now - self.last_s)
         self.last_s = now
         return ids
 

@@ -54,28 +54,15 @@ class SessionCall:
         return self
 
     async def __anext__(self) -> pb.GenerateResponse:
-        if not self._items:
-            await self._arrival()
-        return self._items.popleft()
-
-    async def batch(self) -> list[pb.GenerateResponse]:
-        """Every message that is in, at least one (else the end raised, as by
-        ``__anext__``): for a reader that takes the messages that came together at once."""
-        if not self._items:
-            await self._arrival()
-        items = list(self._items)
-        self._items.clear()
-        return items
-
-    async def _arrival(self) -> None:
         while not self._items:
             if self._end is not None:
                 raise self._end
-            self._waiter = self._session.loop.create_future()
+            self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        return self._items.popleft()
 
     def cancel(self) -> bool:
         """Called by ``Leg.close`` for a leg that did not finish: the engine is told to
@@ -125,7 +112,6 @@ class EngineSession:
         self._generate: list[pb.GenerateRequest] = []
         self._cancel: list[str] = []
         self._has_outgoing: asyncio.Event | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None  # the loop it was opened on
 
     @property
     def num_calls(self) -> int:
@@ -139,7 +125,7 @@ class EngineSession:
         call = SessionCall(self, request.request_id)
         self._calls[request.request_id] = call
         if timeout_s is not None:
-            call._timer = self.loop.call_later(timeout_s, call.expire)
+            call._timer = asyncio.get_running_loop().call_later(timeout_s, call.expire)
         self._generate.append(request)
         self._has_outgoing.set()
         return call
@@ -155,7 +141,6 @@ class EngineSession:
 
     def _open(self) -> None:
         call = self._call = self._client.session()
-        self.loop = asyncio.get_running_loop()
         self._has_outgoing = asyncio.Event()
         self._tasks = (asyncio.ensure_future(self._write(call)),
                        asyncio.ensure_future(self._read(call)))

@@ -38,13 +38,6 @@ class ScriptedCall:
             raise item
         return item
 
-    async def batch(self) -> list[pb.GenerateResponse]:
-        """What is queued up to the next error, at least one message (as ``SessionCall``)."""
-        items = [await self.__anext__()]
-        while not self.queue.empty() and not isinstance(self.queue._queue[0], BaseException):
-            items.append(self.queue.get_nowait())
-        return items
-
     def send(self, **fields) -> None:
         self.queue.put_nowait(pb.GenerateResponse(**fields))
 
@@ -299,32 +292,5 @@ def test_a_full_engine_is_load_not_a_failure():
             async for _ in leg.tokens():
                 pass
         leg.close()
-
-    asyncio.run(scenario())
-
-
-def test_a_batched_reader_takes_the_messages_that_came_together_at_once():
-    """What an answer collected whole reads: one hand-on per batch of messages, saying
-    how many messages it held; the finish still ends it, and one at a time stays so."""
-    async def scenario():
-        aborts, timings = Aborts(), RequestTimings("r1", CoordinatorMetrics())
-        for batched, expected in ((True, [([7, 8, 9], 3), ([10], 1)]),
-                                  (False, [([7], 1), ([8], 1), ([9], 1), ([10], 1)])):
-            p, d, pair = make_pair(aborts, timings)
-            pair.start(10.0)
-            call_of(pair.prefill).send(token_ids=[7], timings=pb.Timings(queue_s=0.05, prefill_s=0.1))
-            call_of(pair.prefill).send(finished=True, finish_reason="handoff", timings=pb.Timings())
-            for token in (7, 8, 9):
-                call_of(pair.decode).send(token_ids=[token])
-            await asyncio.sleep(0)
-            got, stream = [], pair.tokens(batched)
-            async for ids in stream:
-                got.append((ids, pair.num_batched))
-                if len(got) == len(expected) - 1:  # the last message comes later
-                    call_of(pair.decode).send(token_ids=[10], finished=True, finish_reason="length")
-            assert got == expected, batched
-            assert pair.finish_reason == "length"
-            pair.close()
-            assert (p.num_inflight, d.num_inflight) == (0, 0) and not aborts.sent
 
     asyncio.run(scenario())

@@ -52,11 +52,8 @@ def test_loop_histogram_renders_as_a_prometheus_histogram():
     for seconds in (0.0, 0.0005, 0.0007, 0.01, 0.3, 100.0):  # on a bound, between, past all
         reference.observe(seconds)
         histogram.observe(seconds)
-    for _ in range(3):
-        reference.observe(0.0)
-    histogram.observe_many(0.0, 3)  # gaps of messages that came together
     expected = [line for line in generate_latest(theirs).decode().splitlines()
                 if "_created" not in line]
     assert generate_latest(ours).decode().splitlines() == expected
-    assert ours.get_sample_value("gap_seconds_bucket", {"le": "0.0005"}) == 5
-    assert ours.get_sample_value("gap_seconds_count") == 9
+    assert ours.get_sample_value("gap_seconds_bucket", {"le": "0.0005"}) == 2
+    assert ours.get_sample_value("gap_seconds_count") == 6
