@@ -20,6 +20,12 @@ Phases, in one run:
   python c=32     throughput with an aiohttp client in this process
   stream c=8      ``stream: true`` and ``--stream-tokens`` output tokens, with wrk:
                   the Coordinator's CPU per output token
+  http floor      the Coordinator's HTTP server alone (uvicorn as ``http_server``
+                  configures it) answering a fixed JSON, with wrk at c=1 and c=32
+  grpc floor      (PD) the two legs alone: a process driving D's and P's requests on
+                  the stubs' Session streams as ``coordinator.sessions`` does, at c=1
+                  and c=32. The two floors' sum is what the Coordinator costs at least
+                  with these libraries, whatever its own code does
 
 ``--profile DIR``: after the phases, py-spy records the Coordinator under wrk c=32,
 then under the streaming load (collapsed stacks ``DIR/<path>[-stream].txt`` and
@@ -206,6 +212,107 @@ def wrk(url: str, body: dict, connections: int, seconds: float) -> tuple[int, fl
     return n, p50_us * 1e-6, p99_us * 1e-6
 
 
+# --- floors: what the Coordinator's two libraries cost alone ----------------------------
+
+def serve_http_floor() -> None:
+    """The Coordinator's HTTP server (``http_server.build_config``: uvicorn, httptools,
+    uvloop, the corked transport) in front of an app that reads the body and answers a
+    fixed JSON of the size of the benchmark's answer: the HTTP part of a request."""
+    import uvicorn
+
+    from pdserve.coordinator.http_server import build_config
+    from pdserve.coordinator.settings import CoordinatorSettings
+
+    answer = orjson.dumps({"id": "cmpl-" + "0" * 32, "object": "text_completion",
+                           "choices": [{"index": 0, "text": "x" * NUM_TOKENS}]})
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(answer)).encode())]
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    sock = __import__("socket").socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    config = build_config(app, CoordinatorSettings(), "warning")
+    config.lifespan = "off"
+    print(f"http floor serving on 127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def grpc_floor(concurrency: int, seconds: float, addrs: list[str]) -> None:
+    """The Coordinator's two legs of a PD request and nothing else: ``concurrency``
+    loops each sending D's and P's request on the engines' Session streams
+    (``coordinator.sessions``, on uvloop, as in the Coordinator) and reading both to
+    their end; prints this process's CPU per request."""
+    import uvloop
+
+    from pdserve.coordinator.sessions import EngineSession
+    from pdserve.runtime.engine_client import EngineClient
+
+    async def main():
+        p, d = (EngineSession(EngineClient(a)) for a in addrs)
+        done = 0
+
+        async def one() -> None:
+            rid = f"floor-{next(_ids)}"
+            xfer = {"mode": "push", "transfer_id": f"x-{rid}"}
+            d_call = d.generate(build_generate_request(
+                rid, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_TOKENS,
+                kv_transfer={**xfer, "role": "decode", "peer": "p"}), 10)
+            p_call = p.generate(build_generate_request(
+                rid, prompt_token_ids=PROMPT_IDS, max_tokens=NUM_TOKENS,
+                kv_transfer={**xfer, "role": "prefill", "peer": "d"}), 10)
+            async for _ in d_call:
+                pass
+            async for _ in p_call:
+                pass
+
+        async def loop(stop_at: float) -> None:
+            nonlocal done
+            while time.perf_counter() < stop_at:
+                await one()
+                done += 1
+
+        await asyncio.gather(*(loop(time.perf_counter() + 1.0) for _ in range(concurrency)))
+        done, cpu0 = 0, time.process_time()
+        stop_at = time.perf_counter() + seconds
+        await asyncio.gather(*(loop(stop_at) for _ in range(concurrency)))
+        print(f"grpc-floor requests={done} cpu_s={time.process_time() - cpu0:.6f}", flush=True)
+
+    uvloop.run(main())
+
+
+def floors(args, addrs: list[str]) -> None:
+    """The two floors (``serve_http_floor``, ``grpc_floor``) at c=1 and c=32: the CPU per
+    request below which no change inside the Coordinator brings it, with these libraries."""
+    server = Proc([sys.executable, __file__, "--serve-http-floor"])
+    try:
+        url = "http://" + server.wait_for(r"http floor serving on (\S+)", 30).group(1) + "/"
+        time.sleep(0.5)
+        for c in (1, args.concurrency):
+            with Meter({"server": server.popen.pid}) as m:
+                n, p50, p99 = wrk(url, BODY, c, args.seconds)
+            print(f"{'http floor c=' + str(c):14}{n:>8}{p50 * 1e3:>8.3f}{p99 * 1e3:>8.3f}"
+                  f"{n / m.wall_s:>9.0f}{m.cpu['server'] / n * 1e6:>10.1f} µs/req")
+    finally:
+        server.stop()
+    if args.path != "pd":
+        return
+    for c in (1, args.concurrency):
+        out = subprocess.run([sys.executable, __file__, "--grpc-floor", str(c), str(args.seconds),
+                              *addrs], capture_output=True, text=True, check=True, cwd=HERE.parent).stdout
+        n, cpu = re.search(r"grpc-floor requests=(\d+) cpu_s=([\d.]+)", out).groups()
+        n = int(n)
+        print(f"{'grpc floor c=' + str(c):14}{n:>8}{'-':>8}{'-':>8}{n / args.seconds:>9.0f}"
+              f"{float(cpu) / n * 1e6:>10.1f} µs/req")
+
+
 # --- the run -----------------------------------------------------------------------------
 
 def start_stubs(args) -> tuple[list[Proc], list[str]]:
@@ -318,9 +425,17 @@ def main() -> int:
                     help="compare this checkout's Coordinator with DIR's, both loaded at once")
     ap.add_argument("--rounds", type=int, default=5, help="with --compare")
     ap.add_argument("--serve-stub", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-http-floor", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--grpc-floor", nargs="+", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_stub:
         serve_stub(args.serve_stub, args.stream_tokens)
+        return 0
+    if args.serve_http_floor:
+        serve_http_floor()
+        return 0
+    if args.grpc_floor:
+        grpc_floor(int(args.grpc_floor[0]), float(args.grpc_floor[1]), args.grpc_floor[2:])
         return 0
     if shutil.which("wrk") is None:
         print("error: wrk is not installed (Debian package wrk; make deps installs it)", file=sys.stderr)
@@ -366,6 +481,7 @@ def main() -> int:
         report("stream c=8", m, n * args.stream_tokens, None, per="tok")
         print(f"added by the Coordinator at c=1 (wrk - direct): p50 {added[0] * 1e3:.3f} ms, "
               f"p99 {added[1] * 1e3:.3f} ms")
+        floors(args, addrs)
         print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
               "(other processes share them)")
         if args.profile:

@@ -66,32 +66,49 @@ class Guard:
         self._admin_key = admin_key.encode() if admin_key else None
         self._on_refuse = on_refuse
 
-    async def read_body(self, scope, receive, send) -> bytes | None:
+    async def read_body(self, scope, receive, send,
+                        loop: asyncio.AbstractEventLoop | None = None) -> bytes | None:
         """The whole body, within the size limit and the body timeout; None when it was
-        refused here (answered already) or the client left before sending it."""
+        refused here (answered already) or the client left before sending it. ``loop``:
+        the running loop, when the caller has it."""
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_body_bytes:
                 await self.refuse(scope, send, self._too_large())
                 return None
+        loop = loop or asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            task.cancel()
+
+        # asyncio.timeout's work, without its look-ups of the running loop (a getpid each).
+        timer = loop.call_later(self.body_timeout_s, expire)
         chunks, size = [], 0
         try:
-            async with asyncio.timeout(self.body_timeout_s):
-                while True:
-                    message = await receive()
-                    if message["type"] != "http.request":
-                        return None  # the client left before sending its body
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > self.max_body_bytes:
-                        break
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        break
-        except TimeoutError:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return None  # the client left before sending its body
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    break
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            task.uncancel()
             await self.refuse(scope, send, ServeError(
                 408, f"the request body did not arrive within {self.body_timeout_s:g}s",
                 code="body_timeout", headers={"Connection": "close"}))
             return None
+        finally:
+            timer.cancel()
         if size > self.max_body_bytes:
             await self.refuse(scope, send, self._too_large())
             return None

@@ -30,6 +30,7 @@ mid-stream cancels the stream (``serving.DisconnectWatch``), as in FastAPI's pat
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -73,16 +74,18 @@ class CompletionRoutes:
 
     async def __call__(self, scope, receive, send, endpoint: str) -> None:
         start = time.monotonic()
+        loop = asyncio.get_running_loop()  # once: on Python 3.11 each look-up is a getpid
         guard = self.guard
         refusal = guard.authorize(scope)
         if refusal is not None:
             return await guard.refuse(scope, send, refusal)
-        body = await guard.read_body(scope, receive, send)
+        body = await guard.read_body(scope, receive, send, loop)
         if body is None:
             return
         try:
             request = parse_body(body, MODELS[endpoint])
-            response = await self.completions.handle(Request(scope, receive), request, endpoint)
+            response = await self.completions.handle(Request(scope, receive), request, endpoint,
+                                                     loop)
         except ServeError as err:
             return await self._refuse(scope, send, err, start)
         except Exception:
@@ -94,7 +97,7 @@ class CompletionRoutes:
                 await send({"type": "http.response.start", "status": response.status_code,
                             "headers": response.raw_headers})
                 try:
-                    with DisconnectWatch(receive):
+                    with DisconnectWatch(receive, loop):
                         await write_stream(response.body_iterator, send)
                 except ClientGone:
                     pass  # counted and logged by the stream itself

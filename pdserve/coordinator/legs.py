@@ -276,9 +276,9 @@ class DecodeLeg(Leg):
         # The read left behind (D failed too, or this wait was cancelled) is retrieved,
         # so its error is not reported as "never retrieved".
         prefill = self._prefill_task
-        nxt = asyncio.ensure_future(stream.__anext__())
+        nxt = self._call.loop.create_task(stream.__anext__())
         try:
-            await asyncio.wait((nxt, prefill), return_when=asyncio.FIRST_COMPLETED)
+            await _either(nxt, prefill)
             if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
                 raise self._prefill_failure(prefill.exception())
             return await nxt
@@ -295,9 +295,9 @@ class DecodeLeg(Leg):
             return
         task, has_first = self._prefill_task, self._prefill.has_first_token
         if not has_first.is_set():
-            waiter = asyncio.ensure_future(has_first.wait())
+            waiter = self._call.loop.create_task(has_first.wait())
             try:
-                await asyncio.wait((waiter, task), return_when=asyncio.FIRST_COMPLETED)
+                await _either(waiter, task)
             finally:
                 waiter.cancel()
         if has_first.is_set():
@@ -339,7 +339,7 @@ class PairedLegs:
     def start(self, timeout_s: float) -> None:
         self.decode.start(timeout_s)
         self.prefill.start(timeout_s)
-        self._prefill_task = asyncio.ensure_future(self.prefill.until_handoff())
+        self._prefill_task = self.decode._call.loop.create_task(self.prefill.until_handoff())
         self.decode.follow(self.prefill, self._prefill_task)
 
     def tokens(self) -> AsyncIterator[list[int]]:
@@ -362,6 +362,26 @@ class PairedLegs:
         else:
             task.cancel()
             self.prefill.close()
+
+
+async def _either(a: asyncio.Future, b: asyncio.Future) -> None:
+    """Until ``a`` or ``b`` is done (``asyncio.wait``'s FIRST_COMPLETED for two, without
+    its sets and look-ups of the running loop)."""
+    if a.done() or b.done():
+        return
+    waiter = a.get_loop().create_future()
+
+    def wake(_) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    a.add_done_callback(wake)
+    b.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        a.remove_done_callback(wake)
+        b.remove_done_callback(wake)
 
 
 def _retrieve(task: asyncio.Future) -> None:

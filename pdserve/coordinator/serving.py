@@ -160,11 +160,13 @@ class DisconnectWatch:
 
     __slots__ = ("gone", "_task", "_watch", "_is_open")
 
-    def __init__(self, receive) -> None:
+    def __init__(self, receive, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """``loop``: the running loop, when the caller has it."""
+        loop = loop or asyncio.get_running_loop()
         self.gone = False
-        self._task = asyncio.current_task()
+        self._task = asyncio.current_task(loop)
         self._is_open = True
-        self._watch = asyncio.ensure_future(self._wait(receive))
+        self._watch = loop.create_task(self._wait(receive))
 
     async def _wait(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -205,8 +207,10 @@ class Completions:
             raise ServeError(400, "the prompt is empty", param="prompt")
         return ids
 
-    async def handle(self, request: Request, body, endpoint: str) -> Response:
-        """Called by the app for /v1/completions and /v1/chat/completions."""
+    async def handle(self, request: Request, body, endpoint: str,
+                     loop: asyncio.AbstractEventLoop | None = None) -> Response:
+        """Called by the app for /v1/completions and /v1/chat/completions; ``loop``: the
+        running loop, when the caller has it."""
         arrival = time.monotonic()
         settings = self.deps.settings
         if body.model != settings.model_name:
@@ -253,10 +257,10 @@ class Completions:
             out, [output(i) for i in range(1, num_choices[1])], num_choices[0], params.logprobs)
         try:
             if body.stream:
-                first = await self._first(request, run, out)
+                first = await self._race_disconnect(request, out.next_event(), loop)
                 return StreamingResponse(answer.sse(first, slot), media_type="text/event-stream",
                                          headers=headers)
-            await self._race_disconnect(request, answer.collect())
+            await self._race_disconnect(request, answer.collect(), loop)
             answer.done(200)
             slot.release()
             return Response(orjson.dumps(answer.full_body()), media_type="application/json",
@@ -285,14 +289,11 @@ class Completions:
                              param="echo")
         return self.prompts.tokenizer.decode(prompt_ids)
 
-    async def _race_disconnect(self, request: Request, coro):
+    async def _race_disconnect(self, request: Request, coro, loop=None):
         """Awaits ``coro`` unless the client goes away first: then it is cancelled (its
         legs aborted) and ``ClientGone`` raised, which ``handle`` answers quietly."""
-        with DisconnectWatch(request.receive):
+        with DisconnectWatch(request.receive, loop):
             return await coro
-
-    async def _first(self, request: Request, run: RequestRun, out: Output):
-        return await self._race_disconnect(request, out.next_event())
 
 
 def choice_counts(body: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]:

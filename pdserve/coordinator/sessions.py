@@ -45,6 +45,7 @@ class SessionCall:
     def __init__(self, session: EngineSession, request_id: str) -> None:
         self.request_id = request_id
         self._session = session
+        self.loop = session.loop  # the event loop's, held (each look-up costs a getpid)
         self._items: deque[pb.GenerateResponse] = deque()
         self._waiter: asyncio.Future | None = None
         self._end: BaseException | None = None  # StopAsyncIteration or the error
@@ -57,7 +58,7 @@ class SessionCall:
         while not self._items:
             if self._end is not None:
                 raise self._end
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -112,6 +113,7 @@ class EngineSession:
         self._generate: list[pb.GenerateRequest] = []
         self._cancel: list[str] = []
         self._has_outgoing: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop it was opened on
 
     @property
     def num_calls(self) -> int:
@@ -125,7 +127,7 @@ class EngineSession:
         call = SessionCall(self, request.request_id)
         self._calls[request.request_id] = call
         if timeout_s is not None:
-            call._timer = asyncio.get_running_loop().call_later(timeout_s, call.expire)
+            call._timer = self.loop.call_later(timeout_s, call.expire)
         self._generate.append(request)
         self._has_outgoing.set()
         return call
@@ -141,9 +143,10 @@ class EngineSession:
 
     def _open(self) -> None:
         call = self._call = self._client.session()
+        self.loop = asyncio.get_running_loop()
         self._has_outgoing = asyncio.Event()
-        self._tasks = (asyncio.ensure_future(self._write(call)),
-                       asyncio.ensure_future(self._read(call)))
+        self._tasks = (self.loop.create_task(self._write(call)),
+                       self.loop.create_task(self._read(call)))
 
     async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
         has_outgoing = self._has_outgoing

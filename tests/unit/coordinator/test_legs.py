@@ -28,6 +28,7 @@ class ScriptedCall:
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.is_cancelled = False
+        self.loop = asyncio.get_running_loop()
 
     def __aiter__(self):
         return self
