@@ -216,7 +216,7 @@ def wrk(url: str, body: dict, connections: int, seconds: float) -> tuple[int, fl
 
 def serve_http_floor() -> None:
     """The Coordinator's HTTP server (``http_server.build_config``: uvicorn, httptools,
-    uvloop, the corked transport) in front of an app that reads the body and answers a
+    uvloop) in front of an app that reads the body and answers a
     fixed JSON of the size of the benchmark's answer: the HTTP part of a request."""
     import uvicorn
 

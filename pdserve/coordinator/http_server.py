@@ -14,10 +14,6 @@ headers, stays open for good. ``build_config`` adds what is missing:
                   uvicorn answers 503
   body timeout    the guard's (``guard.py``), which reads the body: 408
 
-and one thing for speed: a connection's writes of one event-loop turn leave in one
-socket write (``CorkedTransport``), where uvicorn wrote a response's head and its
-body apart.
-
 Called by ``pdserve coordinator`` (``cli.run``) and by the tests' server harness, so
 both serve with the same limits. The protocol runs on the event loop; its timers
 are the loop's. ``Server.run`` (the CLI) runs it on uvloop, which costs the
@@ -51,7 +47,6 @@ class _LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.transport = CorkedTransport(transport, self.loop)  # the cycles' too
         self._arm_header_timer()
 
     def connection_lost(self, exc) -> None:
@@ -107,48 +102,6 @@ class _LimitedHttpToolsProtocol(HttpToolsProtocol):
                              b"\r\nconnection: close\r\ncontent-length: " + str(len(body)).encode()
                              + b"\r\n\r\n" + body)
         self.transport.close()
-
-
-class CorkedTransport:
-    """A connection's transport whose writes of one event-loop turn leave as one (one
-    socket write, not one each): a response's status line and headers with its body,
-    the events of a stream written in the same turn. They are sent at the end of the
-    turn, or at once when the connection closes; everything else is the transport's."""
-
-    __slots__ = ("_transport", "_loop", "_pending")
-
-    def __init__(self, transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] | None = None
-
-    def write(self, data: bytes) -> None:
-        if self._pending is not None:
-            self._pending.append(data)
-        elif self._transport.is_closing():
-            self._transport.write(data)  # the transport's own answer to a late write
-        else:
-            self._pending = [data]
-            self._loop.call_soon(self.flush)
-
-    def flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending and not self._transport.is_closing():
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._pending = None
-        self._transport.abort()
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(map(len, self._pending or ()))
-
-    def __getattr__(self, name: str):
-        return getattr(self._transport, name)
 
 
 def build_config(app, settings: CoordinatorSettings, log_level: str = "info") -> uvicorn.Config:

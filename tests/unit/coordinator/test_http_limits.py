@@ -4,7 +4,6 @@ headers, after its last response, or with a half-sent body. Driven with raw sock
 from __future__ import annotations
 
 import argparse
-import asyncio
 import http.client
 import socket
 import time
@@ -12,7 +11,7 @@ import time
 import pytest
 
 from pdserve.coordinator.cli import add_arguments, settings_from_args
-from pdserve.coordinator.http_server import MAX_HEADER_BYTES, CorkedTransport, build_config
+from pdserve.coordinator.http_server import MAX_HEADER_BYTES, build_config
 from tests.unit.coordinator.harness import serve
 
 LIMITS = {"http_header_timeout_s": 0.5, "http_keep_alive_s": 0.5, "http_body_timeout_s": 0.5}
@@ -102,46 +101,6 @@ def test_the_limits_are_coordinator_flags():
     config = build_config(object(), given)
     assert (config.timeout_keep_alive, config.limit_concurrency) == (2.0, 100)
     assert config.http.header_timeout_s == 3.0 and given.http_body_timeout_s == 4.0
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.closing = False
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        self.closing = True
-
-    def get_extra_info(self, name: str):
-        return ("127.0.0.1", 1) if name == "peername" else None
-
-
-def test_the_writes_of_one_loop_turn_leave_as_one_and_closing_sends_what_waits():
-    async def main():
-        inner = _Transport()
-        corked = CorkedTransport(inner, asyncio.get_running_loop())
-        corked.write(b"HTTP/1.1 200 OK\r\n\r\n")
-        corked.write(b"body")
-        assert inner.writes == [] and corked.get_write_buffer_size() == 23
-        await asyncio.sleep(0)
-        assert inner.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
-        corked.write(b"last")
-        corked.close()  # sent before the close, not dropped
-        assert inner.writes[-1] == b"last" and inner.closing
-        await asyncio.sleep(0)
-        assert len(inner.writes) == 2  # the turn's end finds nothing left
-        assert corked.get_extra_info("peername") == ("127.0.0.1", 1)
-
-    asyncio.run(main())
 
 
 def test_a_pipelined_keep_alive_connection_gets_every_answer_whole(app):
