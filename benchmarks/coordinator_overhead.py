@@ -25,7 +25,8 @@ Phases, in one run:
   grpc floor      (PD) the two legs alone: a process driving D's and P's requests on
                   the stubs' Session streams as ``coordinator.sessions`` does, at c=1
                   and c=32. The two floors' sum is what the Coordinator costs at least
-                  with these libraries, whatever its own code does
+                  with these libraries, whatever its own code does; at c=1 its latency
+                  is the engines' answer without the Coordinator (added = wrk c=1 - it)
 
 ``--profile DIR``: after the phases, py-spy records the Coordinator under wrk c=32,
 then under the streaming load (collapsed stacks ``DIR/<path>[-stream].txt`` and
@@ -273,24 +274,31 @@ def grpc_floor(concurrency: int, seconds: float, addrs: list[str]) -> None:
             async for _ in p_call:
                 pass
 
+        durations: list[float] = []
+
         async def loop(stop_at: float) -> None:
             nonlocal done
-            while time.perf_counter() < stop_at:
+            while (t0 := time.perf_counter()) < stop_at:
                 await one()
+                durations.append(time.perf_counter() - t0)
                 done += 1
 
         await asyncio.gather(*(loop(time.perf_counter() + 1.0) for _ in range(concurrency)))
         done, cpu0 = 0, time.process_time()
+        durations.clear()
         stop_at = time.perf_counter() + seconds
         await asyncio.gather(*(loop(stop_at) for _ in range(concurrency)))
-        print(f"grpc-floor requests={done} cpu_s={time.process_time() - cpu0:.6f}", flush=True)
+        print(f"grpc-floor requests={done} cpu_s={time.process_time() - cpu0:.6f} "
+              f"p50_s={pct(durations, 50):.6f} p99_s={pct(durations, 99):.6f}", flush=True)
 
     uvloop.run(main())
 
 
-def floors(args, addrs: list[str]) -> None:
+def floors(args, addrs: list[str]) -> tuple[float, float] | None:
     """The two floors (``serve_http_floor``, ``grpc_floor``) at c=1 and c=32: the CPU per
-    request below which no change inside the Coordinator brings it, with these libraries."""
+    request below which no change inside the Coordinator brings it, with these libraries.
+    Returns the two legs' own (p50, p99) seconds at c=1 (PD): the engines called the
+    Coordinator's way, without the Coordinator."""
     server = Proc([sys.executable, __file__, "--serve-http-floor"])
     try:
         url = "http://" + server.wait_for(r"http floor serving on (\S+)", 30).group(1) + "/"
@@ -303,14 +311,17 @@ def floors(args, addrs: list[str]) -> None:
     finally:
         server.stop()
     if args.path != "pd":
-        return
+        return None
+    at_c1 = None
     for c in (1, args.concurrency):
         out = subprocess.run([sys.executable, __file__, "--grpc-floor", str(c), str(args.seconds),
                               *addrs], capture_output=True, text=True, check=True, cwd=HERE.parent).stdout
-        n, cpu = re.search(r"grpc-floor requests=(\d+) cpu_s=([\d.]+)", out).groups()
-        n = int(n)
-        print(f"{'grpc floor c=' + str(c):14}{n:>8}{'-':>8}{'-':>8}{n / args.seconds:>9.0f}"
-              f"{float(cpu) / n * 1e6:>10.1f} µs/req")
+        m = re.search(r"grpc-floor requests=(\d+) cpu_s=([\d.]+) p50_s=([\d.]+) p99_s=([\d.]+)", out)
+        n, (cpu, p50, p99) = int(m[1]), map(float, m.groups()[1:])
+        at_c1 = at_c1 or (p50, p99)
+        print(f"{'grpc floor c=' + str(c):14}{n:>8}{p50 * 1e3:>8.3f}{p99 * 1e3:>8.3f}"
+              f"{n / args.seconds:>9.0f}{cpu / n * 1e6:>10.1f} µs/req")
+    return at_c1
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -469,6 +480,7 @@ def main() -> int:
             n, p50, p99 = wrk(url, BODY, 1, args.seconds)
         report("wrk c=1", m, n, (p50, p99))
         added = (p50 - pct(direct, 50), p99 - pct(direct, 99))
+        p50_c1, p99_c1 = p50, p99
         for c in (32, 64):
             with Meter(all_pids) as m:
                 n, p50, p99 = wrk(url, BODY, c, args.seconds)
@@ -481,7 +493,10 @@ def main() -> int:
         report("stream c=8", m, n * args.stream_tokens, None, per="tok")
         print(f"added by the Coordinator at c=1 (wrk - direct): p50 {added[0] * 1e3:.3f} ms, "
               f"p99 {added[1] * 1e3:.3f} ms")
-        floors(args, addrs)
+        legs = floors(args, addrs)
+        if legs is not None:
+            print(f"added by the Coordinator at c=1 (wrk - grpc floor c=1): p50 "
+                  f"{(p50_c1 - legs[0]) * 1e3:.3f} ms, p99 {(p99_c1 - legs[1]) * 1e3:.3f} ms")
         print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
               "(other processes share them)")
         if args.profile:
