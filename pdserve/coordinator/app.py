@@ -13,6 +13,11 @@ path), is logged on one line with its status and reason and counted once in
 timeouts are the guard's (``guard.py``); connection limits the HTTP server's
 (``http_server.py``).
 
+The two completion routes' POSTs are served by ``hot_routes.CompletionRoutes``
+(``CoordinatorApp`` hands them over before FastAPI's layers), with the same guard,
+validation errors, error bodies and access line; FastAPI declares them for the
+OpenAPI document and serves every other route.
+
 The app owns, through its lifespan, the instance view source (static poller or
 Controller watcher), the pair checks, the engine clients and the background aborts.
 """
