@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.nodeagent.process import Backoff, EngineProcess, error_excerpt, error_line
+from pdserve.nodeagent.process import (
+    Backoff,
+    EngineProcess,
+    _child_setup,
+    error_excerpt,
+    error_line,
+)
+from pdserve.runtime.engine_client import EngineClient, build_generate_request
+from tests.stub_engine import StubEngine, start_stub
 
 FAST = Backoff(base_s=0.01, max_s=0.05, stable_after_s=30.0)
 SERVE = "print('serving model x on 127.0.0.1:1', flush=True)"
@@ -111,3 +119,36 @@ def test_a_heartbeat_after_an_exit_reports_why_the_engine_died_not_the_last_prob
     inst.process.last_exit = "engine exited with code 1: RuntimeError: CUDA out of memory"
     inst.process._set("exited")  # what the supervisor does when the engine dies
     assert inst.report().last_error == "engine exited with code 1: RuntimeError: CUDA out of memory"
+
+
+@pytest.mark.asyncio
+async def test_children_forked_while_grpc_is_busy_start_cleanly():
+    """The agent forks engines while its gRPC threads serve (Controller calls, probes).
+    With gRPC's fork handlers on, about one child in ten crashed before its exec
+    (SIGSEGV, SIGABRT in gRPC's poller); pdserve turns them off (``pdserve/__init__``)."""
+    server, address = await start_stub(StubEngine(num_tokens=4))
+    client = EngineClient(address)
+    busy = True
+
+    async def traffic() -> None:
+        n = 0
+        while busy:
+            request = build_generate_request(f"r{n}", prompt_token_ids=[1, 2, 3], max_tokens=4)
+            async for _ in client.generate(request):
+                pass
+            n += 1
+
+    tasks = [asyncio.create_task(traffic()) for _ in range(4)]
+    codes = []
+    try:
+        for _ in range(100):
+            child = await asyncio.create_subprocess_exec(  # as EngineProcess starts an engine
+                sys.executable, "-c", "raise SystemExit(3)", preexec_fn=_child_setup(()),
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            codes.append(await child.wait())
+    finally:
+        busy = False
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+        await server.stop(grace=None)
+    assert set(codes) == {3}, sorted(set(codes))
