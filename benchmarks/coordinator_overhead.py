@@ -53,6 +53,7 @@ import itertools
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -237,7 +238,7 @@ def serve_http_floor() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
 
-    sock = __import__("socket").socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # as the CLI's
     sock.bind(("127.0.0.1", 0))
     sock.listen(2048)
     config = build_config(app, CoordinatorSettings(), "warning")

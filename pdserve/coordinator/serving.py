@@ -257,10 +257,12 @@ class Completions:
             out, [output(i) for i in range(1, num_choices[1])], num_choices[0], params.logprobs)
         try:
             if body.stream:
-                first = await self._race_disconnect(request, out.next_event(), loop)
+                with DisconnectWatch(request.receive, loop):  # the client gone: ClientGone
+                    first = await out.next_event()
                 return StreamingResponse(answer.sse(first, slot), media_type="text/event-stream",
                                          headers=headers)
-            await self._race_disconnect(request, answer.collect(), loop)
+            with DisconnectWatch(request.receive, loop):
+                await answer.collect()
             answer.done(200)
             slot.release()
             return Response(orjson.dumps(answer.full_body()), media_type="application/json",
@@ -288,12 +290,6 @@ class Completions:
             raise ServeError(400, "echo of a token-id prompt needs the model's tokenizer",
                              param="echo")
         return self.prompts.tokenizer.decode(prompt_ids)
-
-    async def _race_disconnect(self, request: Request, coro, loop=None):
-        """Awaits ``coro`` unless the client goes away first: then it is cancelled (its
-        legs aborted) and ``ClientGone`` raised, which ``handle`` answers quietly."""
-        with DisconnectWatch(request.receive, loop):
-            return await coro
 
 
 def choice_counts(body: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]:
