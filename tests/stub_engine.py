@@ -15,7 +15,8 @@ passes for every peer except those in ``probe_failures`` (KV endpoint -> reason)
 Like a real engine it refuses (INVALID_ARGUMENT) a request id already in flight and
 a transfer id longer than 128 characters, and Abort ends the stream of the request
 it names. Session serves this Generate per request, as the engine's does
-(``pdserve.runtime.session_server``). ``request_ids`` lists every Generate's request
+(``pdserve.runtime.session_server``), over gRPC and, as frames, on the session port
+that ``start_stub`` opens and Health names. ``request_ids`` lists every Generate's request
 id, ``aborted`` every Abort's, ``max_inflight`` the most requests it held at once.
 
 The "full" answer is the engine contract the Coordinator implements
@@ -33,7 +34,7 @@ import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
-from pdserve.runtime.session_server import SessionServicer
+from pdserve.runtime.session_server import FrameSessionServer, SessionServicer
 
 MAX_TRANSFER_ID_CHARS = 128  # as pdserve.engine.kv_transfer.params
 
@@ -58,6 +59,7 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
         self.max_inflight = 0
         self.probe_failures = probe_failures or {}
         self.probed: list[str] = []
+        self.session_port = 0  # set by ``start_stub``
         self._inflight: dict[str, asyncio.Event] = {}  # request id -> set by Abort
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -135,7 +137,7 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
         return pb.HealthResponse(serving=True, role=self.role, model="tiny", device="cpu",
                                  kv_transport="tcp", kv_endpoint=self.kv_endpoint,
                                  kv_compat_hash=self.kv_compat_hash,
-                                 max_model_len=self.max_model_len)
+                                 max_model_len=self.max_model_len, session_port=self.session_port)
 
     async def KVEvents(self, request, context):
         """Publishes nothing (as an engine without KV events): routing uses routed prefixes."""
@@ -153,10 +155,31 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
                                 num_kv_blocks_total=64, num_kv_blocks_free=64)
 
 
-async def start_stub(stub: StubEngine, host: str = "127.0.0.1") -> tuple[grpc.aio.Server, str]:
-    """Serve ``stub`` on a free port in the running event loop; returns (server, address)."""
+class StubServer:
+    """The stub's gRPC server and, with ``sessions``, its session port: ``stop`` ends both."""
+
+    def __init__(self, grpc_server: grpc.aio.Server, sessions: FrameSessionServer) -> None:
+        self.grpc_server = grpc_server
+        self.sessions = sessions
+
+    async def stop(self, grace: float | None) -> None:
+        await self.sessions.close()
+        await self.grpc_server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        await self.grpc_server.wait_for_termination()
+
+
+async def start_stub(stub: StubEngine, host: str = "127.0.0.1",
+                     sessions: bool = True) -> tuple[StubServer, str]:
+    """Serve ``stub`` on a free port in the running event loop, and its sessions as
+    frames on another (``sessions``; else the gRPC Session only, as an engine started
+    with ``--session-port -1``); returns (server, address)."""
     server = grpc.aio.server()
     pb_grpc.add_EngineServicer_to_server(stub, server)
     port = server.add_insecure_port(f"{host}:0")
     await server.start()
-    return server, f"{host}:{port}"
+    frame_server = FrameSessionServer(stub)
+    if sessions:
+        stub.session_port = await frame_server.start(host, 0)
+    return StubServer(server, frame_server), f"{host}:{port}"

@@ -1,11 +1,13 @@
-"""The Coordinator's one stream per engine: every leg on that engine rides its Session.
+"""The Coordinator's one stream per engine: every leg on that engine rides its session.
 
 ``EngineSession`` (one per engine address, held by ``InstanceRegistry.session``)
-opens the engine's Session RPC on first use and keeps it: a writer task sends the
-legs' requests and cancels (everything queued at once in one ``SessionRequest``), a
-reader task hands each ``SessionResponse``'s messages and ends to the ``SessionCall``
-of their request id. A ``SessionCall`` is what a Generate call was to a leg: an
-async iterator of the request's ``GenerateResponse`` messages that ends as the call
+opens a link to the engine on first use and keeps it: frames on the engine's
+session port when its Health names one (``runtime/frames.py``: a plain connection,
+the hot path), else the engine's gRPC Session RPC. Either way the legs' requests
+and cancels queued in one event-loop turn leave as one ``SessionRequest``, and
+each ``SessionResponse``'s messages and ends go to the ``SessionCall`` of their
+request id. A ``SessionCall`` is what a Generate call was to a leg: an async
+iterator of the request's ``GenerateResponse`` messages that ends as the call
 would (the end's status raised as ``grpc.aio.AioRpcError``, so ``legs.Leg``
 classifies one kind of error), plus ``cancel``.
 
@@ -14,10 +16,10 @@ with DEADLINE_EXCEEDED and cancels the request on the engine, as a call's gRPC
 deadline did.
 
 Invariants: a call ends once (its end, its deadline, its cancel, or the session
-breaking), and then leaves the session's table; a session that breaks (the engine
-gone, the stream failed or ended) fails every call on it with that error and is
-opened afresh by the next ``generate``; ``close`` (the app's shutdown) cancels the
-stream and its tasks.
+breaking), and then leaves the session's table; a link that breaks (the engine
+gone, refused, the stream failed or ended, a malformed frame) fails every call on
+it with UNAVAILABLE or the stream's status, and the next ``generate`` opens a new
+one; ``close`` (the app's shutdown) ends the link and its tasks.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from collections import deque
 import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
+from pdserve.runtime import frames
 from pdserve.runtime.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 _NO_METADATA = grpc.aio.Metadata()
+OPEN_TIMEOUT_S = 5.0  # the engine's Health answer, then the session port's hello
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -102,114 +106,269 @@ class SessionCall:
 
 
 class EngineSession:
-    """The Session stream to one engine, shared by every leg sent to it."""
+    """The session to one engine, shared by every leg sent to it."""
 
     def __init__(self, client: EngineClient) -> None:
         self.address = client.address
         self._client = client
         self._calls: dict[str, SessionCall] = {}
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._tasks: tuple[asyncio.Task, ...] = ()
+        self._link: _Link | None = None
         self._generate: list[pb.GenerateRequest] = []
         self._cancel: list[str] = []
-        self._has_outgoing: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop it was opened on
 
     @property
     def num_calls(self) -> int:
         return len(self._calls)
 
+    @property
+    def transport(self) -> str:
+        """"frames", "grpc", or "" while not open or still opening (status, tests)."""
+        return self._link.transport if self._link is not None else ""
+
     def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None) -> SessionCall:
         """Called by ``Leg.start``: sends ``request`` on the session (opened if it is
         not), failing it with DEADLINE_EXCEEDED after ``timeout_s``."""
-        if self._call is None:
-            self._open()
+        link = self._link
+        if link is None:
+            self.loop = asyncio.get_running_loop()
+            link = self._link = _Link(self)
         call = SessionCall(self, request.request_id)
         self._calls[request.request_id] = call
         if timeout_s is not None:
             call._timer = self.loop.call_later(timeout_s, call.expire)
         self._generate.append(request)
-        self._has_outgoing.set()
+        link.wake()
         return call
 
     def cancel(self, request_id: str) -> None:
         """Called by a ``SessionCall`` given up on (cancelled, past its deadline)."""
-        if self._call is not None:
+        if self._link is not None:
             self._cancel.append(request_id)
-            self._has_outgoing.set()
+            self._link.wake()
 
     def forget(self, request_id: str) -> None:
         self._calls.pop(request_id, None)
 
-    def _open(self) -> None:
-        call = self._call = self._client.session()
-        self.loop = asyncio.get_running_loop()
-        self._has_outgoing = asyncio.Event()
-        self._tasks = (self.loop.create_task(self._write(call)),
-                       self.loop.create_task(self._read(call)))
+    async def close(self) -> None:
+        """Called by ``InstanceRegistry.close`` at the app's shutdown."""
+        link = self._link
+        if link is not None:
+            self.broken(link, rpc_error(grpc.StatusCode.CANCELLED, "the Coordinator is closing"))
+            await link.closed()
 
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+    # -- called by the link --
+
+    def take_outgoing(self) -> pb.SessionRequest | None:
+        """Everything queued to send, as one request (None: nothing)."""
+        if not self._generate and not self._cancel:
+            return None
+        request = pb.SessionRequest(generate=self._generate, cancel=self._cancel)
+        self._generate, self._cancel = [], []
+        return request
+
+    def deliver(self, response: pb.SessionResponse) -> None:
+        """The engine's messages and ends, each to its call."""
+        calls = self._calls
+        for message in response.messages:
+            target = calls.get(message.request_id)
+            if target is not None:
+                target.put(message)
+        for end in response.ends:
+            target = calls.get(end.request_id)
+            if target is None:
+                if end.code:
+                    log.info("session %s: request %r ended: %s", self.address,
+                             end.request_id, end.details)
+                continue
+            target.ended(rpc_error(_STATUS.get(end.code, grpc.StatusCode.UNKNOWN),
+                                   end.details) if end.code else StopAsyncIteration())
+
+    def broken(self, link: _Link, exc: BaseException) -> None:
+        """Fails every call of ``link`` with ``exc`` (an ``AioRpcError``, or UNAVAILABLE
+        saying what happened); the next generate opens a new link. First one wins."""
+        if self._link is not link:
+            return
+        log.info("session to engine %s broke: %s", self.address, _describe(exc))
+        self._link = None
+        self._generate, self._cancel = [], []
+        calls, self._calls = self._calls, {}
+        if isinstance(exc, grpc.aio.AioRpcError):
+            code, details = exc.code(), exc.details()
+        else:
+            code, details = grpc.StatusCode.UNAVAILABLE, _describe(exc)
+        for target in calls.values():  # an error each: one raised many times grows its traceback
+            target.ended(rpc_error(code, details))
+        link.shut()
+
+
+class _Link:
+    """One opened session to the engine: asks its Health for the session port, then
+    runs frames on it (``_FrameProtocol``) or, without one, the gRPC Session stream.
+    Requests queued before it is up leave once it is."""
+
+    def __init__(self, session: EngineSession) -> None:
+        self._session = session
+        self._loop = session.loop
+        self.transport = ""
+        self._frames: _FrameProtocol | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._has_outgoing = asyncio.Event()  # for the gRPC stream's writer
+        self._flush_scheduled = False
+        self._task = self._loop.create_task(self._run())
+
+    def wake(self) -> None:
+        """Something is queued to send: frames leave at the end of this loop turn."""
+        if self._frames is None:
+            self._has_outgoing.set()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def shut(self) -> None:
+        """Called by ``EngineSession.broken``: the connection or stream is ended."""
+        if self._frames is not None:
+            self._frames.close()
+        if self._call is not None:
+            self._call.cancel()
+        if self._task is not asyncio.current_task(self._loop):
+            self._task.cancel()
+
+    async def closed(self) -> None:
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        request = self._session.take_outgoing()
+        if request is not None:
+            self._frames.send(request.SerializeToString())
+
+    async def _run(self) -> None:
+        session = self._session
+        try:
+            try:
+                health = await session._client.health(timeout_s=OPEN_TIMEOUT_S)
+                if health.session_port:
+                    protocol = await self._connect(health.session_port)
+                else:
+                    protocol = None
+            except (grpc.aio.AioRpcError, OSError, TimeoutError, frames.FrameError) as exc:
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                f"cannot open a session: {_describe(exc)}") from None
+            if protocol is not None:
+                self.transport, self._frames = "frames", protocol
+                self._flush()
+                await protocol.lost
+            else:
+                self.transport = "grpc"
+                await self._grpc()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the engine ended the session")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            session.broken(self, exc)
+
+    async def _connect(self, port: int) -> _FrameProtocol:
+        """A frame connection to the session port that passed the hello."""
+        session = self._session
+        host = frames.split_address(session.address)
+        security = session._client.security
+        context = frames.ssl_context(security, server=False)
+        _, protocol = await asyncio.wait_for(self._loop.create_connection(
+            lambda: _FrameProtocol(session, self._loop), host, port, ssl=context,
+            server_hostname=host if context is not None else None), OPEN_TIMEOUT_S)
+        protocol.send_raw(frames.hello(security.token))
+        try:
+            await asyncio.wait_for(asyncio.shield(protocol.answered), OPEN_TIMEOUT_S)
+        except BaseException:
+            protocol.close()
+            raise
+        return protocol
+
+    async def _grpc(self) -> None:
+        call = self._call = self._session._client.session()
+        writer = self._loop.create_task(self._grpc_write(call))
+        try:
+            async for response in call:
+                self._session.deliver(response)
+        finally:
+            writer.cancel()
+
+    async def _grpc_write(self, call: grpc.aio.StreamStreamCall) -> None:
         has_outgoing = self._has_outgoing
         try:
             while True:
                 await has_outgoing.wait()
                 has_outgoing.clear()
-                request = pb.SessionRequest(generate=self._generate, cancel=self._cancel)
-                self._generate, self._cancel = [], []
-                await call.write(request)
+                request = self._session.take_outgoing()
+                if request is not None:
+                    await call.write(request)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            self._broken(call, exc)  # the reader sees the call's status too; first one wins
+            self._session.broken(self, exc)  # the reader sees the call's status too
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
-        calls = self._calls
+
+class _FrameProtocol(asyncio.Protocol):
+    """The Coordinator's end of a session port connection: the hello's answer, then
+    ``SessionResponse`` frames handed to the session."""
+
+    def __init__(self, session: EngineSession, loop: asyncio.AbstractEventLoop) -> None:
+        self._session = session
+        self._reader = frames.FrameReader()
+        self._transport: asyncio.Transport | None = None
+        self.answered = loop.create_future()  # the hello's answer: OK, or the refusal
+        self.lost = loop.create_future()  # the connection's end: its error, or None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
         try:
-            async for response in call:
-                for message in response.messages:
-                    target = calls.get(message.request_id)
-                    if target is not None:
-                        target.put(message)
-                for end in response.ends:
-                    target = calls.get(end.request_id)
-                    if target is None:
-                        if end.code:
-                            log.info("session %s: request %r ended: %s", self.address,
-                                     end.request_id, end.details)
-                        continue
-                    target.ended(rpc_error(_STATUS.get(end.code, grpc.StatusCode.UNKNOWN),
-                                           end.details) if end.code else StopAsyncIteration())
-            self._broken(call, rpc_error(grpc.StatusCode.UNAVAILABLE, "the engine ended the session"))
-        except grpc.aio.AioRpcError as exc:
-            self._broken(call, exc)
+            received = self._reader.feed(data)
+            for payload in received:
+                if self.lost.done():
+                    return
+                if not self.answered.done():
+                    self._answer(payload)
+                else:
+                    self._session.deliver(pb.SessionResponse.FromString(payload))
+        except Exception as exc:  # a frame too long, not a SessionResponse: a broken peer
+            self._end(rpc_error(grpc.StatusCode.UNAVAILABLE, f"malformed session frame: {exc}"))
+            self._transport.abort()
 
-    def _broken(self, call: grpc.aio.StreamStreamCall, exc: Exception) -> None:
-        """Fails every call of ``call``'s session with ``exc``; the next generate reopens."""
-        if self._call is not call:
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(rpc_error(grpc.StatusCode.UNAVAILABLE,
+                            f"the session connection was lost: {exc}" if exc
+                            else "the engine ended the session"))
+
+    def send(self, payload: bytes) -> None:
+        self._transport.write(frames.frame(payload))
+
+    def send_raw(self, data: bytes) -> None:
+        self._transport.write(data)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def _answer(self, payload: bytes) -> None:
+        if payload == frames.OK:
+            self.answered.set_result(None)
             return
-        log.info("session to engine %s broke: %s", self.address, _describe(exc))
-        self._call = None
-        self._generate, self._cancel = [], []
-        calls, self._calls = self._calls, {}
-        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-        details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else _describe(exc)
-        for target in calls.values():  # an error each: one raised many times grows its traceback
-            target.ended(rpc_error(code, details))
-        call.cancel()
-        for task in self._tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
+        reason = payload.removeprefix(frames.REFUSED).decode(errors="replace")
+        self._end(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the engine refused the session: {reason}"))
+        self._transport.close()
 
-    async def close(self) -> None:
-        """Called by ``InstanceRegistry.close`` at the app's shutdown."""
-        call, tasks = self._call, self._tasks
-        if call is not None:
-            self._broken(call, rpc_error(grpc.StatusCode.CANCELLED, "the Coordinator is closing"))
-        await asyncio.gather(*tasks, return_exceptions=True)
+    def _end(self, error: grpc.aio.AioRpcError) -> None:
+        for future in (self.answered, self.lost):
+            if not future.done():
+                future.set_exception(error)
+                future.exception()  # retrieved: the link reads whichever it awaits
 
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def _describe(exc: Exception) -> str:
+def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC (and metrics) on")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    parser.add_argument("--session-port", type=int, default=0,
+                        help="serve the Coordinator's sessions as frames on this port "
+                             "(0: a free one; -1: only over gRPC)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics over HTTP on this port (0: a free one)")
     parser.add_argument("--shutdown-grace-s", type=float, default=10.0,
@@ -70,7 +73,8 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve(engine, args.host, args.port, ready, security,
-                          args.metrics_port, metrics_ready, args.shutdown_grace_s))
+                          args.metrics_port, metrics_ready, args.shutdown_grace_s,
+                          None if args.session_port < 0 else args.session_port))
     except OSError as exc:  # serve closed the engine
         print(f"error: {exc}", file=sys.stderr)
         return 1

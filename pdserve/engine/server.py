@@ -50,7 +50,7 @@ from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import RequestStatus, TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.runtime.security import SecuritySettings, add_port, server_interceptors
-from pdserve.runtime.session_server import SessionServicer
+from pdserve.runtime.session_server import FrameSessionServer, SessionServicer
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class EngineService(SessionServicer, pb_grpc.EngineServicer):
 
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
+        self.session_port = 0  # set by ``serve`` once the session port listens
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or f"req-{uuid.uuid4().hex[:12]}"
@@ -173,7 +174,7 @@ class EngineService(SessionServicer, pb_grpc.EngineServicer):
         return pb.HealthResponse(
             serving=True, role=engine.config.role, model=engine.model_config.name,
             device=engine.config.device, draining=engine.draining, time_unix_s=time.time(),
-            max_model_len=engine.max_model_len, **kv,
+            max_model_len=engine.max_model_len, session_port=self.session_port, **kv,
         )
 
     async def ProbePeer(self, request: pb.ProbePeerRequest, context) -> pb.ProbePeerResponse:
@@ -256,11 +257,14 @@ class EngineService(SessionServicer, pb_grpc.EngineServicer):
 async def serve(
     engine: LLMEngine, host: str, port: int, ready=None, security: SecuritySettings | None = None,
     metrics_port: int | None = None, metrics_ready=None, shutdown_grace_s: float = 10.0,
+    session_port: int | None = 0,
 ) -> None:
     """Run the server until SIGTERM or SIGINT, then shut down in order (module docstring);
     cancelled, it skips the grace. ``ready(bound_port)`` is called once listening; with
     ``metrics_port`` (0: a free one) Prometheus metrics are served over HTTP on ``host``
-    and ``metrics_ready(bound_port)`` is called first. Main thread only (signals)."""
+    and ``metrics_ready(bound_port)`` is called first. Sessions are also served as
+    frames on ``session_port`` (0: a free one; None: not) on ``host``, which Health
+    names. Main thread only (signals)."""
     security = security or SecuritySettings()
     metrics = attach_metrics(engine)
     loop = EngineLoop(engine)
@@ -277,11 +281,19 @@ async def serve(
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0)], interceptors=server_interceptors(security)
     )
-    pb_grpc.add_EngineServicer_to_server(EngineService(loop), server)
+    service = EngineService(loop)
+    pb_grpc.add_EngineServicer_to_server(service, server)
     bound = add_port(server, f"{host}:{port}", security)
     if bound == 0:
         loop.stop()
         raise OSError(f"cannot listen on {host}:{port}")
+    sessions = FrameSessionServer(service, security)
+    if session_port is not None:
+        try:
+            service.session_port = await sessions.start(host, session_port)
+        except OSError:
+            loop.stop()
+            raise
     stop, hurry = asyncio.Event(), asyncio.Event()
     aio_loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -294,6 +306,7 @@ async def serve(
         await shut_down(loop, shutdown_grace_s, hurry)
     finally:
         await server.stop(grace=1.0)  # lets the last messages of ended streams go out
+        await sessions.close()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
         loop.stop()

@@ -18,7 +18,7 @@ from pdserve.runtime.security import SecuritySettings, create_channel
 class EngineClient:
     def __init__(self, address: str, security: SecuritySettings | None = None) -> None:
         self.address = address
-        security = security or SecuritySettings.from_env()
+        security = self.security = security or SecuritySettings.from_env()
         self._channel = create_channel(address, security)
         self._md = security.metadata()
         self._stub = pb_grpc.EngineStub(self._channel)

@@ -1,35 +1,43 @@
-"""The engine side of the Session RPC: many requests on one stream, each run by the
-servicer's own Generate.
+"""The engine side of a session: many requests on one stream, each run by the
+servicer's own Generate; served as the gRPC Session RPC and on the session port.
 
 ``SessionServicer`` is a mixin of an Engine servicer (the engine's ``EngineService``,
 the tests' ``StubEngine``): its ``Session`` runs ``self.Generate(request, context)``
 for every request the session carries, so a request's behaviour, errors and aborts
-are Generate's, one piece of code. Each request gets a ``RequestContext`` whose
-``abort`` ends that request alone with the status Generate would have ended its
-call with (a ``RequestEnd`` on the stream); an exception out of Generate ends the
-request with UNKNOWN, as gRPC ends a call, and is logged. A session request's cancel
-cancels that request's Generate, as a cancelled call does (the engine aborts it).
+are Generate's, one piece of code. ``FrameSessionServer`` serves the same sessions
+on the session port (``runtime/frames.py``: length-prefixed frames on a plain
+connection, the Coordinator's hot path). Each request gets a ``RequestContext``
+whose ``abort`` ends that request alone with the status Generate would have ended
+its call with (a ``RequestEnd`` on the stream); an exception out of Generate ends
+the request with UNKNOWN, as gRPC ends a call, and is logged. A session request's
+cancel cancels that request's Generate, as a cancelled call does (the engine aborts it).
 
 Batching: the requests' messages and ends queue in the session's outbox; the
-session's writer sends everything queued as one ``SessionResponse`` whenever it is
-free, so the messages of one engine step (one per running request) share a write.
+session sends everything queued as one ``SessionResponse`` whenever it is free
+(gRPC: its writer; frames: once per event-loop turn), so the messages of one
+engine step (one per running request) share a write.
 
 Invariants: a request id runs at most once at a time per session (a second is
 refused with INVALID_ARGUMENT); every request started ends with exactly one
 ``RequestEnd`` unless it was cancelled or the session ended; the session ending
-(the client gone: the call cancelled) cancels every request still running, so each
-Generate's own clean-up frees its KV; the client closing its side lets running
-requests finish, then the session ends.
+(the client gone: the call cancelled, the connection lost) cancels every request
+still running, so each Generate's own clean-up frees its KV; the client closing
+its side lets running requests finish, then the session ends. On the session port
+nothing is allocated for a peer before its hello passed (``frames``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
+from pdserve.runtime import frames
+from pdserve.runtime.log_throttle import ThrottledLog
+from pdserve.runtime.security import SecuritySettings
 
 log = logging.getLogger(__name__)
 
@@ -47,74 +55,102 @@ class RequestContext:
     """What one session request's Generate sees as its ``context``: the session's
     metadata and peer, and an ``abort`` that ends this request only."""
 
-    def __init__(self, session: grpc.aio.ServicerContext) -> None:
-        self._session = session
+    def __init__(self, metadata=(), peer: str = "") -> None:
+        self._metadata = metadata
+        self._peer = peer
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
         raise RequestAborted(code, details)
 
     def invocation_metadata(self):
-        return self._session.invocation_metadata()
+        return self._metadata
 
     def peer(self) -> str:
-        return self._session.peer()
+        return self._peer
 
 
 class SessionServicer:
     """Mixin: ``Session`` over the class's ``Generate`` (module docstring)."""
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
-        run = _SessionRun(self.Generate, context)
-        async for response in run.responses(request_iterator):
-            yield response
+        wake: list[asyncio.Future | None] = [None]
+
+        def notify() -> None:
+            if wake[0] is not None and not wake[0].done():
+                wake[0].set_result(None)
+
+        run = SessionRun(self.Generate, RequestContext(context.invocation_metadata(),
+                                                       context.peer()), notify)
+        reader = asyncio.ensure_future(_read(request_iterator, run))
+        try:
+            while True:
+                response = run.take()
+                if response is not None:
+                    yield response
+                elif run.is_over:
+                    return
+                else:
+                    wake[0] = asyncio.get_running_loop().create_future()
+                    await wake[0]
+        finally:
+            reader.cancel()
+            run.cancel_all()
 
 
-class _SessionRun:
-    """One Session call: its running requests (tasks by request id) and its outbox."""
+async def _read(request_iterator, run: SessionRun) -> None:
+    try:
+        async for request in request_iterator:
+            run.handle(request)
+    except Exception as exc:  # the client's side broke: the call is ending
+        log.debug("session read ended: %s", exc)
+    finally:
+        run.end_of_requests()
 
-    def __init__(self, generate, context: grpc.aio.ServicerContext) -> None:
+
+class SessionRun:
+    """One session: its running requests (tasks by request id) and its outbox.
+    ``notify`` is called when the outbox has something or the session may be over."""
+
+    def __init__(self, generate, context: RequestContext, notify: Callable[[], None]) -> None:
         self._generate = generate
         self._context = context
+        self._notify = notify
         self._tasks: dict[str, asyncio.Task] = {}
         self._messages: list[pb.GenerateResponse] = []
         self._ends: list[pb.RequestEnd] = []
         self._reading = True
-        self._wake: asyncio.Future | None = None
 
-    async def responses(self, request_iterator):
-        """The session's responses until the client's side ended and no request runs;
-        closed early (the call cancelled), it cancels every request still running."""
-        reader = asyncio.ensure_future(self._read(request_iterator))
-        try:
-            while True:
-                if self._messages or self._ends:
-                    response = pb.SessionResponse(messages=self._messages, ends=self._ends)
-                    self._messages, self._ends = [], []
-                    yield response
-                elif not self._reading and not self._tasks:
-                    return
-                else:
-                    self._wake = asyncio.get_running_loop().create_future()
-                    await self._wake
-        finally:
-            reader.cancel()
-            for task in list(self._tasks.values()):
+    @property
+    def is_over(self) -> bool:
+        """The client's side ended and no request runs or waits to be sent."""
+        return not self._reading and not self._tasks and not self._messages and not self._ends
+
+    def handle(self, request: pb.SessionRequest) -> None:
+        """A session request from the client: its requests started, its cancels done."""
+        for generate in request.generate:
+            self._start(generate)
+        for request_id in request.cancel:
+            task = self._tasks.get(request_id)
+            if task is not None:
                 task.cancel()
 
-    async def _read(self, request_iterator) -> None:
-        try:
-            async for request in request_iterator:
-                for generate in request.generate:
-                    self._start(generate)
-                for request_id in request.cancel:
-                    task = self._tasks.get(request_id)
-                    if task is not None:
-                        task.cancel()
-        except Exception as exc:  # the client's side broke: the call is ending
-            log.debug("session read ended: %s", exc)
-        finally:
-            self._reading = False
-            self._notify()
+    def end_of_requests(self) -> None:
+        """The client closed its side: the session ends once its requests have."""
+        self._reading = False
+        self._notify()
+
+    def take(self) -> pb.SessionResponse | None:
+        """Everything queued as one response (None: nothing)."""
+        if not self._messages and not self._ends:
+            return None
+        response = pb.SessionResponse(messages=self._messages, ends=self._ends)
+        self._messages, self._ends = [], []
+        return response
+
+    def cancel_all(self) -> None:
+        """The session ended: every request still running is cancelled."""
+        for task in list(self._tasks.values()):
+            task.cancel()
 
     def _start(self, request: pb.GenerateRequest) -> None:
         rid = request.request_id
@@ -129,7 +165,7 @@ class _SessionRun:
 
     async def _run(self, rid: str, request: pb.GenerateRequest) -> None:
         try:
-            async for message in self._generate(request, RequestContext(self._context)):
+            async for message in self._generate(request, self._context):
                 if message.request_id != rid:
                     message.request_id = rid
                 self._messages.append(message)
@@ -150,7 +186,138 @@ class _SessionRun:
         self._ends.append(pb.RequestEnd(request_id=rid, code=code.value[0], details=details))
         self._notify()
 
+
+class FrameSessionServer:
+    """The session port: a listener whose connections each carry one session of
+    ``servicer`` (its Generate), after the peer's hello (``runtime/frames.py``)."""
+
+    def __init__(self, servicer, security: SecuritySettings | None = None) -> None:
+        self._servicer = servicer
+        self._security = security or SecuritySettings()
+        self._refusals = ThrottledLog(log)
+        self._server: asyncio.Server | None = None
+        self._connections: set[_FrameSession] = set()
+        self.port = 0
+
+    async def start(self, host: str, port: int = 0) -> int:
+        """Listens on ``host:port`` (0: a free port); returns the bound port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _FrameSession(self), host, port,
+            ssl=frames.ssl_context(self._security, server=True))
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        """Stops listening and ends every session (their requests are cancelled)."""
+        if self._server is not None:
+            self._server.close()
+            for connection in list(self._connections):
+                connection.close()
+            await self._server.wait_closed()
+
+    def refused(self, peer: str, reason: str) -> None:
+        self._refusals.log(logging.WARNING, ("session", reason),
+                           "refused a session from %s: %s", peer, reason)
+
+
+class _FrameSession(asyncio.Protocol):
+    """One connection of the session port: the hello, then a ``SessionRun``."""
+
+    def __init__(self, server: FrameSessionServer) -> None:
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._reader = frames.FrameReader(frames.MAX_HELLO_BYTES)
+        self._run: SessionRun | None = None  # after the hello
+        self._hello_timer: asyncio.TimerHandle | None = None
+        self._flush_scheduled = False
+        self._can_write = True
+        self._peer = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._loop = asyncio.get_running_loop()
+        peer = transport.get_extra_info("peername")
+        self._peer = f"{peer[0]}:{peer[1]}" if peer else ""
+        self._hello_timer = self._loop.call_later(
+            frames.HELLO_TIMEOUT_S, self._refuse, "no hello in time")
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            received = self._reader.feed(data)
+        except frames.FrameError as exc:
+            return self._refuse(str(exc)) if self._run is None else self._broken(str(exc))
+        for payload in received:
+            if self._run is None:
+                self._hello(payload)
+                if self._run is None:
+                    return
+                continue
+            try:
+                request = pb.SessionRequest.FromString(payload)
+            except Exception as exc:  # protobuf's DecodeError: a malformed peer
+                return self._broken(f"a frame that is not a SessionRequest: {exc}")
+            self._run.handle(request)
+
+    def eof_received(self) -> bool:
+        if self._run is None:
+            self._transport.close()
+            return False
+        self._run.end_of_requests()
+        return True  # the answers of the requests running still go out
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self._server._connections.discard(self)
+        if self._run is not None:
+            self._run.cancel_all()
+
+    def pause_writing(self) -> None:
+        self._can_write = False
+
+    def resume_writing(self) -> None:
+        self._can_write = True
+        self._notify()
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def _hello(self, payload: bytes) -> None:
+        reason = frames.check_hello(payload, self._server._security.token)
+        if reason is not None:
+            return self._refuse(reason)
+        self._hello_timer.cancel()
+        self._hello_timer = None
+        self._reader = frames.FrameReader()
+        self._run = SessionRun(self._server._servicer.Generate,
+                               RequestContext((), f"ipv4:{self._peer}"), self._notify)
+        self._server._connections.add(self)
+        self._transport.write(frames.frame(frames.OK))
+
+    def _refuse(self, reason: str) -> None:
+        self._server.refused(self._peer, reason)
+        if not self._transport.is_closing():
+            self._transport.write(frames.frame(frames.REFUSED + reason.encode()))
+            self._transport.close()
+
+    def _broken(self, reason: str) -> None:
+        log.warning("session from %s ended: %s", self._peer, reason)
+        self._transport.abort()
+
     def _notify(self) -> None:
-        wake = self._wake
-        if wake is not None and not wake.done():
-            wake.set_result(None)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        run, transport = self._run, self._transport
+        if run is None or transport.is_closing() or not self._can_write:
+            return
+        response = run.take()
+        if response is not None:
+            transport.write(frames.frame(response.SerializeToString()))
+        if run.is_over:
+            transport.close()

@@ -278,7 +278,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "role", "model", "device", "kv_transport", "kv_endpoint", "kv_compat_hash", "draining", "time_unix_s", "max_model_len")
+    __slots__ = ("serving", "role", "model", "device", "kv_transport", "kv_endpoint", "kv_compat_hash", "draining", "time_unix_s", "max_model_len", "session_port")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,7 @@ class HealthResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     TIME_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     role: str
     model: str
@@ -299,7 +300,8 @@ class HealthResponse(_message.Message):
     draining: bool
     time_unix_s: float
     max_model_len: int
-    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., draining: _Optional[bool] = ..., time_unix_s: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    session_port: int
+    def __init__(self, serving: _Optional[bool] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., draining: _Optional[bool] = ..., time_unix_s: _Optional[float] = ..., max_model_len: _Optional[int] = ..., session_port: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

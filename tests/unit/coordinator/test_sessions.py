@@ -1,4 +1,5 @@
-"""The Coordinator's Session stream to an engine, against stub engines: requests on
+"""The Coordinator's session to an engine, against stub engines, on both of its links
+(frames on the session port, and the gRPC Session of an engine without one): requests on
 one stream kept apart by id, one request's error, cancel or deadline leaving the
 others running, an engine gone failing every request on it and a new session
 opened for the next, and the engine side (runtime/session_server.py) batching
@@ -17,6 +18,7 @@ from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
 from pdserve.coordinator.sessions import EngineSession
 from pdserve.runtime.engine_client import EngineClient, build_generate_request
+from pdserve.runtime.session_server import FrameSessionServer
 from tests.stub_engine import StubEngine, start_stub
 
 
@@ -35,19 +37,27 @@ async def until(predicate, timeout_s: float = 2.0) -> None:
     await asyncio.wait_for(poll(), timeout_s)
 
 
+@pytest.fixture(params=[True, False], ids=["frames", "grpc"])
+def frames(request) -> bool:
+    """Whether the stub serves the session port (else its sessions ride gRPC)."""
+    return request.param
+
+
 def run(scenario) -> None:
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
 @contextlib.asynccontextmanager
-async def session_on(stub: StubEngine):
-    """A session to ``stub`` served on a free port; at the end, the leak check: no
-    call left in the session, no request left on the stub."""
-    server, address = await start_stub(stub)
+async def session_on(stub: StubEngine, frames: bool):
+    """A session to ``stub`` served on a free port (with its session port if
+    ``frames``); at the end, the leak check: no call left in the session, no request
+    left on the stub."""
+    server, address = await start_stub(stub, sessions=frames)
     client = EngineClient(address)
     session = EngineSession(client)
     try:
         yield session
+        assert session.transport in ("", "frames" if frames else "grpc")
         await until(lambda: not stub._inflight)
         assert session.num_calls == 0
     finally:
@@ -62,25 +72,25 @@ async def error_of(call) -> grpc.aio.AioRpcError:
     return info.value
 
 
-def test_two_requests_on_one_session_get_their_own_messages():
+def test_two_requests_on_one_session_get_their_own_messages(frames):
     async def scenario():
         stub = StubEngine(num_tokens=6, token_delay_s=0.01)
-        async with session_on(stub) as session:
+        async with session_on(stub, frames) as session:
             a, b = session.generate(request("a", 3), 10.0), session.generate(request("b", 5), 10.0)
             got_a, got_b = await asyncio.gather(read_all(a), read_all(b))
             assert [m.request_id for m in got_a] == ["a"] * 3 and got_a[-1].finished
             assert [m.num_output_tokens for m in got_b] == [1, 2, 3, 4, 5] and got_b[-1].finished
             assert {m.request_id for m in got_b} == {"b"} and stub.max_inflight == 2
-            first = session._call
+            first = session._link
             assert len(await read_all(session.generate(request("c"), 10.0))) == 4
-            assert session._call is first  # one stream for all three
+            assert session._link is first  # one stream for all three
 
     run(scenario)
 
 
-def test_one_requests_error_ends_it_alone():
+def test_one_requests_error_ends_it_alone(frames):
     async def scenario():
-        async with session_on(StubEngine(num_tokens=4, token_delay_s=0.02)) as session:
+        async with session_on(StubEngine(num_tokens=4, token_delay_s=0.02), frames) as session:
             good = session.generate(request("good"), 10.0)
             bad = session.generate(request("bad", kv_transfer={  # the stub refuses its long id
                 "role": "decode", "mode": "push", "transfer_id": "x" * 200, "peer": "p:1"}), 10.0)
@@ -92,9 +102,9 @@ def test_one_requests_error_ends_it_alone():
     run(scenario)
 
 
-def test_a_full_engine_answers_full_on_the_session():
+def test_a_full_engine_answers_full_on_the_session(frames):
     async def scenario():
-        async with session_on(StubEngine(behavior="full", num_full=1)) as session:
+        async with session_on(StubEngine(behavior="full", num_full=1), frames) as session:
             error = await error_of(session.generate(request("first"), 10.0))
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert error.details().startswith("prefill full")
@@ -103,10 +113,10 @@ def test_a_full_engine_answers_full_on_the_session():
     run(scenario)
 
 
-def test_cancel_of_one_request_leaves_the_other_running():
+def test_cancel_of_one_request_leaves_the_other_running(frames):
     async def scenario():
         stub = StubEngine(num_tokens=500, token_delay_s=0.02)  # "a" alone would take 10 s
-        async with session_on(stub) as session:
+        async with session_on(stub, frames) as session:
             a, b = session.generate(request("a", 500), 10.0), session.generate(request("b", 5), 10.0)
             assert (await a.__anext__()).request_id == "a"
             assert a.cancel() and not a.cancel()
@@ -117,9 +127,9 @@ def test_cancel_of_one_request_leaves_the_other_running():
     run(scenario)
 
 
-def test_a_deadline_fails_its_request_and_cancels_it_on_the_engine():
+def test_a_deadline_fails_its_request_and_cancels_it_on_the_engine(frames):
     async def scenario():
-        async with session_on(StubEngine(num_tokens=500, token_delay_s=0.05)) as session:
+        async with session_on(StubEngine(num_tokens=500, token_delay_s=0.05), frames) as session:
             slow = session.generate(request("slow", 500), 0.2)  # 25 s left alone
             quick = session.generate(request("quick", 2), 10.0)
             assert (await error_of(slow)).code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -128,10 +138,10 @@ def test_a_deadline_fails_its_request_and_cancels_it_on_the_engine():
     run(scenario)
 
 
-def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens():
+def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens(frames):
     async def scenario():
         stub = StubEngine(num_tokens=50, token_delay_s=0.05)
-        server, address = await start_stub(stub)
+        server, address = await start_stub(stub, sessions=frames)
         async with EngineClient(address) as client:
             session = EngineSession(client)
             calls = [session.generate(request(rid, 50), 10.0) for rid in ("a", "b")]
@@ -141,13 +151,17 @@ def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens():
             for call in calls:
                 assert (await error_of(call)).code() in (grpc.StatusCode.UNAVAILABLE,
                                                          grpc.StatusCode.CANCELLED)
-            assert session.num_calls == 0 and session._call is None
+            assert session.num_calls == 0 and session._link is None
             # The engine is back on its address: the next request opens a new session.
             server = grpc.aio.server()
-            pb_grpc.add_EngineServicer_to_server(StubEngine(num_tokens=3), server)
+            back = StubEngine(num_tokens=3)
+            pb_grpc.add_EngineServicer_to_server(back, server)
             port = int(address.rsplit(":", 1)[1])
             assert server.add_insecure_port(f"127.0.0.1:{port}") == port
             await server.start()
+            sessions = FrameSessionServer(back)
+            if frames:
+                back.session_port = await sessions.start("127.0.0.1")
             got = []
             for attempt in range(20):  # the channel reconnects with backoff
                 try:
@@ -156,16 +170,18 @@ def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens():
                 except grpc.aio.AioRpcError:
                     await asyncio.sleep(0.1)
             assert len(got) == 3 and session.num_calls == 0
+            assert session.transport == ("frames" if frames else "grpc")
             await session.close()
+        await sessions.close()
         await server.stop(grace=None)
 
     run(scenario)
 
 
-def test_a_session_closed_by_the_coordinator_aborts_its_requests_on_the_engine():
+def test_a_session_closed_by_the_coordinator_aborts_its_requests_on_the_engine(frames):
     async def scenario():
         stub = StubEngine(num_tokens=500, token_delay_s=0.05)  # 25 s left alone
-        async with session_on(stub) as session:
+        async with session_on(stub, frames) as session:
             calls = [session.generate(request(rid, 500), 10.0) for rid in ("a", "b")]
             for call in calls:
                 await call.__anext__()
@@ -185,7 +201,7 @@ class RaisingStub(StubEngine):
             yield message
 
 
-def test_the_engine_side_batches_and_ends_a_malformed_request_alone():
+def test_the_engine_side_batches_and_ends_a_malformed_request_alone(frames):
     async def scenario():
         stub = RaisingStub(num_tokens=4)
         server, address = await start_stub(stub)
