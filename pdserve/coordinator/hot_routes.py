@@ -97,7 +97,7 @@ class CompletionRoutes:
                 await send({"type": "http.response.start", "status": response.status_code,
                             "headers": response.raw_headers})
                 try:
-                    with DisconnectWatch(receive, loop):
+                    with DisconnectWatch(scope, receive, loop):
                         await write_stream(response.body_iterator, send)
                 except ClientGone:
                     pass  # counted and logged by the stream itself

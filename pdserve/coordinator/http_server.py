@@ -14,6 +14,11 @@ headers, stays open for good. ``build_config`` adds what is missing:
                   uvicorn answers 503
   body timeout    the guard's (``guard.py``), which reads the body: 408
 
+It also tells a request's handler at once when its client goes away: each
+request's scope holds a ``ClientHook`` (``CLIENT_HOOK``) that the connection's
+loss fires, so ``serving.DisconnectWatch`` needs no task waiting on ``receive``
+per request.
+
 Called by ``pdserve coordinator`` (``cli.run``) and by the tests' server harness, so
 both serve with the same limits. The protocol runs on the event loop; its timers
 are the loop's. ``Server.run`` (the CLI) runs it on uvloop, which costs the
@@ -31,6 +36,24 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from .settings import CoordinatorSettings
 
 MAX_HEADER_BYTES = 64 * 1024
+CLIENT_HOOK = "pdserve.client_hook"
+
+
+class ClientHook:
+    """In each request's scope (``CLIENT_HOOK``): ``is_gone`` once the connection was
+    lost before the response completed, and then ``callback`` (if set) is called once."""
+
+    __slots__ = ("is_gone", "callback")
+
+    def __init__(self) -> None:
+        self.is_gone = False
+        self.callback = None
+
+    def fire(self) -> None:
+        self.is_gone = True
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
 
 
 class _LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -51,7 +74,12 @@ class _LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm_header_timer()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:  # the response had not completed
+            hook = cycle.scope.get(CLIENT_HOOK)
+            if hook is not None:
+                hook.fire()
 
     def data_received(self, data: bytes) -> None:
         if self._is_reading_headers:
@@ -65,6 +93,7 @@ class _LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._is_reading_headers = False
         self._num_header_bytes = 0
         self._disarm_header_timer()
+        self.scope[CLIENT_HOOK] = ClientHook()  # the scope the request's cycle gets
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:

@@ -39,6 +39,7 @@ from starlette.responses import Response, StreamingResponse
 from .admission import Admission
 from .errors import ServeError
 from .guard import ADMIN_SCOPE_KEY
+from .http_server import CLIENT_HOOK
 from .lifecycle import Deps, GenerationParams, RequestRun, new_request_id
 from .logprobs import OutputLogprobs, TokenTexts
 from .output import Choices, Output
@@ -154,23 +155,35 @@ def check_context_length(body: CompletionRequest | ChatCompletionRequest, num_pr
 
 
 class DisconnectWatch:
-    """While open, cancels the task that opened it when the client goes away (one watcher
-    task per request, not one per await); ``gone`` says whether that is why the task
-    was cancelled. Used as ``with DisconnectWatch(receive) as watch:`` around the work."""
+    """While open, cancels the task that opened it when the client goes away; ``gone``
+    says whether that is why the task was cancelled. Used as ``with
+    DisconnectWatch(scope, receive) as watch:`` around the work. Served by the
+    Coordinator's protocol, the request's ``ClientHook`` calls it (no task per
+    request); elsewhere one watcher task waits on ``receive``."""
 
-    __slots__ = ("gone", "_task", "_watch", "_is_open")
+    __slots__ = ("gone", "_task", "_watch", "_hook", "_is_open")
 
-    def __init__(self, receive, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, scope, receive, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """``loop``: the running loop, when the caller has it."""
         loop = loop or asyncio.get_running_loop()
         self.gone = False
         self._task = asyncio.current_task(loop)
         self._is_open = True
-        self._watch = loop.create_task(self._wait(receive))
+        self._watch = None
+        self._hook = hook = scope.get(CLIENT_HOOK)
+        if hook is None:
+            self._watch = loop.create_task(self._wait(receive))
+        elif hook.is_gone:
+            self._on_gone()
+        else:
+            hook.callback = self._on_gone
 
     async def _wait(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        self._on_gone()
+
+    def _on_gone(self) -> None:
         if self._is_open:
             self.gone = True
             self._task.cancel()
@@ -180,7 +193,10 @@ class DisconnectWatch:
 
     def __exit__(self, kind, exc, tb) -> bool:
         self._is_open = False
-        self._watch.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
+        else:
+            self._hook.callback = None
         if self.gone and kind is not None and issubclass(kind, asyncio.CancelledError):
             self._task.uncancel()
             raise ClientGone from None
@@ -257,11 +273,11 @@ class Completions:
             out, [output(i) for i in range(1, num_choices[1])], num_choices[0], params.logprobs)
         try:
             if body.stream:
-                with DisconnectWatch(request.receive, loop):  # the client gone: ClientGone
+                with DisconnectWatch(request.scope, request.receive, loop):  # the client gone: ClientGone
                     first = await out.next_event()
                 return StreamingResponse(answer.sse(first, slot), media_type="text/event-stream",
                                          headers=headers)
-            with DisconnectWatch(request.receive, loop):
+            with DisconnectWatch(request.scope, request.receive, loop):
                 await answer.collect()
             answer.done(200)
             slot.release()
