@@ -8,9 +8,11 @@ Every metric is observed and rendered (``/metrics``) on the event loop, a few ti
 per request, so the per-request ones skip prometheus_client's locks: the histograms
 (stages, TTFT, TPOT, end to end, and the inter-token latency, observed per output
 token) are ``LoopHistogram``s, the same series as prometheus_client's ``Histogram``
-without its two locked increments per observation (nor ``_created``); the labelled
-counters are ``KeptCounter``s, whose ``labels`` finds a child it made before in a
-dict (prometheus_client's takes a lock and builds the value tuple per call).
+without its two locked increments per observation (nor ``_created``); the counters
+are ``LoopCounter``s, prometheus_client's ``Counter`` (the same series) whose value
+is a plain float, not a locked one, and the labelled ones ``KeptCounter``s, whose
+``labels`` finds a child it made before in a dict (prometheus_client's takes a lock
+and builds the value tuple per call).
 """
 
 from __future__ import annotations
@@ -50,14 +52,14 @@ class CoordinatorMetrics:
                                      registry=r)
         self.retries = KeptCounter(p + "retries_total", "Legs retried after a failure.",
                                    ["leg", "stage"], registry=r)
-        self.continuations = Counter(p + "continuations_total", "Streams continued on a new "
+        self.continuations = LoopCounter(p + "continuations_total", "Streams continued on a new "
                                      "pair after the decode engine failed mid-stream.", registry=r)
         self.overloads = KeptCounter(p + "overload_total", "Legs an engine refused for want "
                                      "of room (\"decode full\", \"prefill full\"): load, not "
                                      "failures.", ["leg"], registry=r)
         self.rejected = KeptCounter(p + "rejected_total", "Requests refused by admission control.",
                                     ["reason"], registry=r)
-        self.local_prefills = Counter(p + "local_prefills_total", "Requests run on one engine "
+        self.local_prefills = LoopCounter(p + "local_prefills_total", "Requests run on one engine "
                                       "by conditional disaggregation.", registry=r)
         self.prefill_decisions = KeptCounter(
             p + "prefill_decisions_total", "Where a PD request's prompt was prefilled (decode: "
@@ -65,8 +67,8 @@ class CoordinatorMetrics:
         self.aborts = KeptCounter(p + "aborts_total", "Requests ended early (client gone, "
                                   "deadline, stop string), both legs aborted.", ["reason"],
                                   registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens.", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens_total", "Output tokens.", registry=r)
+        self.prompt_tokens = LoopCounter(p + "prompt_tokens_total", "Prompt tokens.", registry=r)
+        self.generation_tokens = LoopCounter(p + "generation_tokens_total", "Output tokens.", registry=r)
         self.inflight = Gauge(p + "inflight_requests", "Requests being served.", registry=r)
         self.queued = Gauge(p + "queued_requests", "Requests waiting for admission.", registry=r)
         self.queued_for_route = Gauge(p + "route_waiting_requests", "Requests waiting for an "
@@ -85,10 +87,10 @@ class CoordinatorMetrics:
                                  "output tokens of a stream.", LATENCY_BUCKETS, r)
         self.routes = KeptCounter(p + "routing_decisions_total", "Engines chosen, by pool and "
                                   "the policy that chose them.", ["pool", "policy"], registry=r)
-        self.prefix_predicted = Counter(
+        self.prefix_predicted = LoopCounter(
             p + "prefix_predicted_tokens_total", "Prompt tokens the prefix index expected the "
             "prefilling engine to find in its cache, at routing.", registry=r)
-        self.prefix_reported = Counter(
+        self.prefix_reported = LoopCounter(
             p + "prefix_reported_tokens_total", "Prompt tokens the prefilling engines reported "
             "they found in their cache.", registry=r)
         self.kv_event_streams = Gauge(p + "kv_event_streams", "Engines whose prefix-cache "
@@ -119,16 +121,56 @@ class CoordinatorMetrics:
         return generate_latest(self.registry)
 
 
-class KeptCounter(Counter):
+class _LoopValue:
+    """A counter's value on the event loop: prometheus_client's value interface
+    without its lock (``inc``, ``set``, ``get``, exemplars)."""
+
+    __slots__ = ("_value", "_exemplar")
+
+    def __init__(self) -> None:
+        self._value = 0.0
+        self._exemplar = None
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def get(self) -> float:
+        return self._value
+
+    def set_exemplar(self, exemplar) -> None:
+        self._exemplar = exemplar
+
+    def get_exemplar(self):
+        return self._exemplar
+
+
+class LoopCounter(Counter):
+    """prometheus_client's ``Counter`` (the same series), its value without a lock:
+    incremented and rendered on the event loop only."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._value = _LoopValue()
+
+    def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
+        if exemplar is not None or amount < 0 or (self._labelnames and not self._labelvalues):
+            return super().inc(amount, exemplar)  # its checks and errors
+        self._value._value += amount
+
+
+class KeptCounter(LoopCounter):
     """prometheus_client's ``Counter`` (the same series) whose ``labels`` keeps each
     child it returned in a dict of the values as given: a label set seen before costs
     one look-up. Label values are bounded sets (the module's docstring), so is the dict."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._kept: dict[tuple, Counter] = {}
+        self._kept: dict[tuple, LoopCounter] = {}
 
-    def labels(self, *values: object, **by_name: object) -> Counter:
+    def labels(self, *values: object, **by_name: object) -> LoopCounter:
         if by_name:
             return super().labels(*values, **by_name)
         child = self._kept.get(values)
