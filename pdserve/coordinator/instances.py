@@ -195,6 +195,11 @@ class InstanceRegistry:
             session = self._sessions[address] = EngineSession(self.client(address))
         return session
 
+    def session_transports(self) -> dict[str, str]:
+        """Each engine address with an open session and what it rides: "frames" (the
+        engine's session port) or "grpc" (its Session RPC); /ready?verbose=1."""
+        return {address: s.transport for address, s in self._sessions.items() if s.transport}
+
     async def close(self) -> None:
         for session in self._sessions.values():
             await session.close()

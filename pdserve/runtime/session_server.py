@@ -208,13 +208,23 @@ class FrameSessionServer:
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
-    async def close(self) -> None:
-        """Stops listening and ends every session (their requests are cancelled)."""
-        if self._server is not None:
-            self._server.close()
-            for connection in list(self._connections):
-                connection.close()
-            await self._server.wait_closed()
+    async def close(self, grace_s: float = 1.0) -> None:
+        """Stops listening and ends every session (their requests are cancelled): what
+        is written goes out within ``grace_s``, then the connections are cut."""
+        if self._server is None:
+            return
+        self._server.close()
+        connections = list(self._connections)
+        for connection in connections:
+            connection.close()
+        if connections:
+            lost = [c.lost for c in connections]
+            _, pending = await asyncio.wait(lost, timeout=grace_s)
+            for connection in connections:
+                if connection.lost in pending:
+                    connection.abort()
+            await asyncio.wait(lost)
+        await self._server.wait_closed()
 
     def refused(self, peer: str, reason: str) -> None:
         self._refusals.log(logging.WARNING, ("session", reason),
@@ -233,11 +243,11 @@ class _FrameSession(asyncio.Protocol):
         self._flush_scheduled = False
         self._can_write = True
         self._peer = ""
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = asyncio.get_running_loop()
+        self.lost = self._loop.create_future()  # done when the connection is
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
-        self._loop = asyncio.get_running_loop()
         peer = transport.get_extra_info("peername")
         self._peer = f"{peer[0]}:{peer[1]}" if peer else ""
         self._hello_timer = self._loop.call_later(
@@ -273,6 +283,8 @@ class _FrameSession(asyncio.Protocol):
         self._server._connections.discard(self)
         if self._run is not None:
             self._run.cancel_all()
+        if not self.lost.done():
+            self.lost.set_result(None)
 
     def pause_writing(self) -> None:
         self._can_write = False
@@ -283,6 +295,9 @@ class _FrameSession(asyncio.Protocol):
 
     def close(self) -> None:
         self._transport.close()
+
+    def abort(self) -> None:
+        self._transport.abort()
 
     def _hello(self, payload: bytes) -> None:
         reason = frames.check_hello(payload, self._server._security.token)
