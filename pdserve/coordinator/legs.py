@@ -273,19 +273,13 @@ class DecodeLeg(Leg):
 
     async def _next_unless_prefill_fails(self, stream):
         # Before its first token a decode leg only waits for P's KV: P's failure wins.
-        # The read left behind (D failed too, or this wait was cancelled) is retrieved,
-        # so its error is not reported as "never retrieved".
         prefill = self._prefill_task
-        nxt = self._call.loop.create_task(stream.__anext__())
-        try:
-            await _either(nxt, prefill)
-            if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+        msg = await stream.next_unless(prefill)
+        if msg is None:  # P's stream ended first
+            if not prefill.cancelled() and prefill.exception() is not None:
                 raise self._prefill_failure(prefill.exception())
-            return await nxt
-        finally:
-            if not nxt.done():
-                nxt.cancel()
-            nxt.add_done_callback(_retrieve)
+            msg = await stream.__anext__()
+        return msg
 
     async def _prefill_first_token(self) -> None:
         """Called before the first token is handed on: until P's message of it (its
