@@ -3,9 +3,9 @@
 ``EngineSession`` (one per engine address, held by ``InstanceRegistry.session``)
 opens a link to the engine on first use and keeps it: frames on the engine's
 session port when its Health names one (``runtime/frames.py``: a plain connection,
-the hot path), else the engine's gRPC Session RPC. Either way the legs' requests
-and cancels queued in one event-loop turn leave as one ``SessionRequest``, and
-each ``SessionResponse``'s messages and ends go to the ``SessionCall`` of their
+the hot path), else, or when that port cannot be reached, the engine's gRPC
+Session RPC. Either way the legs' requests and cancels queued in one event-loop
+turn leave as one ``SessionRequest``, and each ``SessionResponse``'s messages and ends go to the ``SessionCall`` of their
 request id. A ``SessionCall`` is what a Generate call was to a leg: an async
 iterator of the request's ``GenerateResponse`` messages that ends as the call
 would (the end's status raised as ``grpc.aio.AioRpcError``, so ``legs.Leg``
@@ -269,11 +269,15 @@ class _Link:
         try:
             try:
                 health = await session._client.health(timeout_s=OPEN_TIMEOUT_S)
+                protocol = None
                 if health.session_port:
-                    protocol = await self._connect(health.session_port)
-                else:
-                    protocol = None
-            except (grpc.aio.AioRpcError, OSError, TimeoutError, frames.FrameError) as exc:
+                    try:
+                        protocol = await self._connect(health.session_port)
+                    except (OSError, TimeoutError) as exc:  # e.g. a firewall: gRPC serves too
+                        log.warning("session port %d of engine %s unreachable (%s): its legs "
+                                    "ride its gRPC Session", health.session_port, session.address,
+                                    _describe(exc))
+            except grpc.aio.AioRpcError as exc:  # Health failed, or the session was refused
                 raise rpc_error(grpc.StatusCode.UNAVAILABLE,
                                 f"cannot open a session: {_describe(exc)}") from None
             if protocol is not None:

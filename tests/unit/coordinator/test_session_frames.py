@@ -218,6 +218,25 @@ def test_a_session_the_engine_refuses_fails_its_requests_as_unavailable():
     run(scenario)
 
 
+def test_a_session_port_out_of_reach_leaves_the_legs_on_grpc(caplog):
+    async def scenario():
+        stub = StubEngine(num_tokens=3)
+        server, address = await start_stub(stub, sessions=False)
+        closed = await asyncio.get_running_loop().create_server(asyncio.Protocol, "127.0.0.1", 0)
+        stub.session_port = closed.sockets[0].getsockname()[1]
+        closed.close()
+        await closed.wait_closed()  # nothing listens there now
+        async with EngineClient(address) as client:
+            session = EngineSession(client)
+            assert len(await read_all(session.generate(request("a", 3), 5.0))) == 3
+            assert session.transport == "grpc"
+            await session.close()
+        await server.stop(None)
+
+    run(scenario)
+    assert "unreachable" in caplog.text and "gRPC Session" in caplog.text
+
+
 class GarbageEngine(asyncio.Protocol):
     """A session port that answers the hello, then sends a frame that is no SessionResponse."""
 
