@@ -11,9 +11,10 @@ The request: ``POST /v1/completions``, a 180-character prompt (180 prompt tokens
 with the byte tokenizer), 16 output tokens (``ignore_eos``), non-streaming.
 Phases, in one run:
 
-  direct c=1      this process calls the stubs over gRPC as the Coordinator does (PD:
-                  D's call and P's sent together, both read to the end), one request
-                  at a time, with gRPC's blocking client (the thinnest Python one)
+  direct c=1      this process calls the stubs' gRPC Generate (PD: D's call and P's
+                  sent together, both read to the end), one request at a time, with
+                  gRPC's blocking client (the thinnest Python one; slower than the
+                  Coordinator's own legs, so the legs floor is the baseline of added)
   python c=1      the same request through the Coordinator, stdlib keep-alive client
   wrk c=1         the same with wrk (one connection): added = this - direct
   wrk c=32, c=64  throughput with wrk (one thread), ``--seconds`` each
@@ -22,11 +23,12 @@ Phases, in one run:
                   the Coordinator's CPU per output token
   http floor      the Coordinator's HTTP server alone (uvicorn as ``http_server``
                   configures it) answering a fixed JSON, with wrk at c=1 and c=32
-  grpc floor      (PD) the two legs alone: a process driving D's and P's requests on
-                  the stubs' Session streams as ``coordinator.sessions`` does, at c=1
-                  and c=32. The two floors' sum is what the Coordinator costs at least
-                  with these libraries, whatever its own code does; at c=1 its latency
-                  is the engines' answer without the Coordinator (added = wrk c=1 - it)
+  legs floor      (PD) the two legs alone: a process driving D's and P's requests on
+                  the stubs' sessions as ``coordinator.sessions`` does (frames on their
+                  session ports), at c=1 and c=32. The two floors' sum is what the
+                  Coordinator costs at least with these libraries, whatever its own code
+                  does; at c=1 its latency is the engines' answer without the
+                  Coordinator (added = wrk c=1 - it)
 
 ``--profile DIR``: after the phases, py-spy records the Coordinator under wrk c=32,
 then under the streaming load (collapsed stacks ``DIR/<path>[-stream].txt`` and
@@ -247,9 +249,9 @@ def serve_http_floor() -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def grpc_floor(concurrency: int, seconds: float, addrs: list[str]) -> None:
+def legs_floor(concurrency: int, seconds: float, addrs: list[str]) -> None:
     """The Coordinator's two legs of a PD request and nothing else: ``concurrency``
-    loops each sending D's and P's request on the engines' Session streams
+    loops each sending D's and P's request on the engines' sessions
     (``coordinator.sessions``, on uvloop, as in the Coordinator) and reading both to
     their end; prints this process's CPU per request."""
     import uvloop
@@ -289,14 +291,14 @@ def grpc_floor(concurrency: int, seconds: float, addrs: list[str]) -> None:
         durations.clear()
         stop_at = time.perf_counter() + seconds
         await asyncio.gather(*(loop(stop_at) for _ in range(concurrency)))
-        print(f"grpc-floor requests={done} cpu_s={time.process_time() - cpu0:.6f} "
+        print(f"legs-floor requests={done} cpu_s={time.process_time() - cpu0:.6f} "
               f"p50_s={pct(durations, 50):.6f} p99_s={pct(durations, 99):.6f}", flush=True)
 
     uvloop.run(main())
 
 
 def floors(args, addrs: list[str]) -> tuple[float, float] | None:
-    """The two floors (``serve_http_floor``, ``grpc_floor``) at c=1 and c=32: the CPU per
+    """The two floors (``serve_http_floor``, ``legs_floor``) at c=1 and c=32: the CPU per
     request below which no change inside the Coordinator brings it, with these libraries.
     Returns the two legs' own (p50, p99) seconds at c=1 (PD): the engines called the
     Coordinator's way, without the Coordinator."""
@@ -315,12 +317,12 @@ def floors(args, addrs: list[str]) -> tuple[float, float] | None:
         return None
     at_c1 = None
     for c in (1, args.concurrency):
-        out = subprocess.run([sys.executable, __file__, "--grpc-floor", str(c), str(args.seconds),
+        out = subprocess.run([sys.executable, __file__, "--legs-floor", str(c), str(args.seconds),
                               *addrs], capture_output=True, text=True, check=True, cwd=HERE.parent).stdout
-        m = re.search(r"grpc-floor requests=(\d+) cpu_s=([\d.]+) p50_s=([\d.]+) p99_s=([\d.]+)", out)
+        m = re.search(r"legs-floor requests=(\d+) cpu_s=([\d.]+) p50_s=([\d.]+) p99_s=([\d.]+)", out)
         n, (cpu, p50, p99) = int(m[1]), map(float, m.groups()[1:])
         at_c1 = at_c1 or (p50, p99)
-        print(f"{'grpc floor c=' + str(c):14}{n:>8}{p50 * 1e3:>8.3f}{p99 * 1e3:>8.3f}"
+        print(f"{'legs floor c=' + str(c):14}{n:>8}{p50 * 1e3:>8.3f}{p99 * 1e3:>8.3f}"
               f"{n / args.seconds:>9.0f}{cpu / n * 1e6:>10.1f} µs/req")
     return at_c1
 
@@ -438,7 +440,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="with --compare")
     ap.add_argument("--serve-stub", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-http-floor", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--grpc-floor", nargs="+", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--legs-floor", nargs="+", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_stub:
         serve_stub(args.serve_stub, args.stream_tokens)
@@ -446,8 +448,8 @@ def main() -> int:
     if args.serve_http_floor:
         serve_http_floor()
         return 0
-    if args.grpc_floor:
-        grpc_floor(int(args.grpc_floor[0]), float(args.grpc_floor[1]), args.grpc_floor[2:])
+    if args.legs_floor:
+        legs_floor(int(args.legs_floor[0]), float(args.legs_floor[1]), args.legs_floor[2:])
         return 0
     if shutil.which("wrk") is None:
         print("error: wrk is not installed (Debian package wrk; make deps installs it)", file=sys.stderr)
@@ -496,7 +498,7 @@ def main() -> int:
               f"p99 {added[1] * 1e3:.3f} ms")
         legs = floors(args, addrs)
         if legs is not None:
-            print(f"added by the Coordinator at c=1 (wrk - grpc floor c=1): p50 "
+            print(f"added by the Coordinator at c=1 (wrk - legs floor c=1): p50 "
                   f"{(p50_c1 - legs[0]) * 1e3:.3f} ms, p99 {(p99_c1 - legs[1]) * 1e3:.3f} ms")
         print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "
               "(other processes share them)")
