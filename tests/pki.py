@@ -34,3 +34,11 @@ def issue(cwd: Path, name: str, ca: str) -> SecuritySettings:
             "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", "ext.cnf")
     return SecuritySettings(tls_cert=str(cwd / f"{name}.crt"), tls_key=str(cwd / f"{name}.key"),
                             tls_ca=str(cwd / f"{ca}.crt"))
+
+
+def make_pki(cwd: Path, certificates: dict[str, str]) -> dict[str, SecuritySettings]:
+    """A CA for each value of ``certificates`` (name -> its CA) and each name's
+    certificate signed by it."""
+    for ca in sorted(set(certificates.values())):
+        make_ca(cwd, ca)
+    return {name: issue(cwd, name, ca) for name, ca in certificates.items()}

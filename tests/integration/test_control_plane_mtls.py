@@ -20,7 +20,7 @@ import pytest
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.runtime.security import SecuritySettings, create_channel
-from tests.pki import issue, make_ca
+from tests.pki import make_pki
 from tests.procs import PDSERVE, Proc
 
 
@@ -30,12 +30,9 @@ def tls_env(s: SecuritySettings) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, SecuritySettings]:
-    cwd = tmp_path_factory.mktemp("pki")
-    make_ca(cwd, "cluster-ca")
-    make_ca(cwd, "rogue-ca")
-    return {name: issue(cwd, name, ca) for name, ca in [
-        ("controller", "cluster-ca"), ("agent", "cluster-ca"), ("client", "cluster-ca"),
-        ("rogue", "rogue-ca")]}
+    return make_pki(tmp_path_factory.mktemp("pki"), {
+        "controller": "cluster-ca", "agent": "cluster-ca", "client": "cluster-ca",
+        "rogue": "rogue-ca"})
 
 
 def outcome(channel_factory) -> pb.ClusterView | grpc.StatusCode:

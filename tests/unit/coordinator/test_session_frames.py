@@ -18,12 +18,19 @@ from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
 from pdserve.coordinator.sessions import EngineSession
 from pdserve.runtime import frames
-from pdserve.runtime.engine_client import EngineClient, build_generate_request
+from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings, add_port
 from pdserve.runtime.session_server import FrameSessionServer
-from tests.pki import issue, make_ca
+from tests.pki import make_pki
 from tests.stub_engine import StubEngine, start_stub
-from tests.unit.coordinator.test_sessions import RaisingStub, read_all, request, until
+from tests.unit.coordinator.test_sessions import (
+    MIXED_BATCH,
+    RaisingStub,
+    check_mixed_batch,
+    read_all,
+    request,
+    until,
+)
 
 TOKEN = "s3cret"
 
@@ -110,20 +117,8 @@ def test_the_engine_side_batches_and_ends_a_malformed_request_alone():
         async with session_port(stub) as (server, port):
             peer = await RawPeer.connect(port, frames.hello(TOKEN))
             assert await peer.frame() == frames.OK
-            peer.send(pb.SessionRequest(generate=[
-                request("a"), request("b"), pb.GenerateRequest(prompt_token_ids=[1]),
-                build_generate_request("bug", prompt_token_ids=[7])]))
-            messages, ends, num_responses = [], {}, 0
-            while len(ends) < 4:
-                response = await peer.response()
-                num_responses += 1
-                messages += response.messages
-                ends.update((e.request_id, (e.code, e.details)) for e in response.ends)
-            assert ends[""][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]  # no request id
-            assert ends["bug"][0] == grpc.StatusCode.UNKNOWN.value[0] and "a bug" in ends["bug"][1]
-            assert ends["a"] == ends["b"] == (0, "")
-            assert [m.request_id for m in messages].count("a") == 4
-            assert num_responses < len(messages)  # the messages ready at once share a frame
+            peer.send(MIXED_BATCH)
+            await check_mixed_batch(peer.response)
             # The client's side ends: the session ends once its requests have.
             peer.send(pb.SessionRequest(generate=[request("c")]))
             peer.writer.write_eof()
@@ -273,11 +268,8 @@ def test_an_engine_sending_garbage_fails_the_calls_and_the_next_request_reopens(
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, SecuritySettings]:
-    cwd = tmp_path_factory.mktemp("pki")
-    make_ca(cwd, "cluster-ca")
-    make_ca(cwd, "rogue-ca")
-    return {name: issue(cwd, name, ca) for name, ca in [
-        ("engine", "cluster-ca"), ("coordinator", "cluster-ca"), ("rogue", "rogue-ca")]}
+    return make_pki(tmp_path_factory.mktemp("pki"), {
+        "engine": "cluster-ca", "coordinator": "cluster-ca", "rogue": "rogue-ca"})
 
 
 def test_sessions_over_mutual_tls(pki):

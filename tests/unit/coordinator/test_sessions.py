@@ -201,27 +201,36 @@ class RaisingStub(StubEngine):
             yield message
 
 
-def test_the_engine_side_batches_and_ends_a_malformed_request_alone(frames):
+# Two good requests, one without an id, one whose Generate raises (``RaisingStub``).
+MIXED_BATCH = pb.SessionRequest(generate=[
+    request("a"), request("b"), pb.GenerateRequest(prompt_token_ids=[1]),
+    build_generate_request("bug", prompt_token_ids=[7])])
+
+
+async def check_mixed_batch(read_response) -> None:
+    """The engine's answers to ``MIXED_BATCH`` (``read_response()``: its next
+    SessionResponse): each request ended alone, the messages ready at once batched."""
+    messages, ends, num_responses = [], {}, 0
+    while len(ends) < 4:
+        response = await read_response()
+        num_responses += 1
+        messages += response.messages
+        ends.update((e.request_id, (e.code, e.details)) for e in response.ends)
+    assert ends[""][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]  # no request id
+    assert ends["bug"][0] == grpc.StatusCode.UNKNOWN.value[0] and "a bug" in ends["bug"][1]
+    assert ends["a"] == ends["b"] == (0, "")
+    assert [m.request_id for m in messages].count("a") == 4
+    assert num_responses < len(messages)  # the messages ready at once share a response
+
+
+def test_the_engine_side_batches_and_ends_a_malformed_request_alone():
     async def scenario():
         stub = RaisingStub(num_tokens=4)
         server, address = await start_stub(stub)
         async with EngineClient(address) as client:
             call = client.session()
-            await call.write(pb.SessionRequest(generate=[
-                request("a"), request("b"), pb.GenerateRequest(prompt_token_ids=[1]),
-                build_generate_request("bug", prompt_token_ids=[7])]))
-            messages, ends = [], {}
-            num_responses = 0
-            while len(ends) < 4:
-                response = await call.read()
-                num_responses += 1
-                messages += response.messages
-                ends.update((e.request_id, (e.code, e.details)) for e in response.ends)
-            assert ends[""][0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]  # no request id
-            assert ends["bug"][0] == grpc.StatusCode.UNKNOWN.value[0] and "a bug" in ends["bug"][1]
-            assert ends["a"] == ends["b"] == (0, "")
-            assert [m.request_id for m in messages].count("a") == 4
-            assert num_responses < len(messages)  # the messages ready at once share a response
+            await call.write(MIXED_BATCH)
+            await check_mixed_batch(call.read)
             await call.write(pb.SessionRequest(generate=[request("a"), request("a")]))
             seen = []
             while len(seen) < 2:
