@@ -17,7 +17,8 @@ what those layers did, in the same order and with the same code:
   errors      a ``ServeError`` is logged and counted once (``app.Rejections``) and
               answered as OpenAI's error JSON; any other exception is a bug: logged
               with its traceback, answered 500
-  answer      JSON in one response; a stream through ``write_stream``
+  answer      JSON in one response (``serving.JSONAnswer``); a stream through
+              ``write_stream``
   access log  one line per request (``runtime.logs.log_request``); a request the
               guard refused has its line from ``Rejections`` only, as before
 
@@ -104,8 +105,7 @@ class CompletionRoutes:
             else:
                 await response(scope, receive, send)
         finally:
-            log_request(self.access_log, scope, response.status_code,
-                        response.headers.get("x-request-id"), start)
+            log_request(self.access_log, scope, response.status_code, response.label, start)
 
     async def _refuse(self, scope, send, err: ServeError, start: float) -> None:
         self.rejections.record(scope["method"], scope["path"], err)

@@ -203,6 +203,21 @@ class DisconnectWatch:
         return False
 
 
+class JSONAnswer(Response):
+    """A completion's JSON answer: Starlette's ``Response`` with its three headers
+    written out at once (``Response.__init__`` lowercases, copies and encodes each)."""
+
+    media_type = "application/json"
+
+    def __init__(self, body: bytes, label: str) -> None:
+        self.status_code = 200
+        self.body = body
+        self.background = None
+        self.label = label
+        self.raw_headers = [(_REQUEST_ID, label.encode()), (b"content-length", b"%d" % len(body)),
+                            (b"content-type", b"application/json")]
+
+
 class Completions:
     def __init__(self, deps: Deps, prompts: PromptBuilder, admission: Admission) -> None:
         self.deps = deps
@@ -275,18 +290,21 @@ class Completions:
             if body.stream:
                 with DisconnectWatch(request.scope, request.receive, loop):  # the client gone: ClientGone
                     first = await out.next_event()
-                return StreamingResponse(answer.sse(first, slot), media_type="text/event-stream",
-                                         headers=headers)
+                stream = StreamingResponse(answer.sse(first, slot),
+                                           media_type="text/event-stream", headers=headers)
+                stream.label = run.label
+                return stream
             with DisconnectWatch(request.scope, request.receive, loop):
                 await answer.collect()
             answer.done(200)
             slot.release()
-            return Response(orjson.dumps(answer.full_body()), media_type="application/json",
-                            headers=headers)
+            return JSONAnswer(orjson.dumps(answer.full_body()), run.label)
         except ClientGone:
             out.client_gone()
             await answer.end(slot, 499)
-            return Response(status_code=499, headers=headers)
+            gone = Response(status_code=499, headers=headers)
+            gone.label = run.label
+            return gone
         except BaseException as exc:
             await answer.end(slot, exc.status if isinstance(exc, ServeError) else 499)
             if isinstance(exc, ServeError):
