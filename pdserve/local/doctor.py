@@ -14,7 +14,8 @@ reason and a fix:
   model; its KV budget holds one request of the model's max length; P and D
   compatibility hashes match; every P reaches every D's KV endpoint with a real test
   transfer (the engines' ProbePeer RPC); clock skew to each engine;
-- the Coordinator's readiness and pairs, when its URL is known.
+- the Coordinator's readiness and pairs, when its URL is known, and what its engine
+  sessions ride (a warning for one on gRPC: no session port, or not reachable).
 
 Exit status 1 when any check fails, else 0. Reads ``pdserve.api`` and
 ``pdserve.runtime`` only; talks to the components over the network.
@@ -141,6 +142,21 @@ def check_coordinator(url: str) -> list[Check]:
     for pair in body.get("pairs", []):
         rows.append(Check(f"route {pair['prefill']} -> {pair['decode']}",
                           PASS if pair["usable"] else FAIL, pair["reason"] or "usable"))
+    return rows + check_sessions(body.get("sessions", {}))
+
+
+def check_sessions(sessions: dict[str, str]) -> list[Check]:
+    """What the Coordinator's engine sessions ride (its ``/ready?verbose=1``; none open
+    before the first request): frames on the session ports, or gRPC where an engine has
+    none or the Coordinator cannot reach it (slower, still correct)."""
+    on_grpc = sorted(address for address, transport in sessions.items() if transport != "frames")
+    rows = [Check(f"session {address}", WARN, "the legs ride the engine's gRPC Session",
+                  "open the engine's session port (its Health names it) to the Coordinator, "
+                  "or start it without --session-port -1: frames cost the Coordinator less "
+                  "CPU per request") for address in on_grpc]
+    if len(on_grpc) < len(sessions):
+        rows.insert(0, Check("engine sessions", PASS, f"{len(sessions) - len(on_grpc)} of "
+                             f"{len(sessions)} on the engines' session ports"))
     return rows
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import signal
 import subprocess
 
+import httpx
+
 from tests.etcd import free_port
 from tests.procs import PDSERVE, Proc
 
@@ -17,10 +19,14 @@ def doctor(*args: str) -> subprocess.CompletedProcess:
 
 def test_doctor_passes_on_a_running_minimal_cluster(tmp_path):
     run_dir = tmp_path / "run"
-    up = Proc([*PDSERVE, "up", "-f", "examples/minimal.yaml", "--port", str(free_port()),
+    port = free_port()
+    up = Proc([*PDSERVE, "up", "-f", "examples/minimal.yaml", "--port", str(port),
                "--run-dir", str(run_dir)])
     try:
         up.wait_for(r"pdserve is up", timeout_s=180)
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                            json={"model": "tiny", "prompt": "Hello", "max_tokens": 4})
+        assert answer.status_code == 200, answer.text  # the engine sessions are open now
         result = doctor("-f", "examples/minimal.yaml", "--run-dir", str(run_dir))
         assert result.returncode == 0, result.stdout + result.stderr
         rows = result.stdout.splitlines()
@@ -28,6 +34,8 @@ def test_doctor_passes_on_a_running_minimal_cluster(tmp_path):
         probe = next(r for r in rows if r.startswith("PASS") and "-> tiny-decode-0" in r and "kv " in r)
         assert "test transfer of" in probe and "over tcp" in probe
         assert any(r.startswith("PASS") and "coordinator" in r for r in rows)
+        sessions = next(r for r in rows if "engine sessions" in r)
+        assert sessions.startswith("PASS") and "on the engines' session ports" in sessions
         assert rows[-1].endswith("0 warn, 0 fail")
         up.popen.send_signal(signal.SIGINT)
         assert up.popen.wait(60) == 0
