@@ -14,7 +14,7 @@ A frame is a 4-byte big-endian length and that many bytes. A connection:
 
   client  hello frame: ``HELLO`` followed by the cluster token (nothing without one)
   server  hello answer: ``OK``, or ``REFUSED`` and the reason, then it closes
-  client  SessionRequest frames            server  SessionResponse frames
+  client  (after the OK) SessionRequest frames    server  SessionResponse frames
 
 Invariants: the server allocates nothing for a peer before its hello passed (the
 hello is at most ``MAX_HELLO_BYTES`` and must come within ``HELLO_TIMEOUT_S``);
@@ -69,11 +69,11 @@ def check_hello(payload: bytes, token: str | None) -> str | None:
 class FrameReader:
     """Splits the bytes a connection receives into frames of at most ``max_bytes``."""
 
-    __slots__ = ("_buffer", "_max_bytes")
+    __slots__ = ("_buffer", "max_bytes")
 
     def __init__(self, max_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buffer = bytearray()
-        self._max_bytes = max_bytes
+        self.max_bytes = max_bytes  # raised once the hello passed; what is buffered stays
 
     def feed(self, data: bytes) -> list[bytes]:
         """The frames ``data`` completes, in order; raises ``FrameError`` for a frame
@@ -83,12 +83,12 @@ class FrameReader:
             frames, start, end = [], 0, len(data)
             while end - start >= HEADER_BYTES:
                 size = int.from_bytes(data[start:start + HEADER_BYTES], "big")
-                if size > self._max_bytes:
-                    raise FrameError(f"a frame of {size} bytes (at most {self._max_bytes})")
+                if size > self.max_bytes:
+                    raise FrameError(f"a frame of {size} bytes (at most {self.max_bytes})")
                 if end - start - HEADER_BYTES < size:
                     break
                 start += HEADER_BYTES
-                frames.append(data[start:start + size] if start or size != end - start else data)
+                frames.append(data[start:start + size])
                 start += size
             if start < end:
                 buffer += data[start:]
@@ -97,8 +97,8 @@ class FrameReader:
         frames = []
         while len(buffer) >= HEADER_BYTES:
             size = int.from_bytes(buffer[:HEADER_BYTES], "big")
-            if size > self._max_bytes:
-                raise FrameError(f"a frame of {size} bytes (at most {self._max_bytes})")
+            if size > self.max_bytes:
+                raise FrameError(f"a frame of {size} bytes (at most {self.max_bytes})")
             if len(buffer) - HEADER_BYTES < size:
                 break
             frames.append(bytes(buffer[HEADER_BYTES:HEADER_BYTES + size]))

@@ -305,7 +305,7 @@ class _FrameSession(asyncio.Protocol):
             return self._refuse(reason)
         self._hello_timer.cancel()
         self._hello_timer = None
-        self._reader = frames.FrameReader()
+        self._reader.max_bytes = frames.MAX_FRAME_BYTES
         self._run = SessionRun(self._server._servicer.Generate,
                                RequestContext((), f"ipv4:{self._peer}"), self._notify)
         self._server._connections.add(self)
