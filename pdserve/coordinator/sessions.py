@@ -262,7 +262,7 @@ class _Link:
         self._flush_scheduled = False
         request = self._session.take_outgoing()
         if request is not None:
-            self._frames.send(request.SerializeToString())
+            self._frames.write(frames.frame(request.SerializeToString()))
 
     async def _run(self) -> None:
         session = self._session
@@ -302,7 +302,7 @@ class _Link:
         _, protocol = await asyncio.wait_for(self._loop.create_connection(
             lambda: _FrameProtocol(session, self._loop), host, port, ssl=context,
             server_hostname=host if context is not None else None), OPEN_TIMEOUT_S)
-        protocol.send_raw(frames.hello(security.token))
+        protocol.write(frames.hello(security.token))
         try:
             await asyncio.wait_for(asyncio.shield(protocol.answered), OPEN_TIMEOUT_S)
         except BaseException:
@@ -365,10 +365,7 @@ class _FrameProtocol(asyncio.Protocol):
                             f"the session connection was lost: {exc}" if exc
                             else "the engine ended the session"))
 
-    def send(self, payload: bytes) -> None:
-        self._transport.write(frames.frame(payload))
-
-    def send_raw(self, data: bytes) -> None:
+    def write(self, data: bytes) -> None:
         self._transport.write(data)
 
     def close(self) -> None:

@@ -78,31 +78,22 @@ class FrameReader:
     def feed(self, data: bytes) -> list[bytes]:
         """The frames ``data`` completes, in order; raises ``FrameError`` for a frame
         longer than the limit (as soon as its header is in)."""
-        buffer = self._buffer
-        if not buffer:  # the common case: whole frames in one read, no copy into the buffer
-            frames, start, end = [], 0, len(data)
-            while end - start >= HEADER_BYTES:
-                size = int.from_bytes(data[start:start + HEADER_BYTES], "big")
-                if size > self.max_bytes:
-                    raise FrameError(f"a frame of {size} bytes (at most {self.max_bytes})")
-                if end - start - HEADER_BYTES < size:
-                    break
-                start += HEADER_BYTES
-                frames.append(data[start:start + size])
-                start += size
-            if start < end:
-                buffer += data[start:]
-            return frames
-        buffer += data
-        frames = []
-        while len(buffer) >= HEADER_BYTES:
-            size = int.from_bytes(buffer[:HEADER_BYTES], "big")
+        if self._buffer:  # a frame split across reads: its start is buffered
+            self._buffer += data
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        frames, start, end = [], 0, len(data)
+        while end - start >= HEADER_BYTES:
+            size = int.from_bytes(data[start:start + HEADER_BYTES], "big")
             if size > self.max_bytes:
                 raise FrameError(f"a frame of {size} bytes (at most {self.max_bytes})")
-            if len(buffer) - HEADER_BYTES < size:
+            if end - start - HEADER_BYTES < size:
                 break
-            frames.append(bytes(buffer[HEADER_BYTES:HEADER_BYTES + size]))
-            del buffer[:HEADER_BYTES + size]
+            start += HEADER_BYTES
+            frames.append(data[start:start + size])
+            start += size
+        if start < end:
+            self._buffer += data[start:]
         return frames
 
 

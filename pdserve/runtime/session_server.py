@@ -73,25 +73,20 @@ class SessionServicer:
     """Mixin: ``Session`` over the class's ``Generate`` (module docstring)."""
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
-        wake: list[asyncio.Future | None] = [None]
-
-        def notify() -> None:
-            if wake[0] is not None and not wake[0].done():
-                wake[0].set_result(None)
-
+        has_news = asyncio.Event()
         run = SessionRun(self.Generate, RequestContext(context.invocation_metadata(),
-                                                       context.peer()), notify)
+                                                       context.peer()), has_news.set)
         reader = asyncio.ensure_future(_read(request_iterator, run))
         try:
             while True:
+                has_news.clear()
                 response = run.take()
                 if response is not None:
                     yield response
                 elif run.is_over:
                     return
                 else:
-                    wake[0] = asyncio.get_running_loop().create_future()
-                    await wake[0]
+                    await has_news.wait()
         finally:
             reader.cancel()
             run.cancel_all()

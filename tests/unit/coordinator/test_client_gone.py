@@ -3,11 +3,14 @@ aborted, and no error (nor traceback) in the server's log."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import httpx
 import pytest
 
+from pdserve.coordinator.http_server import CLIENT_HOOK, ClientHook
+from pdserve.coordinator.serving import ClientGone, DisconnectWatch
 from tests.unit.coordinator.harness import BODY, metric, serve
 from tests.unit.coordinator.test_quiet_logs import errors, uvicorn_records, wait_for
 
@@ -45,3 +48,29 @@ def test_a_client_that_goes_away_is_counted_and_logged_at_debug(loop, stubs, cap
     assert [r.levelno for r in gone] == [logging.DEBUG]
     # The Coordinator's log (pdserve, uvicorn); the stub engines' gRPC server logs apart.
     assert [e for e in errors(caplog) if e.startswith(("pdserve", "uvicorn"))] == []
+
+
+@pytest.mark.parametrize("served_by", ["coordinator_protocol", "another_server"])
+def test_the_disconnect_watch_cancels_the_work_when_the_client_goes(served_by):
+    """Under the Coordinator's protocol the request's ``ClientHook`` tells the watch;
+    under a server without it, one watcher task waits on ``receive``."""
+    async def scenario():
+        for client_leaves in (True, False):
+            gone, hook = asyncio.Event(), ClientHook()
+
+            async def receive(gone=gone):
+                await gone.wait()
+                return {"type": "http.disconnect"}
+
+            scope = {CLIENT_HOOK: hook} if served_by == "coordinator_protocol" else {}
+            if client_leaves:
+                with pytest.raises(ClientGone), DisconnectWatch(scope, receive):
+                    asyncio.get_running_loop().call_later(0.05, hook.fire)
+                    asyncio.get_running_loop().call_later(0.05, gone.set)
+                    await asyncio.sleep(5)  # the work, cut short
+            else:  # closed with the client still there: nothing cancelled, the hook let go
+                with DisconnectWatch(scope, receive) as watch:
+                    await asyncio.sleep(0.01)
+                assert not watch.gone and hook.callback is None
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
