@@ -127,7 +127,7 @@ def test_pd_output_equals_hybrid_greedy(engines, loop, mode):
 
 def test_stage_timings_add_up_to_the_clients_ttft(engines, loop):
     # route + D's wait for P's notice + D's queue is the TTFT less the D -> Coordinator
-    # hop; P's queue and compute sit inside D's wait.
+    # hop; P's queue and compute sit between the route and the first token.
     _, addrs = engines
     with serve(loop, addrs, ["P1", "D1"], kv_mode="layerwise") as app:
         for n in range(5):
@@ -137,9 +137,11 @@ def test_stage_timings_add_up_to_the_clients_ttft(engines, loop):
             t = r.json()["pdserve_timings"]
             d_side = t["route_s"] + t["decode_wait_s"] + t["decode_queue_s"]
             assert 0 <= t["ttft_s"] - d_side < 0.05, t
-            # The legs are sent back to back, so P may be stamped a few microseconds
-            # before D: a millisecond of slack for that race.
-            assert t["prefill_queue_s"] + t["prefill_compute_s"] <= t["decode_wait_s"] + 0.001, t
+            # P's queue and compute lie between the legs' send (after the route) and D's
+            # first token. Bounding them by D's wait alone would race: P may read its leg
+            # milliseconds before D reads its own on a busy machine.
+            assert t["prefill_queue_s"] + t["prefill_compute_s"] <= t["ttft_s"] - t["route_s"], t
+            assert t["prefill_compute_s"] > 0, t
         assert metric(app, "pdserve_coordinator_stage_duration_seconds_count",
                       stage="decode_queue") == 5
 

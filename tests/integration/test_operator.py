@@ -149,9 +149,12 @@ async def test_lifecycle_create_scale_roll_replace_delete(env):
                             what="the Pod recreated")
     assert pods["tiny-prefill-0"]["metadata"]["uid"] != uid
     await ready_cluster(k8s, "tiny", 2)
-    reasons = [r for r, _ in await k8s.events("tiny")]
-    assert {"CreatedInstance", "Draining", "DeletedInstance", "RollingEngines",
-            "ReplacingInstance"} <= set(reasons)
+    # Events are written after the change they report: wait for the last one to land.
+    wanted = {"CreatedInstance", "Draining", "DeletedInstance", "RollingEngines", "ReplacingInstance"}
+
+    async def reported():
+        return wanted <= {r for r, _ in await k8s.events("tiny")}
+    await eventually(reported, what=f"the Events {sorted(wanted)}")
 
     # the Controller reports fallback: HybridFallback follows its view
     fake.mode = "FALLBACK"
