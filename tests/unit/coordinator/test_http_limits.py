@@ -4,6 +4,7 @@ headers, after its last response, or with a half-sent body. Driven with raw sock
 from __future__ import annotations
 
 import argparse
+import json
 import http.client
 import socket
 import time
@@ -114,3 +115,58 @@ def test_a_pipelined_keep_alive_connection_gets_every_answer_whole(app):
         got += chunk
     assert got.count(b"HTTP/1.1 200 OK") == 3
     sock.close()
+
+
+def read_answers(sock: socket.socket, count: int) -> list[tuple[bytes, dict[bytes, bytes], bytes]]:
+    """``count`` whole responses (status line, headers, body by content-length) read off
+    ``sock``; fails if the connection closes first."""
+    got, answers = b"", []
+    while len(answers) < count:
+        head_end = got.find(b"\r\n\r\n")
+        if head_end >= 0:
+            status, *lines = got[:head_end].split(b"\r\n")
+            headers = dict(line.split(b": ", 1) for line in lines)
+            length = int(headers[b"content-length"])
+            if len(got) >= head_end + 4 + length:
+                answers.append((status, headers, got[head_end + 4:head_end + 4 + length]))
+                got = got[head_end + 4 + length:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, (answers, got)
+        got += chunk
+    assert got == b""  # nothing beyond the answers
+    return answers
+
+
+COMPLETION = (b'POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n'
+              b'content-length: 43\r\n%s\r\n{"model": "tiny", "prompt": "hi", "n": 1}  ')
+
+
+def test_pipelined_completions_are_answered_whole_and_in_order(app):
+    """A completion's JSON answer leaves in one write (``ClientHook.answer``): head and
+    body well formed, the server's own headers there, the connection kept for the next."""
+    with connect(app) as sock:
+        sock.sendall(COMPLETION % b"" * 3)
+        answers = read_answers(sock, 3)
+        ids = set()
+        for status, headers, body in answers:
+            assert status == b"HTTP/1.1 200 OK"
+            assert headers[b"content-type"] == b"application/json"
+            assert {b"date", b"server", b"x-request-id"} <= headers.keys()
+            assert b"connection" not in headers
+            answer = json.loads(body)
+            assert answer["object"] == "text_completion" and answer["choices"][0]["text"]
+            assert answer["id"].endswith(headers[b"x-request-id"].decode())
+            ids.add(answer["id"])
+        assert len(ids) == 3
+        sock.sendall(COMPLETION % b"")  # still open: a fourth on the same connection
+        assert read_answers(sock, 1)[0][0] == b"HTTP/1.1 200 OK"
+
+
+def test_a_completion_asked_to_close_is_answered_then_closed(app):
+    with connect(app) as sock:
+        sock.sendall(COMPLETION % b"connection: close\r\n")
+        (status, headers, body), = read_answers(sock, 1)
+        assert status == b"HTTP/1.1 200 OK" and headers[b"connection"] == b"close"
+        assert json.loads(body)["choices"]
+        assert sock.recv(65536) == b""  # closed by the server, nothing more sent
