@@ -4,10 +4,8 @@ A leg is one request on its engine's Session stream (``sessions.SessionCall``: t
 leg, what a Generate call would be). ``Leg`` runs a whole request on one
 engine (conditional disaggregation on D, or a hybrid engine); ``PrefillLeg`` and
 ``DecodeLeg`` are the halves of a PD attempt, which ``PairedLegs`` runs together:
-the decode leg streamed, the prefill leg followed beside it by its session call's
-callbacks (``PrefillLeg.follow``: its messages are read as they come, no task of
-its own), its outcome a future. Both shapes answer the same calls, made by
-``RequestRun`` on the event loop:
+the decode leg streamed, the prefill leg awaited beside it in a task. Both shapes
+answer the same calls, made by ``RequestRun`` on the event loop:
 
   start(timeout_s)   send the request(s); count the load on their engines
   tokens()           the output token ids, until the engine finishes the request
@@ -117,7 +115,7 @@ class Leg:
         self._is_open = False
         self._has_timings = False
         self._num_pending = 0
-        self._prefill_outcome: asyncio.Future | None = None  # a pair's decode leg: its P's outcome
+        self._prefill_task: asyncio.Future | None = None  # a pair's decode leg: its P's task
         sampling = request.sampling
         self.wants_logprobs = sampling.logprobs or sampling.prompt_logprobs
         self.logprobs: list[pb.TokenLogprob] = []  # of the tokens yielded, not yet taken
@@ -139,7 +137,7 @@ class Leg:
         of a pair (``DecodeLeg.follow``) also watches its prefill leg here, until its
         first token."""
         stream = self._call.__aiter__()
-        prefill = self._prefill_outcome
+        prefill = self._prefill_task
         while True:
             if prefill is not None and not self.has_token and prefill.done() \
                     and not prefill.cancelled() and prefill.exception() is not None:
@@ -149,53 +147,39 @@ class Leg:
                     msg = await stream.__anext__()
                 else:
                     msg = await self._next_unless_prefill_fails(stream)
-            except (StopAsyncIteration, grpc.aio.AioRpcError) as exc:
-                raise self._ended(exc) from None
-            had_token = self.has_token
-            ids = self._read(msg)
-            if ids and not had_token and prefill is not None:
-                await self._prefill_first_token()
-            if self.finished:
+            except StopAsyncIteration:
+                raise self._failure("ended_early", self.ENDED_EARLY) from None
+            except grpc.aio.AioRpcError as exc:
+                raise self._rpc_failure(exc) from None
+            finished = msg.finished
+            if finished and msg.finish_reason not in self.END_REASONS:
+                raise self._failure(msg.finish_reason or "unfinished",
+                                    f"finished with {msg.finish_reason}: {msg.error}")
+            if not self._has_timings and msg.HasField("timings"):
+                self._has_timings = True
+                self._record_first(msg.timings)
+                if self.PREFILLS_PROMPT:  # the first prefill's hits: the client's prompt
+                    self._timings.report.setdefault("cached_tokens", msg.num_cached_tokens)
+                    self._timings.observe_cached(msg.num_cached_tokens)
+            ids = msg.token_ids[:]  # a list; one read of the field (upb builds a view per read)
+            if ids:
+                if not self.has_token:
+                    self.has_token = True
+                    if prefill is not None:
+                        await self._prefill_first_token()
+                if self.wants_logprobs:
+                    self.logprobs.extend(msg.logprobs)
+                    if self.prompt_logprobs is None and msg.prompt_logprobs:
+                        self.prompt_logprobs = list(msg.prompt_logprobs)
+            if finished:  # before its last tokens are handed on: a leg closed then is done
+                self.finished = True
+                self.finish_reason = msg.finish_reason
+                self._record_end(msg.timings)
                 if ids:
                     yield ids
                 return
             if ids:
                 yield ids
-
-    def _read(self, msg: pb.GenerateResponse) -> list[int]:
-        """One message of the engine: its finish checked (a bad one raised as the leg's
-        failure), its timings and logprobs recorded; its token ids. A finishing message
-        marks the leg finished before its last tokens are handed on: a leg closed then
-        is done."""
-        finished = msg.finished
-        if finished and msg.finish_reason not in self.END_REASONS:
-            raise self._failure(msg.finish_reason or "unfinished",
-                                f"finished with {msg.finish_reason}: {msg.error}")
-        if not self._has_timings and msg.HasField("timings"):
-            self._has_timings = True
-            self._record_first(msg.timings)
-            if self.PREFILLS_PROMPT:  # the first prefill's hits: the client's prompt
-                self._timings.report.setdefault("cached_tokens", msg.num_cached_tokens)
-                self._timings.observe_cached(msg.num_cached_tokens)
-        ids = msg.token_ids[:]  # a list; one read of the field (upb builds a view per read)
-        if ids:
-            self.has_token = True
-            if self.wants_logprobs:
-                self.logprobs.extend(msg.logprobs)
-                if self.prompt_logprobs is None and msg.prompt_logprobs:
-                    self.prompt_logprobs = list(msg.prompt_logprobs)
-        if finished:
-            self.finished = True
-            self.finish_reason = msg.finish_reason
-            self._record_end(msg.timings)
-        return ids
-
-    def _ended(self, end: BaseException) -> Exception:
-        """The failure of a call that ended (``end``: as iterating it raised) before the
-        leg finished."""
-        if isinstance(end, grpc.aio.AioRpcError):
-            return self._rpc_failure(end)
-        return self._failure("ended_early", self.ENDED_EARLY)
 
     def take_logprobs(self) -> list[pb.TokenLogprob]:
         """The logprobs of the tokens yielded since the last call (``RequestRun``)."""
@@ -258,31 +242,12 @@ class PrefillLeg(Leg):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.outcome: asyncio.Future | None = None  # set by ``follow``
-        self.first_token: asyncio.Future | None = None  # done once a token came
+        self.has_first_token = asyncio.Event()
 
-    def follow(self) -> asyncio.Future:
-        """Called by ``PairedLegs.start`` once the leg started: its messages are read as
-        they come (the session call's callbacks). The future returned is done at the
-        handoff, or with the leg's failure."""
-        loop = self._call.loop
-        self.outcome, self.first_token = loop.create_future(), loop.create_future()
-        self._call.listen(self._on_message)
-        return self.outcome
-
-    def _on_message(self, msg: pb.GenerateResponse | None, end: BaseException | None) -> None:
-        outcome = self.outcome
-        if outcome.done():  # failed, or cancelled by the pair's close
-            return
-        try:
-            if msg is None:
-                raise self._ended(end)
-            if self._read(msg) and not self.first_token.done():
-                self.first_token.set_result(None)
-            if self.finished:
-                outcome.set_result(None)
-        except Exception as exc:
-            outcome.set_exception(exc)
+    async def until_handoff(self) -> None:
+        """The pair's prefill task: the prefill engine's stream to its handoff."""
+        async for _ in self.tokens():
+            self.has_first_token.set()
 
     def _stage(self) -> str:
         return "before_handoff"
@@ -295,11 +260,11 @@ class DecodeLeg(Leg):
     kind = "decode"
     PREFILLS_PROMPT = False
 
-    def follow(self, prefill: PrefillLeg, outcome: asyncio.Future) -> None:
-        """Called by ``PairedLegs.start`` with ``prefill``'s outcome. Until
+    def follow(self, prefill: PrefillLeg, task: asyncio.Future) -> None:
+        """Called by ``PairedLegs.start``: ``task`` runs ``prefill`` to its handoff. Until
         this leg's first token P's failure is the attempt's, and P's message of the
         first token is awaited when it carries logprobs."""
-        self._prefill, self._prefill_outcome = prefill, outcome
+        self._prefill, self._prefill_task = prefill, task
 
     def _record_first(self, t: pb.Timings) -> None:
         """The decode engine's first token: how long it waited for the KV, then for a step."""
@@ -308,9 +273,9 @@ class DecodeLeg(Leg):
 
     async def _next_unless_prefill_fails(self, stream):
         # Before its first token a decode leg only waits for P's KV: P's failure wins.
-        prefill = self._prefill_outcome
+        prefill = self._prefill_task
         msg = await stream.next_unless(prefill)
-        if msg is None:  # P's leg ended first
+        if msg is None:  # P's stream ended first
             if not prefill.cancelled() and prefill.exception() is not None:
                 raise self._prefill_failure(prefill.exception())
             msg = await stream.__anext__()
@@ -322,12 +287,17 @@ class DecodeLeg(Leg):
         P's failure."""
         if not self._prefill.wants_logprobs:
             return
-        outcome, first = self._prefill_outcome, self._prefill.first_token
-        await _either(first, outcome)
-        if first.done():
+        task, has_first = self._prefill_task, self._prefill.has_first_token
+        if not has_first.is_set():
+            waiter = self._call.loop.create_task(has_first.wait())
+            try:
+                await _either(waiter, task)
+            finally:
+                waiter.cancel()
+        if has_first.is_set():
             return
-        if not outcome.cancelled() and outcome.exception() is not None:
-            raise self._prefill_failure(outcome.exception())
+        if not task.cancelled() and task.exception() is not None:
+            raise self._prefill_failure(task.exception())
         raise self._prefill._failure("no_first_token", "stream ended without the first token")
 
     def _prefill_failure(self, exc: BaseException) -> BaseException:
@@ -340,13 +310,13 @@ class DecodeLeg(Leg):
 
 
 class PairedLegs:
-    """A PD attempt: D is streamed, P followed beside it (D's first token needs P's KV,
-    so P's failure before it ends the attempt: ``DecodeLeg.follow``)."""
+    """A PD attempt: D is streamed, P runs in a task beside it (D's first token needs
+    P's KV, so P's failure before it ends the attempt: ``DecodeLeg.follow``)."""
 
     def __init__(self, prefill: PrefillLeg, decode: DecodeLeg) -> None:
         self.prefill = prefill
         self.decode = decode
-        self._prefill_outcome: asyncio.Future | None = None
+        self._prefill_task: asyncio.Future | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -363,8 +333,8 @@ class PairedLegs:
     def start(self, timeout_s: float) -> None:
         self.decode.start(timeout_s)
         self.prefill.start(timeout_s)
-        self._prefill_outcome = self.prefill.follow()
-        self.decode.follow(self.prefill, self._prefill_outcome)
+        self._prefill_task = self.decode._call.loop.create_task(self.prefill.until_handoff())
+        self.decode.follow(self.prefill, self._prefill_task)
 
     def tokens(self) -> AsyncIterator[list[int]]:
         """D's tokens: D's own stream, which watches P until its first token (no
@@ -373,18 +343,18 @@ class PairedLegs:
 
     def close(self) -> None:
         self.decode.close()
-        outcome = self._prefill_outcome
-        if outcome is None:
+        task = self._prefill_task
+        if task is None:
             self.prefill.close()
-        elif outcome.done():
-            if not outcome.cancelled():
-                outcome.exception()  # retrieved: a P failure after D's first token is moot
+        elif task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: a P failure after D's first token is moot
             self.prefill.release()
         elif self.decode.finished:
             self.prefill.release()
-            outcome.add_done_callback(_retrieve)
+            task.add_done_callback(_retrieve)
         else:
-            outcome.cancel()
+            task.cancel()
             self.prefill.close()
 
 
@@ -408,10 +378,10 @@ async def _either(a: asyncio.Future, b: asyncio.Future) -> None:
         b.remove_done_callback(wake)
 
 
-def _retrieve(outcome: asyncio.Future) -> None:
-    """Done callback of a prefill leg's outcome left to end by itself: it no longer matters."""
-    if not outcome.cancelled():
-        outcome.exception()
+def _retrieve(task: asyncio.Future) -> None:
+    """Done callback of a prefill leg left to end by itself: its outcome no longer matters."""
+    if not task.cancelled():
+        task.exception()
 
 
 class Aborter:

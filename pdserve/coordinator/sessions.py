@@ -44,8 +44,7 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class SessionCall:
-    """One request on a session: iterate its messages, or ``listen`` to them; ``cancel``
-    when giving up."""
+    """One request on a session: iterate its messages; ``cancel`` when giving up."""
 
     def __init__(self, session: EngineSession, request_id: str) -> None:
         self.request_id = request_id
@@ -55,14 +54,6 @@ class SessionCall:
         self._waiter: asyncio.Future | None = None
         self._end: BaseException | None = None  # StopAsyncIteration or the error
         self._timer: asyncio.TimerHandle | None = None
-        self._listener = None
-
-    def listen(self, listener) -> None:
-        """From now on each message is handed to ``listener(message, None)`` as it comes,
-        and the end (as iterating would raise it) to ``listener(None, end)``, once; for a
-        leg followed without a task of its own (``legs.PrefillLeg``). Called right after
-        the call was made, before anything came."""
-        self._listener = listener
 
     def __aiter__(self) -> SessionCall:
         return self
@@ -108,9 +99,6 @@ class SessionCall:
     # -- called by the session --
 
     def put(self, message: pb.GenerateResponse) -> None:
-        if self._listener is not None:
-            self._listener(message, None)
-            return
         self._items.append(message)
         self._wake()
 
@@ -121,8 +109,6 @@ class SessionCall:
             self._session.forget(self.request_id)
             if self._timer is not None:
                 self._timer.cancel()
-            if self._listener is not None:
-                self._listener(None, end)
             self._wake()
 
     def expire(self) -> None:

@@ -23,32 +23,12 @@ PROMPT = [1, 2, 3, 4]
 
 
 class ScriptedCall:
-    """A session call whose messages (or errors) the test queues; once listened to
-    (``SessionCall.listen``), each goes to the listener as it is sent, as the session
-    hands them on."""
+    """A Generate call whose messages (or errors) the test queues."""
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.is_cancelled = False
         self.loop = asyncio.get_running_loop()
-        self.listener = None
-
-    def listen(self, listener) -> None:
-        self.listener = listener
-        while not self.queue.empty():
-            self._hand_on(self.queue.get_nowait())
-
-    def _put(self, item) -> None:
-        if self.listener is None:
-            self.queue.put_nowait(item)
-        else:
-            self._hand_on(item)
-
-    def _hand_on(self, item) -> None:
-        if isinstance(item, BaseException):
-            self.listener(None, item)
-        else:
-            self.listener(item, None)
 
     def __aiter__(self):
         return self
@@ -69,10 +49,10 @@ class ScriptedCall:
         return None
 
     def send(self, **fields) -> None:
-        self._put(pb.GenerateResponse(**fields))
+        self.queue.put_nowait(pb.GenerateResponse(**fields))
 
     def fail(self, code: grpc.StatusCode) -> None:
-        self._put(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "boom"))
+        self.queue.put_nowait(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "boom"))
 
     def cancel(self) -> bool:
         self.is_cancelled = True
@@ -188,7 +168,7 @@ def test_a_prefill_that_failed_before_decode_is_read_ends_the_attempt_as_prefill
         call_of(pair.prefill).send(finished=True, finish_reason="error", error="kv send failed")
         for _ in range(5):  # P's task runs to its failure first
             await asyncio.sleep(0)
-        assert pair._prefill_outcome.done()
+        assert pair._prefill_task.done()
         with pytest.raises(LegFailure) as info:
             async for _ in pair.tokens():
                 pass
@@ -215,7 +195,7 @@ def test_prefill_is_left_to_finish_alone_after_decode_finished():
         call_of(pair.prefill).send(token_ids=[7], timings=pb.Timings(queue_s=0.05, prefill_s=0.1))
         call_of(pair.prefill).send(finished=True, finish_reason="handoff",
                                    timings=pb.Timings(kv_transfer_s=0.02))
-        await asyncio.wait_for(pair._prefill_outcome, 5)
+        await asyncio.wait_for(pair._prefill_task, 5)
         assert (p.num_inflight, p.num_pending_prefill_tokens) == (0, 0)
         assert timings.report["kv_transfer_s"] == 0.02 and not aborts.sent
 
@@ -239,7 +219,7 @@ def test_a_leg_closed_at_its_last_token_is_done_not_aborted():
         assert not aborts.sent and not call_of(pair.decode).is_cancelled
         assert not call_of(pair.prefill).is_cancelled  # P ends by itself: its handoff
         call_of(pair.prefill).send(finished=True, finish_reason="handoff", timings=pb.Timings())
-        await asyncio.wait_for(pair._prefill_outcome, 5)
+        await asyncio.wait_for(pair._prefill_task, 5)
         assert (p.num_inflight, p.num_pending_prefill_tokens, d.num_inflight) == (0, 0, 0)
         assert not aborts.sent
 

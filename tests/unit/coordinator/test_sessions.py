@@ -244,35 +244,3 @@ def test_the_engine_side_batches_and_ends_a_malformed_request_alone():
         await server.stop(grace=None)
 
     run(scenario)
-
-
-def test_a_listened_call_hands_on_each_message_then_its_end_once(frames):
-    """``listen`` (the prefill leg's way): messages as they come, then the end, once;
-    an error end (here the deadline) is handed on as iterating would raise it."""
-    async def scenario():
-        stub = StubEngine(num_tokens=50, token_delay_s=0.01)
-        async with session_on(stub, frames) as session:
-            heard: list = []
-            done = asyncio.get_running_loop().create_future()
-
-            def listener(message, end):
-                heard.append(message if end is None else end)
-                if end is not None:
-                    done.set_result(None)
-            session.generate(request("a", 3), 10.0).listen(listener)
-            await asyncio.wait_for(done, 5)
-            assert [m.token_ids[:] for m in heard[:-1]] == [[65], [66], [67]]
-            assert isinstance(heard[-1], StopAsyncIteration)
-
-            heard.clear()
-            done = asyncio.get_running_loop().create_future()
-            call = session.generate(request("b", 50), 0.2)
-            call.listen(listener)
-            await asyncio.wait_for(done, 5)
-            assert isinstance(heard[-1], grpc.aio.AioRpcError)
-            assert heard[-1].code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            call.cancel()  # over already: nothing more handed on
-            await asyncio.sleep(0.05)
-            assert sum(isinstance(h, BaseException) for h in heard) == 1
-
-    run(scenario)
