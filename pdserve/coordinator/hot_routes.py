@@ -17,9 +17,8 @@ what those layers did, in the same order and with the same code:
   errors      a ``ServeError`` is logged and counted once (``app.Rejections``) and
               answered as OpenAI's error JSON; any other exception is a bug: logged
               with its traceback, answered 500
-  answer      JSON in one response (``serving.JSONAnswer``), written head and body
-              at once by the connection's ``http_server.ClientHook.answer``; a
-              stream through ``write_stream``
+  answer      JSON in one response (``serving.JSONAnswer``); a stream through
+              ``write_stream``
   access log  one line per request (``runtime.logs.log_request``); a request the
               guard refused has its line from ``Rejections`` only, as before
 
@@ -46,8 +45,7 @@ from pdserve.runtime.logs import log_request
 from .errors import ServeError, validation_error
 from .guard import Guard, send_error
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .http_server import CLIENT_HOOK
-from .serving import ClientGone, Completions, DisconnectWatch, JSONAnswer
+from .serving import ClientGone, Completions, DisconnectWatch
 
 log = logging.getLogger(__name__)
 MODELS: dict[str, type[BaseModel]] = {"completions": CompletionRequest, "chat": ChatCompletionRequest}
@@ -104,11 +102,6 @@ class CompletionRoutes:
                         await write_stream(response.body_iterator, send)
                 except ClientGone:
                     pass  # counted and logged by the stream itself
-            elif isinstance(response, JSONAnswer):
-                hook = scope.get(CLIENT_HOOK)
-                if hook is None or not await hook.answer(response.status_code,
-                                                         response.raw_headers, response.body):
-                    await response(scope, receive, send)
             else:
                 await response(scope, receive, send)
         finally:

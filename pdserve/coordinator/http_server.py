@@ -14,16 +14,10 @@ headers, stays open for good. ``build_config`` adds what is missing:
                   uvicorn answers 503
   body timeout    the guard's (``guard.py``), which reads the body: 408
 
-Each request's scope holds a ``ClientHook`` (``CLIENT_HOOK``), the request's hold on
-its connection:
-
-  client gone     the connection's loss fires it, so ``serving.DisconnectWatch``
-                  needs no task waiting on ``receive`` per request
-  whole answers   ``answer`` writes a response whose body is known in one write,
-                  head and body, and ends the request's cycle as uvicorn's ``send``
-                  does; the completion routes' JSON answers take it (``send``'s
-                  per-header checks and its second write were a tenth of the
-                  Coordinator's CPU per request)
+It also tells a request's handler at once when its client goes away: each
+request's scope holds a ``ClientHook`` (``CLIENT_HOOK``) that the connection's
+loss fires, so ``serving.DisconnectWatch`` needs no task waiting on ``receive``
+per request.
 
 Called by ``pdserve coordinator`` (``cli.run``) and by the tests' server harness, so
 both serve with the same limits. The protocol runs on the event loop; its timers
@@ -37,7 +31,7 @@ from __future__ import annotations
 import asyncio
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .settings import CoordinatorSettings
 
@@ -47,56 +41,19 @@ CLIENT_HOOK = "pdserve.client_hook"
 
 class ClientHook:
     """In each request's scope (``CLIENT_HOOK``): ``is_gone`` once the connection was
-    lost before the response completed, and then ``callback`` (if set) is called once;
-    ``cycle``: the request's uvicorn cycle, which ``answer`` writes to."""
+    lost before the response completed, and then ``callback`` (if set) is called once."""
 
-    __slots__ = ("is_gone", "callback", "cycle")
+    __slots__ = ("is_gone", "callback")
 
     def __init__(self) -> None:
         self.is_gone = False
         self.callback = None
-        self.cycle = None
 
     def fire(self) -> None:
         self.is_gone = True
         callback, self.callback = self.callback, None
         if callback is not None:
             callback()
-
-    async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
-        """Writes the whole response in one write: the status line, the server's default
-        headers, ``headers`` (lowercase names and values the app made, one of them the
-        content-length) and ``body``. Then ends the cycle as uvicorn's ``send`` ends it
-        (the connection closes unless kept alive; the next pipelined request starts).
-        False, having written nothing, when there is no cycle or the response has
-        begun: the caller sends through ASGI instead."""
-        cycle = self.cycle
-        if cycle is None or cycle.response_started:
-            return False
-        if cycle.flow.write_paused and not cycle.disconnected:
-            await cycle.flow.drain()
-        if cycle.disconnected:
-            return True
-        cycle.response_started = True
-        cycle.waiting_for_100_continue = False
-        parts = [STATUS_LINE[status]]
-        for name, value in cycle.default_headers:
-            parts += (name, b": ", value, b"\r\n")
-        for name, value in headers:
-            parts += (name, b": ", value, b"\r\n")
-        keep_alive = cycle.keep_alive
-        if not keep_alive:
-            parts.append(b"connection: close\r\n")
-        parts.append(b"\r\n")
-        if cycle.scope["method"] != "HEAD":
-            parts.append(body)
-        cycle.transport.write(b"".join(parts))
-        cycle.response_complete = True
-        cycle.message_event.set()
-        if not keep_alive:
-            cycle.transport.close()
-        cycle.on_response()
-        return True
 
 
 class _LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -136,9 +93,8 @@ class _LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._is_reading_headers = False
         self._num_header_bytes = 0
         self._disarm_header_timer()
-        self.scope[CLIENT_HOOK] = hook = ClientHook()  # the scope the request's cycle gets
+        self.scope[CLIENT_HOOK] = ClientHook()  # the scope the request's cycle gets
         super().on_headers_complete()
-        hook.cycle = self.cycle
 
     def on_message_complete(self) -> None:
         self._is_reading_headers = True  # the next bytes are the next request's

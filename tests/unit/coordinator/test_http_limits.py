@@ -143,8 +143,9 @@ COMPLETION = (b'POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: applic
 
 
 def test_pipelined_completions_are_answered_whole_and_in_order(app):
-    """A completion's JSON answer leaves in one write (``ClientHook.answer``): head and
-    body well formed, the server's own headers there, the connection kept for the next."""
+    """Completions pipelined on one keep-alive connection: each answer whole (head and
+    body by its content-length), the server's own headers there, the connection kept
+    for the next."""
     with connect(app) as sock:
         sock.sendall(COMPLETION % b"" * 3)
         answers = read_answers(sock, 3)
