@@ -7,8 +7,13 @@ engine (conditional disaggregation on D, or a hybrid engine); ``PrefillLeg`` and
 the decode leg streamed, the prefill leg awaited beside it in a task. Both shapes
 answer the same calls, made by ``RequestRun`` on the event loop:
 
-  start(timeout_s)   send the request(s); count the load on their engines
+  start(timeout_s, collects)
+                     send the request(s); count the load on their engines; with
+                     ``collects`` (the answer is read whole, not streamed) the
+                     tokens after the first are handed on together at the end
+                     (``SessionCall.holds``: one wake, not one per message)
   tokens()           the output token ids, until the engine finishes the request
+  arrival_s          when the ids ``tokens`` last gave reached the Coordinator
   close()            restore the load counts; cancel and abort what did not finish
 
 Outcomes other than tokens: the client's (``ServeError`` 400: the engine refused
@@ -121,10 +126,11 @@ class Leg:
         self.logprobs: list[pb.TokenLogprob] = []  # of the tokens yielded, not yet taken
         self.prompt_logprobs: list[pb.TokenLogprob] | None = None
 
-    def start(self, timeout_s: float) -> None:
+    def start(self, timeout_s: float, collects: bool = False) -> None:
         """Called once, by ``RequestRun`` or ``PairedLegs.start``: sends the request with a
         deadline of ``timeout_s`` (what is left of the request's), counts the load."""
         self._call = self._client.generate(self.request, timeout_s=timeout_s)
+        self._call.holds = collects
         self._is_open = True
         self.engine.num_inflight += 1
         if self.PREFILLS_PROMPT:
@@ -180,6 +186,10 @@ class Leg:
                 return
             if ids:
                 yield ids
+
+    @property
+    def arrival_s(self) -> float:
+        return self._call.arrival_s
 
     def take_logprobs(self) -> list[pb.TokenLogprob]:
         """The logprobs of the tokens yielded since the last call (``RequestRun``)."""
@@ -330,8 +340,12 @@ class PairedLegs:
         """P's first token's entry (until taken), then D's."""
         return self.prefill.take_logprobs() + self.decode.take_logprobs()
 
-    def start(self, timeout_s: float) -> None:
-        self.decode.start(timeout_s)
+    @property
+    def arrival_s(self) -> float:
+        return self.decode.arrival_s
+
+    def start(self, timeout_s: float, collects: bool = False) -> None:
+        self.decode.start(timeout_s, collects)  # P's messages drive D's first token: never held
         self.prefill.start(timeout_s)
         self._prefill_task = self.decode._call.loop.create_task(self.prefill.until_handoff())
         self.decode.follow(self.prefill, self._prefill_task)

@@ -180,6 +180,13 @@ class RequestRun:
         self.prefer: Plan | None = None  # a sibling choice's plan, for the first attempt
         self._num_full_waits = 0
         self._full_since: float | None = None  # when an engine first said "full"
+        self.collects = False  # set by an output read whole: legs hand on their tokens at the end
+        self._legs: Leg | PairedLegs | None = None  # the attempt's
+
+    @property
+    def last_tokens_s(self) -> float:
+        """When the ids ``tokens`` last gave reached the Coordinator."""
+        return self._legs.arrival_s
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -204,13 +211,13 @@ class RequestRun:
             self.timings.report["attempts"] = self.num_attempts
             if self.num_attempts == 1:  # arrival -> first leg sent: tokenize, admit, route
                 self.timings.observe("route", time.monotonic() - self.arrival_s)
-            legs = self._legs(plan, prompt)
+            legs = self._legs = self._new_legs(plan, prompt)
             try:
                 try:
                     left = self.left_s()
                     if left <= 0:
                         raise ServeError(504, "the request's deadline passed", code="deadline")
-                    legs.start(left)
+                    legs.start(left, self.collects)
                     async for ids in legs.tokens():
                         self.generated.extend(ids)
                         if self.params.logprobs:
@@ -286,7 +293,7 @@ class RequestRun:
                           f"{waited:.1f}s; last: {last.public}", code="overloaded",
                           headers={"Retry-After": str(retry_after)})
 
-    def _legs(self, plan: Plan, prompt: list[int]) -> Leg | PairedLegs:
+    def _new_legs(self, plan: Plan, prompt: list[int]) -> Leg | PairedLegs:
         # Engines refuse a reused id; attempts after the first get a suffix.
         n = self.num_attempts
         leg_id = self.request_id if n == 1 else f"{self.request_id}.{n}"

@@ -86,7 +86,7 @@ class Output:
         except StopAsyncIteration:
             self.finish_reason = self.run.finish_reason or "length"
             return None
-        now = time.monotonic()
+        now = self.run.last_tokens_s  # when they came, even if read later (a collected answer)
         if self.first_s is None:
             self.first_s = now
         else:
@@ -100,12 +100,15 @@ class Output:
     async def collect(self) -> None:
         """The whole answer, not streamed. Without stop strings nothing needs its text
         before the end, so it is decoded once from all its tokens (the same text as
-        decoding message by message) instead of per message."""
+        decoding message by message) instead of per message, and nothing needs the
+        engine's messages after the first before the last: the run's legs hold them and
+        hand them on together (``RequestRun.collects``), each timed by its arrival."""
         if self.detok.stop:
             while (event := await self.next_event()) is not None:
                 self.text.append(event[1])
             return
         ids: list[int] = []
+        self.run.collects = True
         while self.finish_reason is None and (more := await self._next_ids()) is not None:
             ids += more
         self.text.append(self.detok.append(ids)[0] + self.detok.flush())

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 
 import grpc
@@ -44,16 +45,25 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class SessionCall:
-    """One request on a session: iterate its messages; ``cancel`` when giving up."""
+    """One request on a session: iterate its messages; ``cancel`` when giving up.
+
+    ``arrival_s``: when the message last read arrived (``time.monotonic``), which is
+    when its tokens reached the Coordinator however late they are read. With
+    ``holds`` set (a leg whose answer is collected whole), the reader is woken for the
+    first message and then only for the last (a finished one, or the call's end): the
+    messages between wait in the call and are read in one go, not one wake each."""
 
     def __init__(self, session: EngineSession, request_id: str) -> None:
         self.request_id = request_id
         self._session = session
         self.loop = session.loop  # the event loop's, held (each look-up costs a getpid)
-        self._items: deque[pb.GenerateResponse] = deque()
+        self._items: deque[tuple[float, pb.GenerateResponse]] = deque()
         self._waiter: asyncio.Future | None = None
         self._end: BaseException | None = None  # StopAsyncIteration or the error
         self._timer: asyncio.TimerHandle | None = None
+        self.holds = False
+        self._num_put = 0
+        self.arrival_s = 0.0
 
     def __aiter__(self) -> SessionCall:
         return self
@@ -67,7 +77,8 @@ class SessionCall:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._items.popleft()
+        self.arrival_s, message = self._items.popleft()
+        return message
 
     async def next_unless(self, other: asyncio.Future) -> pb.GenerateResponse | None:
         """The next message, or None when ``other`` is done while none is in: the
@@ -85,7 +96,8 @@ class SessionCall:
             finally:
                 self._waiter = None
                 other.remove_done_callback(self._wake_by)
-        return self._items.popleft()
+        self.arrival_s, message = self._items.popleft()
+        return message
 
     def cancel(self) -> bool:
         """Called by ``Leg.close`` for a leg that did not finish: the engine is told to
@@ -99,8 +111,10 @@ class SessionCall:
     # -- called by the session --
 
     def put(self, message: pb.GenerateResponse) -> None:
-        self._items.append(message)
-        self._wake()
+        self._items.append((time.monotonic(), message))
+        self._num_put += 1
+        if not self.holds or self._num_put == 1 or message.finished:
+            self._wake()
 
     def ended(self, end: BaseException) -> None:
         """The call is over (``end`` is raised once the messages before it are read)."""
