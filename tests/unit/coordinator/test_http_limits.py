@@ -4,8 +4,8 @@ headers, after its last response, or with a half-sent body. Driven with raw sock
 from __future__ import annotations
 
 import argparse
-import json
 import http.client
+import json
 import socket
 import time
 

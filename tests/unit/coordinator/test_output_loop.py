@@ -7,6 +7,7 @@ answer read whole is timed by its messages' arrival, though they are read at its
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import httpx
 import orjson
@@ -120,6 +121,6 @@ def test_a_held_call_wakes_its_reader_for_the_first_and_the_last_message(loop, s
 
     wakes, arrivals, read_at = loop.run(scenario())
     assert len(arrivals) == 5 and wakes == 2  # the first message, then the finished one
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert all(g >= 0.015 for g in gaps), gaps  # stamped as they came
     assert read_at[-1] - read_at[1] < 0.01  # the rest were read together at the end
