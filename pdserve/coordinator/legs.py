@@ -13,7 +13,7 @@ answer the same calls, made by ``RequestRun`` on the event loop:
                      tokens after the first are handed on together at the end
                      (``SessionCall.holds``: one wake, not one per message)
   tokens()           the output token ids, until the engine finishes the request
-  arrival_s          when the ids ``tokens`` last gave reached the Coordinator
+  arrival_s          (collecting) when the ids ``tokens`` last gave reached the Coordinator
   close()            restore the load counts; cancel and abort what did not finish
 
 Outcomes other than tokens: the client's (``ServeError`` 400: the engine refused

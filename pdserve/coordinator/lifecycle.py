@@ -185,7 +185,7 @@ class RequestRun:
 
     @property
     def last_tokens_s(self) -> float:
-        """When the ids ``tokens`` last gave reached the Coordinator."""
+        """When the ids ``tokens`` last gave reached the Coordinator (a collecting run's)."""
         return self._legs.arrival_s
 
     def left_s(self) -> float:

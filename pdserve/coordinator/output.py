@@ -86,13 +86,15 @@ class Output:
         except StopAsyncIteration:
             self.finish_reason = self.run.finish_reason or "length"
             return None
-        now = self.run.last_tokens_s  # when they came, even if read later (a collected answer)
+        run = self.run
+        # A collected answer's messages are read at its end: each is timed by its arrival.
+        now = run.last_tokens_s if run.collects else time.monotonic()
         if self.first_s is None:
             self.first_s = now
         else:
             if not self._has_first_decode:
                 self._has_first_decode = True
-                self.run.timings.observe("first_decode", now - self.first_s)
+                run.timings.observe("first_decode", now - self.first_s)
             self._itl.observe(now - self.last_s)
         self.last_s = now
         return ids

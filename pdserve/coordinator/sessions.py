@@ -47,22 +47,24 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class SessionCall:
     """One request on a session: iterate its messages; ``cancel`` when giving up.
 
-    ``arrival_s``: when the message last read arrived (``time.monotonic``), which is
-    when its tokens reached the Coordinator however late they are read. With
-    ``holds`` set (a leg whose answer is collected whole), the reader is woken for the
-    first message and then only for the last (a finished one, or the call's end): the
-    messages between wait in the call and are read in one go, not one wake each."""
+    With ``holds`` set (a leg whose answer is collected whole), the reader is woken for
+    the first message and then only for the last (a finished one, or the call's end):
+    the messages between wait in the call and are read in one go, not one wake each;
+    ``arrival_s`` then says when the message last read arrived (``time.monotonic``),
+    which is when its tokens reached the Coordinator however late they are read.
+    Set right after ``generate``, before any message came."""
 
     def __init__(self, session: EngineSession, request_id: str) -> None:
         self.request_id = request_id
         self._session = session
         self.loop = session.loop  # the event loop's, held (each look-up costs a getpid)
-        self._items: deque[tuple[float, pb.GenerateResponse]] = deque()
+        self._items: deque[pb.GenerateResponse] = deque()
         self._waiter: asyncio.Future | None = None
         self._end: BaseException | None = None  # StopAsyncIteration or the error
         self._timer: asyncio.TimerHandle | None = None
         self.holds = False
         self._num_put = 0
+        self._arrivals: deque[float] = deque()  # of the messages in ``_items``, when holding
         self.arrival_s = 0.0
 
     def __aiter__(self) -> SessionCall:
@@ -77,8 +79,9 @@ class SessionCall:
                 await self._waiter
             finally:
                 self._waiter = None
-        self.arrival_s, message = self._items.popleft()
-        return message
+        if self.holds:
+            self.arrival_s = self._arrivals.popleft()
+        return self._items.popleft()
 
     async def next_unless(self, other: asyncio.Future) -> pb.GenerateResponse | None:
         """The next message, or None when ``other`` is done while none is in: the
@@ -96,8 +99,9 @@ class SessionCall:
             finally:
                 self._waiter = None
                 other.remove_done_callback(self._wake_by)
-        self.arrival_s, message = self._items.popleft()
-        return message
+        if self.holds:
+            self.arrival_s = self._arrivals.popleft()
+        return self._items.popleft()
 
     def cancel(self) -> bool:
         """Called by ``Leg.close`` for a leg that did not finish: the engine is told to
@@ -111,9 +115,13 @@ class SessionCall:
     # -- called by the session --
 
     def put(self, message: pb.GenerateResponse) -> None:
-        self._items.append((time.monotonic(), message))
+        self._items.append(message)
+        if not self.holds:
+            self._wake()
+            return
+        self._arrivals.append(time.monotonic())
         self._num_put += 1
-        if not self.holds or self._num_put == 1 or message.finished:
+        if self._num_put == 1 or message.finished:
             self._wake()
 
     def ended(self, end: BaseException) -> None:
