@@ -46,10 +46,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BODY = {"model": "tiny", "prompt": ("Disaggregated serving runs the prefill of a prompt on one "
-        "engine and its decode on another, moving the KV cache between them; the router in "
-        "front picks both engines for each request.")[:180], "max_tokens": 16,
-        "temperature": 0, "ignore_eos": True}
 
 
 def child(args) -> None:
@@ -169,7 +165,7 @@ async def measure(args) -> None:
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
-    body = json.dumps(BODY).encode()
+    body = args.body.encode()
     request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                b"content-length: %d\r\n\r\n" % len(body)) + body
 
@@ -247,11 +243,14 @@ async def measure(args) -> None:
 
 
 def start_child(src: Path, args, cpu: int | None = None) -> subprocess.Popen:
-    """A child measuring ``src``'s pdserve, on CPU ``cpu`` alone when given."""
+    """A child measuring ``src``'s pdserve, on CPU ``cpu`` alone when given. The request
+    is ``coordinator_overhead``'s, read here: importing that module in the child would
+    put this checkout's pdserve first on its path."""
+    from coordinator_overhead import BODY
     env = {**os.environ, "PYTHONPATH": str(src)}
     pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
     return subprocess.Popen([*pin, sys.executable, "-P", __file__, "--child", "--requests",
-                             str(args.requests),
+                             str(args.requests), "--body", json.dumps(BODY),
                              *[x for c in args.concurrency for x in ("--concurrency", str(c))]],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -267,6 +266,7 @@ def result_of(child: subprocess.Popen) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--body", help=argparse.SUPPRESS)  # the child's request body
     parser.add_argument("--requests", type=int, default=3000, help="measured, per concurrency")
     parser.add_argument("--concurrency", type=int, action="append")
     parser.add_argument("--compare", metavar="DIR", help="another checkout: A/B, alternated")
