@@ -70,7 +70,10 @@ async def measure(args) -> None:
     from pdserve.api.proto import engine_pb2 as pb
     from pdserve.coordinator import sessions
     from pdserve.coordinator.app import create_app
-    from pdserve.coordinator.cli import tune_gc
+    try:
+        from pdserve.runtime.gc_tuning import tune as tune_gc
+    except ImportError:  # a revision from before it was shared with the engine
+        from pdserve.coordinator.cli import tune_gc
     from pdserve.coordinator.http_server import build_config
     from pdserve.coordinator.settings import CoordinatorSettings
     from tests.stub_engine import StubEngine, start_stub

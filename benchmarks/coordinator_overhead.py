@@ -111,8 +111,11 @@ def pct(values: list[float], q: float) -> float:
 
 
 def serve_stub(role: str, num_tokens: int) -> None:
+    from pdserve.runtime import gc_tuning
+
     async def main():
         server, address = await start_stub(StubEngine(role=role, num_tokens=num_tokens))
+        gc_tuning.tune()  # as ``pdserve engine`` does once started: the stub runs its session code
         print(f"stub serving on {address}", flush=True)
         await server.wait_for_termination()
 
@@ -257,6 +260,7 @@ def legs_floor(concurrency: int, seconds: float, addrs: list[str]) -> None:
     import uvloop
 
     from pdserve.coordinator.sessions import EngineSession
+    from pdserve.runtime import gc_tuning
     from pdserve.runtime.engine_client import EngineClient
 
     async def main():
@@ -287,6 +291,7 @@ def legs_floor(concurrency: int, seconds: float, addrs: list[str]) -> None:
                 done += 1
 
         await asyncio.gather(*(loop(time.perf_counter() + 1.0) for _ in range(concurrency)))
+        gc_tuning.tune()  # as the Coordinator does once started
         done, cpu0 = 0, time.process_time()
         durations.clear()
         stop_at = time.perf_counter() + seconds

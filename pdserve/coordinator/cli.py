@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import socket
 import sys
@@ -19,6 +18,7 @@ from pydantic import ValidationError
 
 from pdserve.api.cluster import FallbackPolicy, RoutingPolicy, TransferMode
 from pdserve.api.common import bytes_arg
+from pdserve.runtime import gc_tuning
 from pdserve.runtime.logs import configure_logging
 
 from .settings import CoordinatorSettings
@@ -112,22 +112,6 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     )
 
 
-GC_YOUNG_THRESHOLD = 20_000
-
-
-def tune_gc() -> None:
-    """The collector for a process that allocates a few thousand short-lived objects
-    per request: what was built at start-up (modules, the app) is frozen out of every
-    collection, and the youngest generation is collected after 20,000 allocations
-    instead of 700, so a request's objects are mostly freed by their reference counts
-    before a collection looks at them; the older generations keep their ratios.
-    Measured: docs/benchmarks.md, Coordinator overhead."""
-    gc.collect()
-    gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
-
-
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     import uvicorn
@@ -154,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(build_config(app, settings, args.log_level.lower()))
-    tune_gc()
+    gc_tuning.tune()  # start-up is done: what it built is frozen out of collections
     print(f"pdserve coordinator serving on {host}:{port}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[sock])  # on the config's loop: uvloop

@@ -7,22 +7,22 @@ lifecycle's short labels (never free text, request ids or addresses).
 Every metric is observed and rendered (``/metrics``) on the event loop, a few times
 per request, so the per-request ones skip prometheus_client's locks: the histograms
 (stages, TTFT, TPOT, end to end, and the inter-token latency, observed per output
-token) are ``LoopHistogram``s, the same series as prometheus_client's ``Histogram``
-without its two locked increments per observation (nor ``_created``); the counters
+token) are ``LoopHistogram``s (``runtime/loop_histogram.py``), the same series as
+prometheus_client's ``Histogram`` without its two locked increments per observation
+(nor ``_created``); the counters
 are ``LoopCounter``s, prometheus_client's ``Counter`` (the same series) whose value
 is a plain float, not a locked one, and the labelled ones ``KeptCounter``s, whose
 ``labels`` finds a child it made before in a dict (prometheus_client's takes a lock
-and builds the value tuple per call).
+and builds the value tuple per call). The registry also renders the process's
+garbage-collector pauses (``pdserve_coordinator_gc_pause_seconds``, ``runtime/gc_tuning.py``).
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterable, Iterator
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
+
+from pdserve.runtime import gc_tuning
+from pdserve.runtime.loop_histogram import LoopHistogram
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0, 10.0, 30.0, 60.0)
@@ -44,6 +44,7 @@ LEGS = ("prefill", "decode", "single")
 class CoordinatorMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        gc_tuning.register_pauses(r, "coordinator")
         p = "pdserve_coordinator_"
         self.requests = KeptCounter(p + "requests_total", "Finished HTTP requests.",
                                     ["endpoint", "code"], registry=r)
@@ -179,53 +180,3 @@ class KeptCounter(LoopCounter):
         return child
 
 
-class LoopHistogram:
-    """A histogram observed and collected on the event loop only, so without locks:
-    ``observe`` is a bisection and two additions. Renders as prometheus_client's
-    ``Histogram`` (``_bucket`` with ``le``, ``_count``, ``_sum``; no ``_created``).
-    Without ``labelnames`` it is one series, observed through ``observe``; with them,
-    one series per value tuple of ``series`` (a fixed set, rendered from zero in that
-    order), observed through ``labels(*values).observe``."""
-
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...],
-                 registry: CollectorRegistry, labelnames: tuple[str, ...] = (),
-                 series: Iterable[tuple[str, ...]] = ((),)) -> None:
-        self.name = name
-        self.documentation = documentation
-        self._labelnames = labelnames
-        bounds = [*buckets, float("inf")]
-        self._series = {values: LoopSeries(bounds) for values in series}
-        if not labelnames:
-            self.observe = self._series[()].observe
-        registry.register(self)
-
-    def labels(self, *values: str) -> LoopSeries:
-        return self._series[values]
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self._labelnames)
-        for values, series in self._series.items():
-            family.add_metric(list(values), series.cumulative(), series.sum)
-        yield family
-
-
-class LoopSeries:
-    """One series of a ``LoopHistogram``: counts per bucket (not cumulative) and the sum."""
-
-    __slots__ = ("_bounds", "_counts", "sum")
-
-    def __init__(self, bounds: list[float]) -> None:
-        self._bounds = bounds
-        self._counts = [0] * len(bounds)
-        self.sum = 0.0
-
-    def observe(self, amount: float) -> None:
-        self._counts[bisect.bisect_left(self._bounds, amount)] += 1
-        self.sum += amount
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        out, total = [], 0
-        for bound, count in zip(self._bounds, self._counts, strict=True):
-            total += count
-            out.append((floatToGoString(bound), total))
-        return out

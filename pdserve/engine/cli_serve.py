@@ -17,6 +17,7 @@ import sys
 from pdserve.engine.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.engine.config import ConfigError
 from pdserve.engine.kv_transfer.transport.base import TransportUnavailable
+from pdserve.runtime import gc_tuning
 from pdserve.runtime.logs import configure_logging
 
 
@@ -59,6 +60,7 @@ def _run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError, TransportUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    gc_tuning.tune()  # the model is loaded: it and the modules are frozen out of collections
 
     def ready(port: int) -> None:
         address = f"{args.host}:{port}"

@@ -10,6 +10,9 @@ Two sources, one explicit registry per engine process:
   transport and the engine's side of the transfer; and refusals for want of D's
   blocks ("decode full": load, so never counted as failures), by side.
 
+And the process's garbage-collector pauses (``pdserve_engine_gc_pause_seconds``,
+``runtime/gc_tuning.py``): every thread of the engine stops for each.
+
 Labels are bounded: role (prefill | decode | hybrid), mode (pull | push | layerwise),
 transport (tcp | shm | mooncake). On the load gauges ``role`` is the engine's role; on
 transfer metrics it is the engine's side of that transfer (prefill sends, decode
@@ -26,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.engine.kv_transfer.params import KV_ROLES, MODES
+from pdserve.runtime import gc_tuning
 from pdserve.runtime.http import start_http
 
 log = logging.getLogger(__name__)
@@ -109,6 +113,7 @@ def _pool_metrics(s, role: list[str]):
 class EngineMetrics:
     def __init__(self, transport: str) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        gc_tuning.register_pauses(r, "engine")
         p = "pdserve_engine_kv_transfer_"
         labels = ["mode", "transport", "role"]
         self.stats = StatsCollector()
