@@ -225,6 +225,7 @@ def _worker_main(rank: int, size: int, port: int, config, conn, log_level: str) 
     """Rank ``rank``: load its shard, allocate its KV cache, run every step rank 0 sends."""
     from pdserve.engine.loader import load_model
     from pdserve.engine.runner import ModelRunner
+    from pdserve.runtime import gc_tuning
     from pdserve.runtime.logs import configure_logging
 
     configure_logging(log_level)
@@ -253,6 +254,7 @@ def _worker_main(rank: int, size: int, port: int, config, conn, log_level: str) 
             runner = ModelRunner(model, num_blocks, block_size, allocate)
             if shared:
                 os.close(fd)  # the mapping stays
+            gc_tuning.tune()  # started: the shard and its cache are frozen out of collections
             conn.send_bytes(b"ready")
             continue
         ids, positions, meta = _moved(list(payload), runner.device)
