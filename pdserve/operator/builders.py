@@ -100,6 +100,11 @@ def config_map_name(cluster: PDCluster) -> str:
     return f"{cluster.metadata.name}-config"
 
 
+def coordinator_service_name(cluster: PDCluster) -> str:
+    """The user's entry: the Coordinator's REST endpoint."""
+    return f"{cluster.metadata.name}-coordinator"
+
+
 def controller_service_name(cluster: PDCluster) -> str:
     return f"{cluster.metadata.name}-controller"
 
@@ -153,13 +158,12 @@ def build_services(cluster: PDCluster) -> list[dict]:
     """Coordinator (the user's entry), Controller (leader only: readiness is /leaderz),
     a headless Service giving each engine Pod a DNS name, and the KV pool's master
     when the spec enables one."""
-    name = cluster.metadata.name
     pool = [_service(cluster, kv_pool_service_name(cluster), "kv-pool",
                      [{"name": "rpc", "port": cluster.spec.kv_pool.port, "targetPort": "rpc"},
                       {"name": "metrics", "port": KV_POOL_METRICS_PORT, "targetPort": "metrics"}])
             ] if cluster.spec.kv_pool.enabled else []
     return [*pool,
-        _service(cluster, f"{name}-coordinator", "coordinator",
+        _service(cluster, coordinator_service_name(cluster), "coordinator",
                  [{"name": "http", "port": COORDINATOR_PORT, "targetPort": "http"}]),
         _service(cluster, controller_service_name(cluster), "controller",
                  [{"name": "grpc", "port": CONTROLLER_GRPC_PORT, "targetPort": "grpc"},

@@ -60,6 +60,7 @@ class Observation:
     instances: dict[str, dict] = field(default_factory=dict)   # name -> PDInstance
     pods: dict[str, dict] = field(default_factory=dict)        # name -> engine Pod
     deployments: dict[str, dict | None] = field(default_factory=dict)  # component -> Deployment
+    coordinator_endpoints: dict | None = None  # the Coordinator Service's Endpoints
     pod_hashes: dict[str, str] = field(default_factory=dict)   # pool -> current settings hash
     num_stale_pods: int = 0
     draining: list[str] = field(default_factory=list)
@@ -154,6 +155,11 @@ def is_available(deployment: dict | None) -> bool:
     return bool(deployment and (deployment.get("status") or {}).get("availableReplicas", 0) >= 1)
 
 
+def has_ready_address(endpoints: dict | None) -> bool:
+    """Whether a Service's Endpoints list a ready address (one it routes to)."""
+    return any(subset.get("addresses") for subset in (endpoints or {}).get("subsets") or [])
+
+
 def parse_conditions(status: dict | None) -> list[Condition]:
     return [Condition.model_validate(c) for c in (status or {}).get("conditions") or []]
 
@@ -182,6 +188,10 @@ def _progress(cluster: PDCluster, obs: Observation, counts: dict[str, int]) -> t
         return "WaitingForInstances", f"{sum(counts.values())}/{len(desired)} instances ready"
     if not all(is_available(obs.deployments.get(c)) for c in ("controller", "coordinator")):
         return "WaitingForControlPlane", "Controller or Coordinator has no available replica"
+    if not has_ready_address(obs.coordinator_endpoints):
+        # A Pod counts as available before the Service routes to it: Ready waits for the
+        # route, so a client that waited for Ready reaches a Coordinator.
+        return "WaitingForControlPlane", "the Coordinator's Service routes to no ready Pod yet"
     return None
 
 

@@ -188,9 +188,20 @@ class Kubernetes:
             subresource="status")
 
     async def deployments_available(self, name: str) -> None:
+        """The Deployment controller's part (a replica available) and the endpoints
+        controller's (the Coordinator Service routes to it)."""
         for component in ("controller", "coordinator"):
             await self.kube.patch("Deployment", NS, f"{name}-{component}",
                                   {"status": {"availableReplicas": 1}}, subresource="status")
+        subsets = [{"addresses": [{"ip": "10.0.0.2"}], "ports": [{"name": "http", "port": 8000}]}]
+        endpoints = await self.kube.get("Endpoints", NS, f"{name}-coordinator")
+        if endpoints is None:
+            await self.kube.create({"apiVersion": "v1", "kind": "Endpoints",
+                                    "metadata": {"name": f"{name}-coordinator", "namespace": NS,
+                                                 "labels": {b.CLUSTER_LABEL: name}},
+                                    "subsets": subsets})
+        elif endpoints.get("subsets") != subsets:
+            await self.kube.patch("Endpoints", NS, f"{name}-coordinator", {"subsets": subsets})
 
     async def garbage_collect(self) -> list[str]:
         """Delete every object whose owner is gone (one sweep per call)."""

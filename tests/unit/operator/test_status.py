@@ -26,12 +26,16 @@ def pod(c, name: str, phase: str | None = "Running", ready: bool = True, spec_ha
     return {"metadata": {"name": name, "labels": labels}, "status": status if phase else {}}
 
 
+ROUTED = {"subsets": [{"addresses": [{"ip": "10.0.0.9"}], "ports": [{"name": "http", "port": 8000}]}]}
+
+
 def observed(c, **overrides) -> Observation:
     names = b.desired_instances(c)
     obs = Observation(
         instances={n: b.build_instance(c, pool, i) for n, (pool, i) in names.items()},
         pods={n: pod(c, n) for n in names},
         deployments={k: {"status": {"availableReplicas": 1}} for k in ("controller", "coordinator")},
+        coordinator_endpoints=ROUTED,
         pod_hashes=engine_hashes(c))
     for key, value in overrides.items():
         setattr(obs, key, value)
@@ -71,6 +75,21 @@ def test_pending_pods_and_missing_control_plane_are_progressing():
     assert "decode 0/1 ready" in next(x["message"] for x in status["conditions"] if x["type"] == "Ready")
     obs = observed(c, deployments={"controller": None, "coordinator": None})
     assert conditions(build_status(c, 1, None, obs, NOW))["Progressing"] == ("True", "WaitingForControlPlane")
+
+
+def test_not_ready_until_the_coordinator_service_routes_to_a_pod():
+    """The Deployment counts its Pod available before the endpoints controller adds the
+    Pod to the Service: a client that waited for Ready would meet a Service with
+    nowhere to send it."""
+    c = cluster()
+    not_yet = {"subsets": [{"notReadyAddresses": [{"ip": "10.0.0.9"}], "ports": [{"port": 8000}]}]}
+    for endpoints in (None, {"subsets": []}, not_yet):
+        status = build_status(c, 1, None, observed(c, coordinator_endpoints=endpoints), NOW)
+        assert conditions(status)["Ready"] == ("False", "NotReady")
+        assert conditions(status)["Progressing"] == ("True", "WaitingForControlPlane")
+        assert "routes to no ready Pod" in next(x["message"] for x in status["conditions"]
+                                                if x["type"] == "Progressing")
+    assert conditions(build_status(c, 1, None, observed(c), NOW))["Ready"] == ("True", "AllInstancesReady")
 
 
 def test_old_settings_pods_mean_rolling_and_not_ready():
