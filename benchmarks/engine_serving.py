@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,24 +25,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+from benchmarks.coordinator_overhead import cpu_s  # noqa: E402
+from tests.procs import Proc  # noqa: E402
 
 
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
-
-
-def start_engine(src: Path, max_num_seqs: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "pdserve.cli", "engine", "--model", "tiny", "--port", "0",
-         "--threads", "1", "--max-num-seqs", str(max_num_seqs), "--log-level", "WARNING"],
-        env={**os.environ, "PYTHONPATH": str(src)}, stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        m = re.search(r"serving model .* on (\S+)", line)
-        if m:
-            return proc, m.group(1)
-    raise SystemExit(f"the engine from {src} did not start")
+def start_engine(src: Path, max_num_seqs: int) -> tuple[Proc, str]:
+    """``pdserve engine`` from ``src``'s package (-P: not from the working directory)."""
+    proc = Proc([sys.executable, "-P", "-m", "pdserve.cli", "engine", "--model", "tiny", "--port", "0",
+                 "--threads", "1", "--max-num-seqs", str(max_num_seqs), "--log-level", "WARNING"],
+                env={"PYTHONPATH": str(src)})
+    return proc, proc.wait_for(r"serving model .* on (\S+:\d+)", 120).group(1)
 
 
 async def drive(address: str, streams: int, tokens: int, seconds: float) -> tuple[int, float]:
@@ -78,12 +67,11 @@ async def drive(address: str, streams: int, tokens: int, seconds: float) -> tupl
 def one_round(src: Path, args) -> tuple[float, float]:
     proc, address = start_engine(src, args.streams)
     try:
-        before = cpu_s(proc.pid)
+        before = cpu_s(proc.popen.pid)
         produced, wall = asyncio.run(drive(address, args.streams, args.tokens, args.seconds))
-        used = cpu_s(proc.pid) - before
+        used = cpu_s(proc.popen.pid) - before
     finally:
-        proc.terminate()
-        proc.wait(30)
+        proc.stop(30)
     return produced / wall, used / produced * 1e6
 
 

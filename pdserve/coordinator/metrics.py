@@ -9,12 +9,12 @@ per request, so the per-request ones skip prometheus_client's locks: the histogr
 (stages, TTFT, TPOT, end to end, and the inter-token latency, observed per output
 token) are ``LoopHistogram``s (``runtime/loop_histogram.py``), the same series as
 prometheus_client's ``Histogram`` without its two locked increments per observation
-(nor ``_created``); the counters
-are ``LoopCounter``s, prometheus_client's ``Counter`` (the same series) whose value
-is a plain float, not a locked one, and the labelled ones ``KeptCounter``s, whose
-``labels`` finds a child it made before in a dict (prometheus_client's takes a lock
-and builds the value tuple per call). The registry also renders the process's
-garbage-collector pauses (``pdserve_coordinator_gc_pause_seconds``, ``runtime/gc_tuning.py``).
+(nor ``_created``); the counters are ``LoopCounter``s, prometheus_client's ``Counter``
+(the same series) whose value is a plain float, not a locked one, and the labelled
+ones ``KeptCounter``s, whose ``labels`` finds a child it made before in a dict
+(prometheus_client's takes a lock and builds the value tuple per call). The registry
+also renders the process's garbage-collector pauses
+(``pdserve_coordinator_gc_pause_seconds``, ``runtime/gc_tuning.py``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ loop thread and answers with its result. A Generate
 call submits the request, waits for admission (bad input → INVALID_ARGUMENT with the
 engine's message, logged at INFO without a traceback), then streams outputs from an
 asyncio queue fed by the loop thread through ``Handoff``: the outputs of one step cross
-to the event loop together, one wake-up for the step rather than one per request. A call that ends early (client gone, RPC
-cancelled, even during admission) aborts its own request and no other, so its KV
+to the event loop together, one wake-up for the step rather than one per request. A
+call that ends early (client gone, RPC cancelled, even during admission) aborts its
+own request and no other, so its KV
 blocks are freed at once. The Abort RPC ends a request's stream with a last message
 (``finish_reason`` "abort"). Session (the Coordinator's one stream per engine) runs
 this same Generate for each request it carries (``runtime/session_server.py``).

@@ -258,7 +258,7 @@ def build_status(cluster: PDCluster, generation: int | None, old: dict | None, o
         "desiredHybrid": desired["hybrid"],
         "readyPrefill": counts["prefill"], "readyDecode": counts["decode"],
         "readyHybrid": counts["hybrid"],
-        "coordinatorUrl": f"http://{cluster.metadata.name}-coordinator."
+        "coordinatorUrl": f"http://{b.coordinator_service_name(cluster)}."
                           f"{cluster.metadata.namespace}.svc:{b.COORDINATOR_PORT}",
     }
 

@@ -7,9 +7,10 @@ its step. Python's defaults suit a short script, not a server that holds a large
 and allocates thousands of short-lived objects per second:
 
 - ``tune`` (once start-up is done: the Coordinator once its app is built, the engine
-  once its model is loaded, a tensor-parallel rank once its shard and cache are) freezes what start-up built (modules, the model, the app)
-  out of every later collection, so that a collection of the oldest generation, which
-  walks everything not frozen, stays short; and it collects the youngest generation
+  once its model is loaded, a tensor-parallel rank once its shard and cache are)
+  freezes what start-up built (modules, the model, the app) out of every later
+  collection, so that a collection of the oldest generation, which walks everything
+  not frozen, stays short; and it collects the youngest generation
   after 20,000 allocations instead of 700, so that a request's objects are mostly
   freed by their reference counts before a collection looks at them. The older
   generations keep their ratios. Measured: docs/benchmarks.md, Coordinator overhead.

@@ -18,10 +18,11 @@ from prometheus_client.utils import floatToGoString
 
 class LoopHistogram:
     """A histogram observed from one thread at a time (the module's docstring), so
-    without locks. Without ``labelnames`` it is one series, observed through ``observe``; with them,
-    one series per value tuple of ``series`` (a fixed set, rendered from zero in that
-    order), observed through ``labels(*values).observe``. ``registry``: where it is
-registered (None: by its owner, in as many registries as render it)."""
+    without locks. Without ``labelnames`` it is one series, observed through
+    ``observe``; with them, one series per value tuple of ``series`` (a fixed set,
+    rendered from zero in that order), observed through ``labels(*values).observe``.
+    ``registry``: where it is registered (None: by its owner, through ``renamed``, in
+    as many registries as render it)."""
 
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...],
                  registry: CollectorRegistry | None, labelnames: tuple[str, ...] = (),
