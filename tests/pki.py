@@ -21,8 +21,12 @@ def openssl(cwd: Path, *args: str) -> None:
 
 
 def make_ca(cwd: Path, name: str) -> None:
+    """A CA certificate as strict verifiers want it (Python 3.13's default
+    ``VERIFY_X509_STRICT`` refuses a CA without key usage)."""
     openssl(cwd, "req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-            "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "1", "-subj", f"/CN={name}")
+            "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "1", "-subj", f"/CN={name}",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")
 
 
 def issue(cwd: Path, name: str, ca: str) -> SecuritySettings:

@@ -2,7 +2,7 @@
 
 Requests are validated here, before any routing: ``stop`` holds at most four
 strings, token-id prompts are non-negative integers, and every text is valid
-Unicode (a lone surrogate, which JSON's ``\ud800`` escapes can carry, is a 400
+Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes can carry, is a 400
 naming the field, never an encoding error later).
 
 No parameter is silently ignored. OpenAI parameters pdserve does not implement
