@@ -77,6 +77,7 @@ RESOURCES = {  # served resources: (kind, singular, short names, namespaced, sub
         ("v1", "pods", "Pod", "pod", ["po"], True, ["status", "binding", "log"]),
         ("v1", "services", "Service", "service", ["svc"], True, ["status"]),
         ("v1", "endpoints", "Endpoints", "endpoints", ["ep"], True, []),
+        ("discovery.k8s.io/v1", "endpointslices", "EndpointSlice", "endpointslice", [], True, []),
         ("v1", "configmaps", "ConfigMap", "configmap", ["cm"], True, []),
         ("v1", "secrets", "Secret", "secret", [], True, []),
         ("v1", "persistentvolumeclaims", "PersistentVolumeClaim", "persistentvolumeclaim", ["pvc"], True,

@@ -31,6 +31,7 @@ COMPONENT_LABEL = f"{GROUP_PREFIX}/component"
 POOL_LABEL = f"{GROUP_PREFIX}/pool"
 INSTANCE_LABEL = f"{GROUP_PREFIX}/instance"
 SPEC_HASH_LABEL = f"{GROUP_PREFIX}/spec-hash"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # on each EndpointSlice of a Service
 CONFIG_HASH_ANNOTATION = f"{GROUP_PREFIX}/config-hash"
 DRAIN_ANNOTATION = f"{GROUP_PREFIX}/drain-started-at"
 

@@ -83,7 +83,7 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, metrics: O
         await run(body, "resync", is_strict=False)
 
     @kopf.on.event("", "v1", "pods", labels=CHILD_LABELS, registry=registry)
-    @kopf.on.event("", "v1", "endpoints", labels=CHILD_LABELS, registry=registry)
+    @kopf.on.event("discovery.k8s.io", "v1", "endpointslices", labels=CHILD_LABELS, registry=registry)
     @kopf.on.event(*PDCLUSTERS[:2], "pdinstances", labels=CHILD_LABELS, registry=registry)
     async def child_changed(namespace, labels, logger, **_) -> None:
         try:

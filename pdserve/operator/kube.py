@@ -25,7 +25,7 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 KINDS: dict[str, tuple[str, str]] = {
     "Pod": ("api/v1", "pods"),
     "Service": ("api/v1", "services"),
-    "Endpoints": ("api/v1", "endpoints"),
+    "EndpointSlice": ("apis/discovery.k8s.io/v1", "endpointslices"),
     "ConfigMap": ("api/v1", "configmaps"),
     "Secret": ("api/v1", "secrets"),
     "Deployment": ("apis/apps/v1", "deployments"),

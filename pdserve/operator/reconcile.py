@@ -152,7 +152,8 @@ class Reconciler:
         obs = Observation(pod_hashes=engine_pod_hashes(cluster, self.settings))
         static = build_static_objects(cluster, self.settings)
         obs.deployments = await self._apply_static(static, events)
-        obs.coordinator_endpoints = await self.kube.get("Endpoints", ns, b.coordinator_service_name(cluster))
+        obs.coordinator_slices = await self.kube.list(
+            "EndpointSlice", ns, {b.SERVICE_NAME_LABEL: b.coordinator_service_name(cluster)})
         obs.instances = {_name(i): i for i in await self.kube.list("PDInstance", ns, {b.CLUSTER_LABEL: name})}
         obs.pods = {_name(p): p for p in await self.kube.list("Pod", ns, b.selector(cluster, "engine"))}
         # no call to a Controller that has no available replica (it would only time out)

@@ -60,7 +60,7 @@ class Observation:
     instances: dict[str, dict] = field(default_factory=dict)   # name -> PDInstance
     pods: dict[str, dict] = field(default_factory=dict)        # name -> engine Pod
     deployments: dict[str, dict | None] = field(default_factory=dict)  # component -> Deployment
-    coordinator_endpoints: dict | None = None  # the Coordinator Service's Endpoints
+    coordinator_slices: list[dict] = field(default_factory=list)  # its Service's EndpointSlices
     pod_hashes: dict[str, str] = field(default_factory=dict)   # pool -> current settings hash
     num_stale_pods: int = 0
     draining: list[str] = field(default_factory=list)
@@ -155,9 +155,12 @@ def is_available(deployment: dict | None) -> bool:
     return bool(deployment and (deployment.get("status") or {}).get("availableReplicas", 0) >= 1)
 
 
-def has_ready_address(endpoints: dict | None) -> bool:
-    """Whether a Service's Endpoints list a ready address (one it routes to)."""
-    return any(subset.get("addresses") for subset in (endpoints or {}).get("subsets") or [])
+def has_ready_endpoint(slices: list[dict]) -> bool:
+    """Whether a Service's EndpointSlices list a ready endpoint with an address (one the
+    Service routes to). An endpoint without ``conditions.ready`` counts as ready, as
+    the API says consumers should read an unknown state."""
+    return any(endpoint.get("addresses") and (endpoint.get("conditions") or {}).get("ready") is not False
+               for s in slices for endpoint in s.get("endpoints") or [])
 
 
 def parse_conditions(status: dict | None) -> list[Condition]:
@@ -188,7 +191,7 @@ def _progress(cluster: PDCluster, obs: Observation, counts: dict[str, int]) -> t
         return "WaitingForInstances", f"{sum(counts.values())}/{len(desired)} instances ready"
     if not all(is_available(obs.deployments.get(c)) for c in ("controller", "coordinator")):
         return "WaitingForControlPlane", "Controller or Coordinator has no available replica"
-    if not has_ready_address(obs.coordinator_endpoints):
+    if not has_ready_endpoint(obs.coordinator_slices):
         # A Pod counts as available before the Service routes to it: Ready waits for the
         # route, so a client that waited for Ready reaches a Coordinator.
         return "WaitingForControlPlane", "the Coordinator's Service routes to no ready Pod yet"

@@ -227,6 +227,11 @@ def test_service_names_resolve_inside_pods_and_route_to_ready_endpoints(cluster)
     assert endpoints == [{"addresses": [{"ip": backend["status"]["podIP"], "nodeName": "standin", "targetRef": {
         "kind": "Pod", "name": "backend", "namespace": "default", "uid": backend["metadata"]["uid"]}}],
         "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]}]
+    # the same endpoint in the Service's EndpointSlice, as kube-proxy and the operator read it
+    [web_slice] = k.list("EndpointSlice", labels={"kubernetes.io/service-name": "web"})
+    assert web_slice["addressType"] == "IPv4" and web_slice["ports"] == endpoints[0]["ports"]
+    assert [(e["addresses"], e["conditions"]["ready"], e["targetRef"]["name"]) for e in web_slice["endpoints"]] \
+        == [([backend["status"]["podIP"]], True, "backend")]
     k.apply(pod("client", ["sleep", "60"]))
     running(k, "client")
     fetch = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
@@ -245,6 +250,8 @@ def test_service_names_resolve_inside_pods_and_route_to_ready_endpoints(cluster)
     # not ready: no endpoint, the connection is refused at the Service address
     k.patch("Pod", "backend", {"metadata": {"labels": {"app": "other"}}})
     wait_for(lambda: not (k.get("Endpoints", "web") or {}).get("subsets"), 10, "the endpoint removed")
+    wait_for(lambda: [s["endpoints"] for s in k.list("EndpointSlice", labels={"kubernetes.io/service-name": "web"})]
+             == [[]], 10, "the slice emptied")
     code, out = k.exec("client", ["python3", "-c", fetch, "http://web/whoami"])
     assert code != 0 and ("Connection" in out or "closed" in out or "Remote end" in out), out
 

@@ -188,20 +188,24 @@ class Kubernetes:
             subresource="status")
 
     async def deployments_available(self, name: str) -> None:
-        """The Deployment controller's part (a replica available) and the endpoints
+        """The Deployment controller's part (a replica available) and the EndpointSlice
         controller's (the Coordinator Service routes to it)."""
         for component in ("controller", "coordinator"):
             await self.kube.patch("Deployment", NS, f"{name}-{component}",
                                   {"status": {"availableReplicas": 1}}, subresource="status")
-        subsets = [{"addresses": [{"ip": "10.0.0.2"}], "ports": [{"name": "http", "port": 8000}]}]
-        endpoints = await self.kube.get("Endpoints", NS, f"{name}-coordinator")
-        if endpoints is None:
-            await self.kube.create({"apiVersion": "v1", "kind": "Endpoints",
-                                    "metadata": {"name": f"{name}-coordinator", "namespace": NS,
-                                                 "labels": {b.CLUSTER_LABEL: name}},
-                                    "subsets": subsets})
-        elif endpoints.get("subsets") != subsets:
-            await self.kube.patch("Endpoints", NS, f"{name}-coordinator", {"subsets": subsets})
+        routed = [{"addresses": ["10.0.0.2"], "conditions": {"ready": True}}]
+        slice_name = f"{name}-coordinator-x1"
+        found = await self.kube.get("EndpointSlice", NS, slice_name)
+        if found is None:
+            service = f"{name}-coordinator"
+            await self.kube.create({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                                    "metadata": {"name": slice_name, "namespace": NS,
+                                                 "labels": {b.CLUSTER_LABEL: name,
+                                                            b.SERVICE_NAME_LABEL: service}},
+                                    "addressType": "IPv4", "endpoints": routed,
+                                    "ports": [{"name": "http", "port": 8000}]})
+        elif found.get("endpoints") != routed:
+            await self.kube.patch("EndpointSlice", NS, slice_name, {"endpoints": routed})
 
     async def garbage_collect(self) -> list[str]:
         """Delete every object whose owner is gone (one sweep per call)."""

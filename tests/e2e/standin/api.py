@@ -16,6 +16,7 @@ from tests.kmock_emulator import StrictEmulator
 PODS = kmock.resource("", "v1", "pods")
 SERVICES = kmock.resource("", "v1", "services")
 ENDPOINTS = kmock.resource("", "v1", "endpoints")
+ENDPOINTSLICES = kmock.resource("discovery.k8s.io", "v1", "endpointslices")
 CONFIGMAPS = kmock.resource("", "v1", "configmaps")
 SECRETS = kmock.resource("", "v1", "secrets")
 PVCS = kmock.resource("", "v1", "persistentvolumeclaims")

@@ -19,7 +19,12 @@ it reads the store (``Api.list``) and writes the difference over HTTP.
   Pods with an IP, Ready ones as addresses, the others as notReadyAddresses (all
   as addresses with publishNotReadyAddresses; terminating Pods left out), named
   targetPorts resolved per Pod; then the ``ServiceProxy`` and the Pods' hosts files
-  follow the Endpoints (selector-less Services keep the Endpoints someone wrote).
+  follow the Endpoints (selector-less Services keep the Endpoints someone wrote);
+  then each Service's ``discovery.k8s.io/v1`` EndpointSlices (one per port set, the
+  Service's labels plus ``kubernetes.io/service-name``, each endpoint's
+  ``conditions.ready``; one empty slice when nothing matches) are written from its
+  Endpoints. Written after the proxy
+  follows, so that whoever waits for a ready endpoint finds the Service routing.
 - ``GarbageCollector``: an object whose every owner (ownerReferences, by uid) is gone
   is deleted (background); an owner deleted in the foreground (finalizer
   ``foregroundDeletion``) has its dependents deleted, and loses the finalizer when no
@@ -40,6 +45,7 @@ from datetime import UTC, datetime
 from tests.e2e.standin.api import (
     DEPLOYMENTS,
     ENDPOINTS,
+    ENDPOINTSLICES,
     PODS,
     PVCS,
     SERVICES,
@@ -223,6 +229,23 @@ def build_subsets(service: dict, pods: list[dict]) -> list[dict]:
     return list(groups.values())
 
 
+def build_slice(service: dict, subset: dict) -> dict:
+    """The EndpointSlice of one of ``service``'s Endpoints subsets (its labels apart)."""
+    def endpoint(address: dict, ready: bool) -> dict:
+        out = {"addresses": [address["ip"]], "conditions": {"ready": ready, "serving": ready,
+                                                              "terminating": False}}
+        out.update({k: address[k] for k in ("nodeName", "targetRef", "hostname") if address.get(k)})
+        return out
+
+    m = meta(service)
+    return {"labels": {**(m.get("labels") or {}), "kubernetes.io/service-name": m["name"],
+                       "endpointslice.kubernetes.io/managed-by": "standin"},
+            "addressType": "IPv4",
+            "endpoints": [endpoint(a, True) for a in subset.get("addresses") or []]
+            + [endpoint(a, False) for a in subset.get("notReadyAddresses") or []],
+            "ports": subset.get("ports") or []}
+
+
 class EndpointsController:
     def __init__(self, api: Api, proxy: ServiceProxy) -> None:
         self.api, self.proxy = api, proxy
@@ -240,6 +263,31 @@ class EndpointsController:
                 await self.api.delete(ENDPOINTS, *key)
         endpoints = {(meta(e)["namespace"], meta(e)["name"]): e for e in self.api.list(ENDPOINTS)}
         await self.proxy.sync(services, endpoints)
+        await self._sync_slices(services, endpoints)
+
+    async def _sync_slices(self, services: list[dict], endpoints: dict[tuple[str, str], dict]) -> None:
+        wanted: dict[tuple[str, str], dict] = {}
+        for svc in services:
+            m = meta(svc)
+            ep = endpoints.get((m["namespace"], m["name"]))
+            if ep is not None:  # no subset: one slice without endpoints, as the API keeps
+                for i, subset in enumerate(ep.get("subsets") or [{}]):
+                    wanted[(m["namespace"], f"{m['name']}-{i}")] = build_slice(svc, subset)
+        for s in self.api.list(ENDPOINTSLICES):
+            key = (meta(s)["namespace"], meta(s)["name"])
+            if key not in wanted and (meta(s).get("annotations") or {}).get(MANAGED_ANNOTATION):
+                await self.api.delete(ENDPOINTSLICES, *key)
+        for (ns, name), body in wanted.items():
+            existing = self.api.get(ENDPOINTSLICES, ns, name)
+            if existing is None:
+                await self.api.create(ENDPOINTSLICES, {
+                    "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                    "metadata": {"name": name, "namespace": ns, "labels": body.pop("labels"),
+                                 "annotations": {MANAGED_ANNOTATION: "endpointslice-controller"}},
+                    **body})
+            elif any(existing.get(k) != body[k] for k in ("endpoints", "ports")):
+                await self.api.patch(ENDPOINTSLICES, ns, name,
+                                     {"endpoints": body["endpoints"], "ports": body["ports"]})
 
     async def _sync(self, svc: dict, selector: dict) -> None:
         m = meta(svc)

@@ -18,6 +18,7 @@ import yaml
 
 from pdserve.api.crd import render_crd_files
 from pdserve.operator import builders as b
+from pdserve.operator.kube import KINDS
 
 from .cluster_objects import EXAMPLES, MINIMAL, chart_settings, load_example, operator_objects
 from .helm import CHART, NAMESPACE, HelmError
@@ -142,6 +143,11 @@ def test_operator_rbac_is_least_privilege(helm):
     assert {"create", "delete"} <= grants[("", "pods")] & grants[("apps", "deployments")]
     assert grants[("", "events")] == {"create", "patch"}
     assert grants[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
+    # Ready reads the Coordinator Service's EndpointSlices (v1 Endpoints are deprecated)
+    assert grants[("discovery.k8s.io", "endpointslices")] == {"get", "list", "watch"}
+    assert ("", "endpoints") not in grants
+    for prefix, plural in KINDS.values():  # every kind the operator's client touches
+        assert ("" if prefix == "api/v1" else prefix.split("/")[1], plural) in grants, plural
     # the clusters' token Secrets are created and deleted, never read
     assert grants[("", "secrets")] == {"create", "delete"} and ("", "nodes") not in grants
     assert not any({"bind", "escalate", "impersonate"} & verbs for verbs in grants.values())

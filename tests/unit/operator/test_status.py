@@ -26,7 +26,12 @@ def pod(c, name: str, phase: str | None = "Running", ready: bool = True, spec_ha
     return {"metadata": {"name": name, "labels": labels}, "status": status if phase else {}}
 
 
-ROUTED = {"subsets": [{"addresses": [{"ip": "10.0.0.9"}], "ports": [{"name": "http", "port": 8000}]}]}
+def slice_of(*endpoints: dict) -> dict:
+    """An EndpointSlice of the Coordinator Service holding ``endpoints``."""
+    return {"addressType": "IPv4", "endpoints": list(endpoints), "ports": [{"name": "http", "port": 8000}]}
+
+
+ROUTED = [slice_of({"addresses": ["10.0.0.9"], "conditions": {"ready": True}})]
 
 
 def observed(c, **overrides) -> Observation:
@@ -35,7 +40,7 @@ def observed(c, **overrides) -> Observation:
         instances={n: b.build_instance(c, pool, i) for n, (pool, i) in names.items()},
         pods={n: pod(c, n) for n in names},
         deployments={k: {"status": {"availableReplicas": 1}} for k in ("controller", "coordinator")},
-        coordinator_endpoints=ROUTED,
+        coordinator_slices=ROUTED,
         pod_hashes=engine_hashes(c))
     for key, value in overrides.items():
         setattr(obs, key, value)
@@ -82,14 +87,22 @@ def test_not_ready_until_the_coordinator_service_routes_to_a_pod():
     Pod to the Service: a client that waited for Ready would meet a Service with
     nowhere to send it."""
     c = cluster()
-    not_yet = {"subsets": [{"notReadyAddresses": [{"ip": "10.0.0.9"}], "ports": [{"port": 8000}]}]}
-    for endpoints in (None, {"subsets": []}, not_yet):
-        status = build_status(c, 1, None, observed(c, coordinator_endpoints=endpoints), NOW)
+    not_ready = {"addresses": ["10.0.0.9"], "conditions": {"ready": False, "serving": True,
+                                                            "terminating": True}}
+    for slices in ([], [slice_of()], [slice_of(not_ready)], [slice_of({"addresses": [],
+                                                                     "conditions": {"ready": True}})]):
+        status = build_status(c, 1, None, observed(c, coordinator_slices=slices), NOW)
         assert conditions(status)["Ready"] == ("False", "NotReady")
         assert conditions(status)["Progressing"] == ("True", "WaitingForControlPlane")
         assert "routes to no ready Pod" in next(x["message"] for x in status["conditions"]
                                                 if x["type"] == "Progressing")
     assert conditions(build_status(c, 1, None, observed(c), NOW))["Ready"] == ("True", "AllInstancesReady")
+    # One ready endpoint in any slice is a route; no ``ready`` condition reads as ready
+    # (the API's advice for an unknown state).
+    for slices in ([slice_of(not_ready), slice_of({"addresses": ["10.0.0.8"]})],
+                   [slice_of(not_ready, {"addresses": ["10.0.0.8"], "conditions": {"ready": True}})]):
+        status = build_status(c, 1, None, observed(c, coordinator_slices=slices), NOW)
+        assert conditions(status)["Ready"] == ("True", "AllInstancesReady")
 
 
 def test_old_settings_pods_mean_rolling_and_not_ready():
