@@ -128,7 +128,9 @@ def test_a_body_that_is_not_a_request_is_a_400_saying_why(loop, stubs, body, mes
 
 
 def test_each_completion_has_its_access_line_and_a_stream_its_events(loop, stubs, caplog):
-    with serve(loop, [stubs(num_tokens=5)]) as app, caplog.at_level(logging.DEBUG, "pdserve.access"):
+    # The level is set before the server starts and restored after it stopped: a line is
+    # written after the answer's last byte, so the client can read the answer first.
+    with caplog.at_level(logging.DEBUG, "pdserve.access"), serve(loop, [stubs(num_tokens=5)]) as app:
         r = httpx.post(app.url + "/v1/completions", json=BODY, timeout=10,
                        headers={"x-request-id": "client-1"})
         assert r.status_code == 200 and r.headers["x-request-id"] == "client-1"
