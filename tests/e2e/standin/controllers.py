@@ -23,8 +23,8 @@ it reads the store (``Api.list``) and writes the difference over HTTP.
   then each Service's ``discovery.k8s.io/v1`` EndpointSlices (one per port set, the
   Service's labels plus ``kubernetes.io/service-name``, each endpoint's
   ``conditions.ready``; one empty slice when nothing matches) are written from its
-  Endpoints. Written after the proxy
-  follows, so that whoever waits for a ready endpoint finds the Service routing.
+  Endpoints, after the proxy follows them: whoever waits for a ready endpoint finds
+  the Service routing.
 - ``GarbageCollector``: an object whose every owner (ownerReferences, by uid) is gone
   is deleted (background); an owner deleted in the foreground (finalizer
   ``foregroundDeletion``) has its dependents deleted, and loses the finalizer when no
