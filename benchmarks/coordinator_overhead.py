@@ -42,7 +42,13 @@ same time (one wrk each; c=1, c=32, then the stream at c=8, ``--rounds`` times) 
 that the machine's other load falls on both alike; medians of each side, and of
 the ratio B / A of CPU per request: code revisions compared in one run.
 
+``--coordinator-cpus LIST`` (e.g. ``0``): the Coordinator runs on those CPUs alone
+(``taskset``), and the stubs, wrk, the floors and this process on all the others:
+"one Coordinator process on one core" taken literally. It needs CPUs enough for the
+load beside it (on two vCPUs the other one saturates, and the Coordinator waits).
+
 Rerun: .venv/bin/python benchmarks/coordinator_overhead.py [--path pd|single] [--profile DIR]
+       [--coordinator-cpus 0]
 """
 
 from __future__ import annotations
@@ -334,6 +340,15 @@ def floors(args, addrs: list[str]) -> tuple[float, float] | None:
 
 # --- the run -----------------------------------------------------------------------------
 
+def parse_cpu_list(text: str) -> set[int]:
+    """CPUs of a taskset-style list: ``0``, ``0,2``, ``0-3``."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def start_stubs(args) -> tuple[list[Proc], list[str]]:
     roles = ("prefill", "decode") if args.path == "pd" else ("hybrid",)
     stubs = [Proc([sys.executable, __file__, "--serve-stub", r, "--stream-tokens",
@@ -341,12 +356,17 @@ def start_stubs(args) -> tuple[list[Proc], list[str]]:
     return stubs, [s.wait_for(r"stub serving on (\S+)", 30).group(1) for s in stubs]
 
 
+COORDINATOR_CPUS: str | None = None  # --coordinator-cpus: taskset's list for the Coordinator
+
+
 def start_coordinator(src: str | None, addrs: list[str]) -> tuple[Proc, str]:
-    """``pdserve coordinator`` on ``addrs``, from ``src``'s pdserve (None: this checkout)."""
+    """``pdserve coordinator`` on ``addrs``, from ``src``'s pdserve (None: this checkout),
+    on ``COORDINATOR_CPUS`` when set."""
     src_dir = Path(src).resolve() if src else HERE.parent
+    pin = ["taskset", "-c", COORDINATOR_CPUS] if COORDINATOR_CPUS else []
     # -P: the package comes from PYTHONPATH, not from the working directory.
     # Every request of the PD path takes both legs: no prefill on D for a short prompt.
-    coord = Proc([sys.executable, "-P", "-m", "pdserve.cli", "coordinator", "--port", "0",
+    coord = Proc([*pin, sys.executable, "-P", "-m", "pdserve.cli", "coordinator", "--port", "0",
                   "--log-level", "warning", "--max-concurrency", "1024",
                   "--local-prefill-max-tokens", "0", "--no-load-aware-local-prefill",
                   *[x for a in addrs for x in ("--engine", a)]], env={"PYTHONPATH": str(src_dir)})
@@ -443,6 +463,8 @@ def main() -> int:
     ap.add_argument("--compare", default=None, metavar="DIR",
                     help="compare this checkout's Coordinator with DIR's, both loaded at once")
     ap.add_argument("--rounds", type=int, default=5, help="with --compare")
+    ap.add_argument("--coordinator-cpus", default=None, metavar="LIST",
+                    help="the Coordinator alone on these CPUs (taskset list, e.g. 0), the rest elsewhere")
     ap.add_argument("--serve-stub", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-http-floor", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--legs-floor", nargs="+", default=None, help=argparse.SUPPRESS)
@@ -459,6 +481,16 @@ def main() -> int:
     if shutil.which("wrk") is None:
         print("error: wrk is not installed (Debian package wrk; make deps installs it)", file=sys.stderr)
         return 2
+    if args.coordinator_cpus:
+        global COORDINATOR_CPUS
+        cpus = parse_cpu_list(args.coordinator_cpus)
+        others = os.sched_getaffinity(0) - cpus
+        if not cpus or not others:
+            print(f"error: --coordinator-cpus {args.coordinator_cpus} leaves no CPU for the load "
+                  f"(this process may use {sorted(os.sched_getaffinity(0))})", file=sys.stderr)
+            return 2
+        COORDINATOR_CPUS = args.coordinator_cpus
+        os.sched_setaffinity(0, others)  # the stubs, wrk and the floors inherit it
     stubs, addrs = start_stubs(args)
     stub_pids = {f"stub{i}": s.popen.pid for i, s in enumerate(stubs)}
     if args.compare:
@@ -475,7 +507,9 @@ def main() -> int:
     stream_body = {**BODY, "max_tokens": args.stream_tokens, "stream": True}
     try:
         print(f"path={args.path} prompt={len(PROMPT)} chars, {NUM_TOKENS} output tokens; "
-              f"src={args.src or 'this checkout'}")
+              f"src={args.src or 'this checkout'}"
+              + (f"; Coordinator on CPUs {COORDINATOR_CPUS}, the rest on "
+                 f"{','.join(map(str, sorted(os.sched_getaffinity(0))))}" if COORDINATOR_CPUS else ""))
         print(f"{'phase':14}{'requests':>8}{'p50 ms':>8}{'p99 ms':>8}{'req/s':>9}"
               f"{'coordinator CPU':>16}{'cores':>6}{'stubs':>7}")
         with Meter(stub_pids) as m:
