@@ -356,14 +356,11 @@ def start_stubs(args) -> tuple[list[Proc], list[str]]:
     return stubs, [s.wait_for(r"stub serving on (\S+)", 30).group(1) for s in stubs]
 
 
-COORDINATOR_CPUS: str | None = None  # --coordinator-cpus: taskset's list for the Coordinator
-
-
-def start_coordinator(src: str | None, addrs: list[str]) -> tuple[Proc, str]:
+def start_coordinator(src: str | None, addrs: list[str], cpus: str | None = None) -> tuple[Proc, str]:
     """``pdserve coordinator`` on ``addrs``, from ``src``'s pdserve (None: this checkout),
-    on ``COORDINATOR_CPUS`` when set."""
+    on the CPUs of the taskset list ``cpus`` when given."""
     src_dir = Path(src).resolve() if src else HERE.parent
-    pin = ["taskset", "-c", COORDINATOR_CPUS] if COORDINATOR_CPUS else []
+    pin = ["taskset", "-c", cpus] if cpus else []
     # -P: the package comes from PYTHONPATH, not from the working directory.
     # Every request of the PD path takes both legs: no prefill on D for a short prompt.
     coord = Proc([*pin, sys.executable, "-P", "-m", "pdserve.cli", "coordinator", "--port", "0",
@@ -380,7 +377,8 @@ def compare(args, addrs: list[str]) -> None:
     on the machine weighs on both alike; CPU per request is each Coordinator's own.
     Phases per round: c=1, c=``--concurrency``, and the stream of ``--stream-tokens``
     tokens at c=8, whose CPU is also given per output token."""
-    sides = {"A": start_coordinator(args.compare, addrs), "B": start_coordinator(None, addrs)}
+    sides = {"A": start_coordinator(args.compare, addrs, args.coordinator_cpus),
+             "B": start_coordinator(None, addrs, args.coordinator_cpus)}
     stream_body = {**BODY, "max_tokens": args.stream_tokens, "stream": True}
     phases = (("c=1", BODY, 1), (f"c={args.concurrency}", BODY, args.concurrency),
               ("stream c=8", stream_body, 8))
@@ -482,14 +480,12 @@ def main() -> int:
         print("error: wrk is not installed (Debian package wrk; make deps installs it)", file=sys.stderr)
         return 2
     if args.coordinator_cpus:
-        global COORDINATOR_CPUS
         cpus = parse_cpu_list(args.coordinator_cpus)
         others = os.sched_getaffinity(0) - cpus
         if not cpus or not others:
             print(f"error: --coordinator-cpus {args.coordinator_cpus} leaves no CPU for the load "
                   f"(this process may use {sorted(os.sched_getaffinity(0))})", file=sys.stderr)
             return 2
-        COORDINATOR_CPUS = args.coordinator_cpus
         os.sched_setaffinity(0, others)  # the stubs, wrk and the floors inherit it
     stubs, addrs = start_stubs(args)
     stub_pids = {f"stub{i}": s.popen.pid for i, s in enumerate(stubs)}
@@ -500,7 +496,7 @@ def main() -> int:
             for p in stubs:
                 p.stop()
         return 0
-    coord, hostport = start_coordinator(args.src, addrs)
+    coord, hostport = start_coordinator(args.src, addrs, args.coordinator_cpus)
     url = f"http://{hostport}/v1/completions"
     host, port = hostport.rsplit(":", 1)
     all_pids = {**stub_pids, "coordinator": coord.popen.pid}
@@ -508,8 +504,8 @@ def main() -> int:
     try:
         print(f"path={args.path} prompt={len(PROMPT)} chars, {NUM_TOKENS} output tokens; "
               f"src={args.src or 'this checkout'}"
-              + (f"; Coordinator on CPUs {COORDINATOR_CPUS}, the rest on "
-                 f"{','.join(map(str, sorted(os.sched_getaffinity(0))))}" if COORDINATOR_CPUS else ""))
+              + (f"; Coordinator on CPUs {args.coordinator_cpus}, the rest on "
+                 f"{','.join(map(str, sorted(os.sched_getaffinity(0))))}" if args.coordinator_cpus else ""))
         print(f"{'phase':14}{'requests':>8}{'p50 ms':>8}{'p99 ms':>8}{'req/s':>9}"
               f"{'coordinator CPU':>16}{'cores':>6}{'stubs':>7}")
         with Meter(stub_pids) as m:

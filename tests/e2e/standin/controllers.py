@@ -229,8 +229,8 @@ def build_subsets(service: dict, pods: list[dict]) -> list[dict]:
     return list(groups.values())
 
 
-def build_slice(service: dict, subset: dict) -> dict:
-    """The EndpointSlice of one of ``service``'s Endpoints subsets (its labels apart)."""
+def build_slice(service: dict, subset: dict, name: str) -> dict:
+    """EndpointSlice ``name`` of one of ``service``'s Endpoints subsets."""
     def endpoint(address: dict, ready: bool) -> dict:
         out = {"addresses": [address["ip"]], "conditions": {"ready": ready, "serving": ready,
                                                               "terminating": False}}
@@ -238,8 +238,11 @@ def build_slice(service: dict, subset: dict) -> dict:
         return out
 
     m = meta(service)
-    return {"labels": {**(m.get("labels") or {}), "kubernetes.io/service-name": m["name"],
-                       "endpointslice.kubernetes.io/managed-by": "standin"},
+    labels = {**(m.get("labels") or {}), "kubernetes.io/service-name": m["name"],
+              "endpointslice.kubernetes.io/managed-by": "standin"}
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": name, "namespace": m["namespace"], "labels": labels,
+                         "annotations": {MANAGED_ANNOTATION: "endpointslice-controller"}},
             "addressType": "IPv4",
             "endpoints": [endpoint(a, True) for a in subset.get("addresses") or []]
             + [endpoint(a, False) for a in subset.get("notReadyAddresses") or []],
@@ -272,22 +275,18 @@ class EndpointsController:
             ep = endpoints.get((m["namespace"], m["name"]))
             if ep is not None:  # no subset: one slice without endpoints, as the API keeps
                 for i, subset in enumerate(ep.get("subsets") or [{}]):
-                    wanted[(m["namespace"], f"{m['name']}-{i}")] = build_slice(svc, subset)
+                    name = f"{m['name']}-{i}"
+                    wanted[(m["namespace"], name)] = build_slice(svc, subset, name)
         for s in self.api.list(ENDPOINTSLICES):
             key = (meta(s)["namespace"], meta(s)["name"])
             if key not in wanted and (meta(s).get("annotations") or {}).get(MANAGED_ANNOTATION):
                 await self.api.delete(ENDPOINTSLICES, *key)
-        for (ns, name), body in wanted.items():
+        for (ns, name), wanted_slice in wanted.items():
             existing = self.api.get(ENDPOINTSLICES, ns, name)
             if existing is None:
-                await self.api.create(ENDPOINTSLICES, {
-                    "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                    "metadata": {"name": name, "namespace": ns, "labels": body.pop("labels"),
-                                 "annotations": {MANAGED_ANNOTATION: "endpointslice-controller"}},
-                    **body})
-            elif any(existing.get(k) != body[k] for k in ("endpoints", "ports")):
-                await self.api.patch(ENDPOINTSLICES, ns, name,
-                                     {"endpoints": body["endpoints"], "ports": body["ports"]})
+                await self.api.create(ENDPOINTSLICES, wanted_slice)
+            elif any(existing.get(k) != wanted_slice[k] for k in ("endpoints", "ports")):
+                await self.api.patch(ENDPOINTSLICES, ns, name, {k: wanted_slice[k] for k in ("endpoints", "ports")})
 
     async def _sync(self, svc: dict, selector: dict) -> None:
         m = meta(svc)
