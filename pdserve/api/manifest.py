@@ -190,14 +190,15 @@ def dump_manifest(obj: BaseModel) -> str:
 
 
 def default_cluster(name: str = "local", namespace: str | None = None) -> PDCluster:
-    """The built-in cluster: tiny preset, 1 prefill + 1 decode, layerwise over TCP.
+    """The built-in cluster: the ``smollm2`` preset (a real 135M-parameter instruct
+    model), 1 prefill + 1 decode, layerwise over TCP.
 
     What ``pdserve up`` runs without ``-f``; small enough for a laptop CPU.
     """
     return PDCluster(
         metadata=ObjectMeta(name=name, namespace=namespace),
         spec=PDClusterSpec(
-            model=ModelSpec(preset="tiny"),
+            model=ModelSpec(preset="smollm2"),
             prefill=PoolSpec(replicas=1),
             decode=PoolSpec(replicas=1),
             kv_transfer=KVTransferSpec(mode="layerwise", transport="tcp"),

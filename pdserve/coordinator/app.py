@@ -5,7 +5,8 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON or SSE), GET /v1/mod
 /health (the process serves), /ready (some route exists: a PD pair whose KV path
 passed its probe (``pairs.py``) or, under the hybrid fallback, a hybrid engine;
 ``?verbose=1`` lists every P/D pair, usable or why not, and what each engine session
-rides: "frames" on its session port or "grpc"), /metrics (Prometheus text from this
+rides: "frames" on its session port or "grpc", and where the chat template comes
+from), /metrics (Prometheus text from this
 app's own registry). Every error body is OpenAI's error JSON; pydantic validation
 failures are 400 (OpenAI's code for them), not FastAPI's 422. Every error answer,
 refusals before routing included (auth, body size, validation, unknown model or
@@ -250,6 +251,7 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
             body["pairs"] = pairs.describe() if pairs is not None else []
             body["pairs_checked"] = pairs is not None
             body["sessions"] = registry.session_transports()
+            body["chat_template"] = prompts.template_source
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})

@@ -5,13 +5,16 @@ routing and count usage, and sends token ids to engines. It also turns output
 token ids back into text (not the engines' text): a request that continues on a
 new engine pair after a failure then reads as one unbroken stream.
 
-Chat template: the checkpoint's ``tokenizer_config.json`` ``chat_template``
-(rendered with jinja2 in a sandbox, as Hugging Face does, with its ``tojson`` that
-leaves ``<`` and non-ASCII text as they are), else ``DEFAULT_CHAT_TEMPLATE``: one
-``<|role|>`` line before each message's content, then ``<|assistant|>``. Tools reach
-the template as ``tools`` (OpenAI's tool objects, as Hugging Face passes them); the
-default template lists them in a first system turn and writes an assistant's earlier
-calls in the format ``structured.py`` constrains calls to.
+Chat template: the checkpoint's (``runtime.chat_template``: ``chat_template.jinja``,
+``tokenizer_config.json``, or the GGUF file's), rendered with jinja2 in a sandbox, as
+Hugging Face does, with its ``tojson`` that leaves ``<`` and non-ASCII text as they
+are. A checkpoint without one is refused chat (400 saying how to add one); no
+template is ever made up for a real model. The random-weight presets, which have no
+checkpoint, use ``PRESET_CHAT_TEMPLATE``: one ``<|role|>`` line before each message's
+content, then ``<|assistant|>``. Tools reach the template as ``tools`` (OpenAI's tool
+objects, as Hugging Face passes them); the preset template lists them in a first
+system turn and writes an assistant's earlier calls in the format ``structured.py``
+constrains calls to. ``template_source`` says which template serves (``/ready?verbose=1``).
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from pathlib import Path
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from pdserve.runtime.chat_template import HOW_TO_ADD, find_chat_template
 from pdserve.runtime.detokenizer import Detokenizer
+from pdserve.runtime.model_source import resolve
 from pdserve.runtime.tokenizer import ByteTokenizer, load_tokenizer
 
 from .errors import ServeError
 
 PRESET_VOCAB = {"tiny": 320, "small": 8192}
-DEFAULT_CHAT_TEMPLATE = (
+PRESET_CHAT_TEMPLATE = (
     "{% if tools %}<|system|>\nTools you may call, each call written as <tool_call>\\n"
     "{\"name\": ..., \"arguments\": {...}}\\n</tool_call>:\n"
     "{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}{% endif %}"
@@ -56,32 +61,26 @@ class PromptBuilder:
     def __init__(self, model: str) -> None:
         self.tokenizer = None
         self.vocab_size: int | None = None
-        template, self._specials = DEFAULT_CHAT_TEMPLATE, {"bos_token": "", "eos_token": ""}
+        template, self._specials = None, {"bos_token": "", "eos_token": ""}
         if model in PRESET_VOCAB:
             self.vocab_size = PRESET_VOCAB[model]
             self.tokenizer = ByteTokenizer(self.vocab_size)
-        elif Path(model).is_dir():
-            self.tokenizer = load_tokenizer(Path(model))
-            template = self._read_config(Path(model)) or template
+            template, self.template_source = PRESET_CHAT_TEMPLATE, "built-in (random-weight preset)"
+        else:
+            path = Path(resolve(model))
+            if path.exists():
+                self.tokenizer = load_tokenizer(path)
+            found = find_chat_template(path)
+            template, self.template_source, self._specials = found.template, found.source, found.specials
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = _tojson
-        self._template = env.from_string(template)
-
-    def _read_config(self, path: Path) -> str | None:
-        config_file = path / "tokenizer_config.json"
-        if not config_file.is_file():
-            return None
-        config = json.loads(config_file.read_text())
-        for key in ("bos_token", "eos_token"):
-            value = config.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            self._specials[key] = value if isinstance(value, str) else ""
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: use "default"
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        return template if isinstance(template, str) else None
+        self._template = None
+        if template is not None:
+            try:
+                self._template = env.from_string(template)
+            except TemplateError as exc:
+                self.template_source = f"does not compile: {exc}"
 
     def encode_text(self, text: str, add_bos: bool = False) -> list[int]:
         """Called by the app: a text completion's prompt with ``add_bos`` (BOS first where
@@ -100,6 +99,9 @@ class PromptBuilder:
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """Called by the app for /v1/chat/completions: messages (and the tools the model
         may call) -> prompt text."""
+        if self._template is None:
+            raise ServeError(400, f"this model has no chat template ({self.template_source}): "
+                                  f"{HOW_TO_ADD}", param="messages")
         try:
             return self._template.render(messages=messages, tools=tools,
                                          add_generation_prompt=True, **self._specials)

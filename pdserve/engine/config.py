@@ -1,8 +1,8 @@
 """Engine and model configuration.
 
 ``ModelConfig`` is the architecture read from a Hugging Face ``config.json`` (Llama,
-Mistral, Qwen2 and Qwen3 families; ``generation_config.json`` adds EOS ids) or from a
-built-in preset. ``EngineConfig`` is everything an operator sets: device, dtype, KV
+Mistral, Qwen2 and Qwen3 families; ``generation_config.json`` adds EOS ids), from a
+GGUF file's metadata, or from a built-in preset. ``EngineConfig`` is everything an operator sets: device, dtype, KV
 budget, batching limits. Both validate eagerly so that a bad value fails at start-up
 with a message naming the field.
 
@@ -19,6 +19,8 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdserve.runtime.gguf_file import GGUFError, GGUFFile, is_gguf
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -245,6 +247,11 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, path: Path) -> ModelConfig:
+        if is_gguf(path):
+            try:
+                return cls.from_hf_dict(GGUFFile(path).hf_config(), name=path.stem)
+            except GGUFError as exc:
+                raise ConfigError(str(exc)) from None
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ConfigError(f"{path} has no config.json")

