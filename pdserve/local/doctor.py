@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.api import PDCluster
+from pdserve.api import PDCluster, default_cluster
 from pdserve.api.proto import controller_pb2 as cpb
 from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
 from pdserve.local.doctor_checks import (
@@ -51,7 +50,8 @@ from pdserve.runtime.security import SecuritySettings, create_channel
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-f", "--file", help="PDCluster YAML: checks the spec and its `pdserve up` run")
+    p.add_argument("-f", "--file", help="PDCluster YAML: checks the spec and its `pdserve up` run "
+                                        "(default: the built-in cluster, what `pdserve up` runs)")
     p.add_argument("--url", help="Coordinator URL: checks its readiness and P/D pairs")
     p.add_argument("--controller", metavar="ADDR", help="Controller gRPC address: checks its engines")
     p.add_argument("--run-dir", type=Path, help="the `pdserve up` run dir (default: per cluster)")
@@ -62,9 +62,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not (args.file or args.url or args.controller):
-        print("error: give -f cluster.yaml, --url COORDINATOR_URL or --controller ADDR", file=sys.stderr)
-        return 2
     checks = diagnose(args)
     print(json.dumps([c.__dict__ for c in checks], indent=1) if args.json else render(checks))
     return 1 if any(c.status == FAIL for c in checks) else 0
@@ -72,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
 def diagnose(args: argparse.Namespace) -> list[Check]:
     cluster = PDCluster.from_file(args.file) if args.file else None
+    if cluster is None and not (args.url or args.controller):
+        cluster = default_cluster()  # what `pdserve up` runs without -f
     security = SecuritySettings.from_env()
     controller, url = args.controller, args.url
     checks: list[Check] = []
@@ -87,7 +86,8 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
             security = replace(security, token=token_file.read_text().strip())
         if controller is None:
             checks.append(Check("cluster", FAIL, f"no running `pdserve up` for {cluster.metadata.name!r} "
-                                f"(nothing in {state.run_dir})", f"pdserve up -f {args.file}"))
+                                f"(nothing in {state.run_dir})",
+                                f"pdserve up -f {args.file}" if args.file else "pdserve up"))
     checks += check_tls(security) + check_etcd(args.etcd)
     if controller:
         checks += asyncio.run(check_cluster(controller, security, cluster))

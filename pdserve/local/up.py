@@ -96,6 +96,9 @@ def why_cannot_listen(host: str, port: int) -> str | None:
     except socket.gaierror as exc:
         return f"--host {host}: no such host ({exc.strerror})"
     with socket.socket(family, kind) as s:
+        # As the Coordinator's server binds: a port whose earlier listener died leaving
+        # connections in TIME_WAIT is free to listen on; one with a live listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(address)
         except OSError as exc:

@@ -11,6 +11,7 @@ import httpx
 
 from tests.etcd import free_port
 from tests.procs import PDSERVE, Proc
+from tests.real_model import gguf_path
 
 
 def doctor(*args: str) -> subprocess.CompletedProcess:
@@ -52,10 +53,17 @@ def test_doctor_fails_with_the_reason_on_a_missing_model_path(tmp_path):
     result = doctor("-f", str(spec), "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 1, result.stdout + result.stderr
     line = next(r for r in result.stdout.splitlines() if "model source" in r)
-    assert line.startswith("FAIL") and "/nonexistent/checkpoint does not exist" in line
+    assert line.startswith("FAIL") and "'/nonexistent/checkpoint': no such file or directory" in line
     assert "fix: point spec.model.path" in result.stdout
 
 
-def test_doctor_needs_a_target():
-    result = doctor()
-    assert result.returncode == 2 and "give -f cluster.yaml" in result.stderr
+def test_doctor_without_a_target_checks_the_built_in_cluster(tmp_path):
+    gguf_path()  # the preset is installed (as `pdserve up` would have done)
+    result = doctor("--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 1, result.stdout + result.stderr  # nothing runs yet
+    rows = result.stdout.splitlines()
+    model = next(r for r in rows if "model source" in r)
+    assert model.startswith("PASS") and "preset 'smollm2'" in model and model.endswith(".gguf)")
+    template = next(r for r in rows if "chat template" in r)
+    assert template.startswith("PASS") and "tokenizer.chat_template" in template
+    assert "no running `pdserve up` for 'local'" in result.stdout and "fix: pdserve up" in result.stdout
