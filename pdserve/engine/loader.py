@@ -32,6 +32,7 @@ from pdserve.engine.config import ConfigError, ModelConfig
 from pdserve.engine.model import Transformer
 from pdserve.engine.parallel import TensorParallel
 from pdserve.runtime.gguf_file import GGUFError, GGUFFile, is_gguf
+from pdserve.runtime.model_source import PRESETS as ALL_PRESETS
 from pdserve.runtime.model_source import ModelSourceError, resolve
 from pdserve.runtime.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -330,7 +331,7 @@ def model_config(name_or_path: str) -> ModelConfig:
         return preset_config(name_or_path)
     path = Path(_resolve(name_or_path))
     if not path.is_dir() and not (is_gguf(path) and path.is_file()):
-        raise ConfigError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}), "
+        raise ConfigError(f"model {name_or_path!r} is neither a preset ({', '.join(ALL_PRESETS)}), "
                           "a directory nor a .gguf file")
     return ModelConfig.from_path(path)
 

@@ -101,11 +101,35 @@ def logs_of(run_dir: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("*.log")))
 
 
-@pytest.mark.parametrize("model", [{"preset": "nosuch"}, {"path": "/nonexistent/checkpoint"}],
-                         ids=["preset", "path"])
-def test_an_engine_that_cannot_start_stops_up_at_once_with_its_error(tmp_path, model):
+@pytest.mark.parametrize(("model", "message"), [
+    ({"preset": "nosuch"}, "spec.model.preset: model 'nosuch': no such preset"),
+    ({"path": "/nonexistent/checkpoint"}, "spec.model.path: model '/nonexistent/checkpoint': no such file"),
+], ids=["preset", "path"])
+def test_a_model_that_cannot_load_stops_up_before_anything_starts(tmp_path, model, message):
     spec = write_yaml(tmp_path / "cluster.yaml", {
-        "model": model, "engine": {"dtype": "float32", "kvCacheBytes": "16Mi"},
+        "model": model, "prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    up = Proc([*PDSERVE, "up", "-f", str(spec), "--port", str(free_port()), "--run-dir", str(run_dir)])
+    try:
+        assert up.popen.wait(30) == 2
+    finally:
+        up.stop()
+    assert time.monotonic() - started < 15
+    assert f"error: {message}" in up.output, up.output
+    assert not (run_dir / "processes.json").exists()  # nothing was started
+    assert "Traceback" not in up.output
+
+
+def test_an_engine_that_cannot_start_stops_up_at_once_with_its_error(tmp_path):
+    # A checkpoint that passes up's own check (config.json, weights) but that no engine
+    # can load: the engine's error stops up.
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    (ckpt / "model.safetensors").write_bytes(b"")
+    spec = write_yaml(tmp_path / "cluster.yaml", {
+        "model": {"path": str(ckpt)}, "engine": {"dtype": "float32", "kvCacheBytes": "16Mi"},
         "prefill": {"replicas": 0}, "decode": {"replicas": 0}, "hybrid": {"replicas": 1, "threads": 1}})
     run_dir = tmp_path / "run"
     started = time.monotonic()
@@ -115,9 +139,8 @@ def test_an_engine_that_cannot_start_stops_up_at_once_with_its_error(tmp_path, m
     finally:
         up.stop()
     assert time.monotonic() - started < 60
-    wanted = next(iter(model.values()))
     assert re.search(r"error: engine up-spec-hybrid-0 cannot start: it exited twice in a row with code 2 "
-                     r"and the same error:\n  error: model '" + re.escape(wanted) + "' is neither a preset",
+                     r"and the same error:\n  error: unsupported architecture \['GPT2LMHeadModel'\]",
                      up.output), up.output
     assert "Traceback" not in up.output + logs_of(run_dir)
 

@@ -157,7 +157,7 @@ def test_checkpoint_without_tokenizer_refuses_text_prompts(tmp_path):
 
 
 def test_unknown_preset_or_missing_dir(tmp_path):
-    with pytest.raises(ConfigError, match=r"'huge' is neither a preset \(tiny, small\) nor a dir"):
+    with pytest.raises(ConfigError, match=r"'huge' is neither a preset \(tiny, small, smollm2\), a directory nor a \.gguf file"):
         start("huge")
     missing = tmp_path / "nowhere"
     with pytest.raises(ConfigError, match="neither a preset") as exc:
