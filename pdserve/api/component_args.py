@@ -3,7 +3,8 @@ shared by ``pdserve up`` (local processes) and the operator (Deployments), so bo
 run exactly the spec.
 
 Owns ``coordinator_argv`` (served and tokenizer model, routing policies, KV mode,
-fallback policy, local-prefill rules, block size, TTFT and TPOT SLOs) and ``model_location``
+fallback policy, local-prefill rules, block size, TTFT and TPOT SLOs, request
+timeouts) and ``model_location``
 (where components find the weights or tokenizer).
 
 Invariants: pure (no I/O, no environment); only the listen address and the
@@ -42,7 +43,11 @@ def coordinator_argv(cluster: PDCluster, host: str, port: int, controller: str) 
             "--kv-mode", spec.kv_transfer.mode,
             "--local-prefill-max-tokens", str(spec.routing.local_prefill_max_tokens),
             "--fallback-policy", spec.fallback.policy,
-            "--block-size", str(spec.engine.block_size)]
+            "--block-size", str(spec.engine.block_size),
+            "--first-token-timeout-s", str(spec.timeouts.first_token_seconds),
+            "--token-idle-timeout-s", str(spec.timeouts.token_idle_seconds)]
+    if spec.timeouts.request_seconds:
+        argv += ["--request-timeout-s", str(spec.timeouts.request_seconds)]
     if spec.slo.ttft_ms:
         argv += ["--ttft-slo-s", f"{spec.slo.ttft_ms / 1000:g}"]
     if spec.slo.tpot_ms:

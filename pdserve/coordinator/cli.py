@@ -60,8 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-load-aware-local-prefill", dest="load_aware_local_prefill",
                         action="store_false",
                         help="prefill on D only by --local-prefill-max-tokens, never by P's load")
-    parser.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
-                        help="one deadline per request, both legs and retries included")
+    parser.add_argument("--first-token-timeout-s", type=float, default=d.first_token_timeout_s,
+                        help="how long a request may wait for its first token: queue, routing, "
+                             "prefill, KV transfer and retries included")
+    parser.add_argument("--token-idle-timeout-s", type=float, default=d.token_idle_timeout_s,
+                        help="the longest gap between two tokens of a stream (and before a "
+                             "continuation's next token)")
+    parser.add_argument("--request-timeout-s", type=float, default=None,
+                        help="a total per request, the whole generation included (default: "
+                             "none; a client may set its own, the smaller applies)")
     parser.add_argument("--max-concurrency", type=int, default=d.max_concurrency,
                         help="requests served at once")
     parser.add_argument("--max-queue", type=int, default=d.max_queue,
@@ -101,7 +108,9 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         fallback_policy=args.fallback_policy, block_size=args.block_size,
         ttft_slo_s=args.ttft_slo_s, tpot_slo_s=args.tpot_slo_s,
-        load_aware_local_prefill=args.load_aware_local_prefill, request_timeout_s=args.request_timeout_s,
+        load_aware_local_prefill=args.load_aware_local_prefill,
+        first_token_timeout_s=args.first_token_timeout_s,
+        token_idle_timeout_s=args.token_idle_timeout_s, request_timeout_s=args.request_timeout_s,
         max_concurrency=args.max_concurrency, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, max_retries=args.max_retries,
         poll_interval_s=args.poll_interval_s, max_tokens_default=args.max_tokens_default,

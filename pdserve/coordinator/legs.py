@@ -8,13 +8,21 @@ the decode leg streamed, the prefill leg awaited beside it in a task. Both shape
 answer the same calls, made by ``RequestRun`` on the event loop:
 
   start(timeout_s, collects)
-                     send the request(s); count the load on their engines; with
-                     ``collects`` (the answer is read whole, not streamed) the
-                     tokens after the first are handed on together at the end
-                     (``SessionCall.holds``: one wake, not one per message)
+                     send the request(s), the first token due within ``timeout_s``;
+                     count the load on their engines; with ``collects`` (the answer
+                     is read whole, not streamed) the tokens after the first are
+                     handed on together at the end (``SessionCall.holds``: one
+                     wake, not one per message)
   tokens()           the output token ids, until the engine finishes the request
   arrival_s          (collecting) when the ids ``tokens`` last gave reached the Coordinator
+  last_arrival_s     when the stream's last message reached the Coordinator
+  wait_report()      (a PD pair whose decode leg finished) until P's report is in
   close()            restore the load counts; cancel and abort what did not finish
+
+Deadlines (``deadlines.py``): a leg whose tokens are the stream's (a single or
+decode leg) must get its first message within ``timeout_s`` and each later one
+within the request's idle bound of the one before, never past its total; a prefill
+leg's whole stream is before the first token, so ``timeout_s`` bounds all of it.
 
 Outcomes other than tokens: the client's (``ServeError`` 400: the engine refused
 the input, never retried), the deadline's (504), load (``EngineFull``: the engine
@@ -35,6 +43,13 @@ Load counts on each ``EngineEndpoint``: one in flight per leg from ``start`` to
 ``close``; a single or prefill leg's prompt tokens are pending prefill until the
 engine reports the prefill done (its first timings) or the leg is closed.
 
+P's report: its stage timings (queue, compute, with its first message; transfer,
+with its handoff) and its prefix-cache hits go into the request's timings as P's
+messages are read, in P's task. D's messages ride another connection, so D's whole
+answer can be read before P's; an answer whose D finished first waits for P's
+stream to end (``PairedLegs.wait_report``, at most ``REPORT_WAIT_S``: D finishing
+means the KV moved, so P's handoff is on its way) before the response ends.
+
 Invariants: every started leg is closed, whatever ends the attempt (closing
 ``RequestRun.tokens`` on a client disconnect included); a closed leg that did not
 finish is cancelled and aborted through the ``Aborter``, except a prefill leg
@@ -53,6 +68,7 @@ import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 
+from .deadlines import Deadlines
 from .errors import ServeError
 from .instances import EngineEndpoint, InstanceRegistry
 from .sessions import EngineSession
@@ -60,6 +76,7 @@ from .timings import RequestTimings
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0
+REPORT_WAIT_S = 2.0  # how long a finished answer waits for its prefill leg's report
 # The engine's answer when it has no room for a request (KV blocks, queue): gRPC
 # status RESOURCE_EXHAUSTED with details starting "decode full" or "prefill full".
 # gRPC itself uses RESOURCE_EXHAUSTED for other things (a message too large), which
@@ -105,9 +122,12 @@ class Leg:
     END_REASONS: tuple[str, ...] = ("stop", "length")  # finish reasons that end it well
     ENDED_EARLY = "stream ended without finishing"
     PREFILLS_PROMPT = True  # its engine prefills the prompt: counted as pending prefill
+    STREAMS = True  # its messages are the stream's: bounded by the idle gap once it began
+    has_pending_report = False  # see ``PairedLegs``
 
     def __init__(self, engine: EngineEndpoint, request: pb.GenerateRequest, client: EngineSession,
-                 timings: RequestTimings, aborter: Aborter) -> None:
+                 timings: RequestTimings, aborter: Aborter,
+                 deadlines: Deadlines | None = None) -> None:
         self.engine = engine
         self.request = request
         self.has_token = False
@@ -116,6 +136,7 @@ class Leg:
         self._client = client
         self._timings = timings
         self._aborter = aborter
+        self._deadlines = deadlines  # None: ``timeout_s`` bounds the whole leg
         self._call = None
         self._is_open = False
         self._has_timings = False
@@ -127,9 +148,14 @@ class Leg:
         self.prompt_logprobs: list[pb.TokenLogprob] | None = None
 
     def start(self, timeout_s: float, collects: bool = False) -> None:
-        """Called once, by ``RequestRun`` or ``PairedLegs.start``: sends the request with a
-        deadline of ``timeout_s`` (what is left of the request's), counts the load."""
-        self._call = self._client.generate(self.request, timeout_s=timeout_s)
+        """Called once, by ``RequestRun`` or ``PairedLegs.start``: sends the request, its
+        first message due within ``timeout_s`` (what is left until the request's next
+        token is due), counts the load."""
+        d = self._deadlines
+        if d is not None and self.STREAMS:
+            self._call = self._client.generate(self.request, timeout_s, d.idle_s, d.end_s)
+        else:
+            self._call = self._client.generate(self.request, timeout_s=timeout_s)
         self._call.holds = collects
         self._is_open = True
         self.engine.num_inflight += 1
@@ -191,6 +217,10 @@ class Leg:
     def arrival_s(self) -> float:
         return self._call.arrival_s
 
+    @property
+    def last_arrival_s(self) -> float:
+        return self._call.last_arrival_s
+
     def take_logprobs(self) -> list[pb.TokenLogprob]:
         """The logprobs of the tokens yielded since the last call (``RequestRun``)."""
         taken, self.logprobs = self.logprobs, []
@@ -249,6 +279,7 @@ class PrefillLeg(Leg):
     kind = "prefill"
     END_REASONS = ("handoff",)
     ENDED_EARLY = "stream ended without handoff"
+    STREAMS = False  # all of it comes before the stream's first token
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -343,6 +374,26 @@ class PairedLegs:
     @property
     def arrival_s(self) -> float:
         return self.decode.arrival_s
+
+    @property
+    def last_arrival_s(self) -> float:
+        return self.decode.last_arrival_s
+
+    @property
+    def has_token(self) -> bool:
+        return self.decode.has_token
+
+    @property
+    def has_pending_report(self) -> bool:
+        """P's stream has not ended yet: its report may not be in the timings."""
+        task = self._prefill_task
+        return task is not None and not task.done()
+
+    async def wait_report(self) -> None:
+        """Called by ``RequestRun`` once D finished, before the answer ends: until P's
+        stream ended too (its report read), for at most ``REPORT_WAIT_S``. P failing
+        now changes nothing in the answer (``close`` retrieves it)."""
+        await asyncio.wait((self._prefill_task,), timeout=REPORT_WAIT_S)
 
     def start(self, timeout_s: float, collects: bool = False) -> None:
         self.decode.start(timeout_s, collects)  # P's messages drive D's first token: never held

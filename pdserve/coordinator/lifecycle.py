@@ -17,7 +17,10 @@ on a new plan whose prompt is the original prompt plus every token already
 streamed and whose ``max_tokens`` is what is left, so the client's stream
 continues without a visible break. At most ``max_retries`` retries with bounded
 exponential backoff; everything (routing waits, calls, backoff) lives inside the
-request's one deadline. Each failure is logged, at most once per engine, leg and
+deadline of the request's next token (``deadlines.py``): the first-token deadline
+until the stream began, then the idle gap from the last token received, so a
+continuation must bring its next token within it; the client's or the settings'
+total, when set, caps both. Each failure is logged, at most once per engine, leg and
 reason per ``LOG_INTERVAL_S`` (``ThrottledLog``).
 
 Load (``EngineFull``): an engine with no room is healthy. It is not marked failed
@@ -38,6 +41,10 @@ are asked of the leg that prefills, on an attempt that has streamed nothing yet 
 continuation's prompt holds generated tokens, and the client has the prompt's
 already). ``RequestRun.logprobs`` stays in step with ``generated``.
 
+Timings: a PD attempt whose decode leg finished before its prefill leg's stream ended
+waits for that stream (``PairedLegs.wait_report``) before the run ends, so the
+answer's timings, cached tokens and stage metrics hold P's report.
+
 Invariants: an attempt's legs are closed before the next attempt starts and when
 the run is closed (stop string, client gone: closing the generator runs the
 ``finally``), which cancels and aborts the legs that did not finish.
@@ -56,6 +63,7 @@ from dataclasses import dataclass, field
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.runtime.log_throttle import ThrottledLog
 
+from .deadlines import Deadlines
 from .errors import ServeError
 from .instances import EngineEndpoint, InstanceRegistry
 from .legs import Aborter, DecodeLeg, EngineFull, Leg, LegFailure, PairedLegs, PrefillLeg
@@ -162,14 +170,15 @@ class RequestRun:
     ``label`` is what the client calls it (its ``x-request-id``), ``request_id`` by default."""
 
     def __init__(self, deps: Deps, request_id: str, prompt_ids: list[int], params: GenerationParams,
-                 deadline: float, arrival_s: float | None = None, label: str | None = None) -> None:
+                 deadlines: Deadlines, arrival_s: float | None = None, label: str | None = None) -> None:
         self.deps = deps
         self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
         self.request_id = request_id
         self.label = label or request_id
         self.prompt_ids = prompt_ids
         self.params = params
-        self.deadline = deadline
+        self.deadlines = deadlines
+        self._last_s: float | None = None  # when the last token streamed reached the Coordinator
         self.generated: list[int] = []
         self.logprobs: list[pb.TokenLogprob] = []  # one per generated token, when asked for
         self.prompt_logprobs: list[pb.TokenLogprob] | None = None  # when asked for
@@ -187,6 +196,12 @@ class RequestRun:
     def last_tokens_s(self) -> float:
         """When the ids ``tokens`` last gave reached the Coordinator (a collecting run's)."""
         return self._legs.arrival_s
+
+    @property
+    def deadline(self) -> float:
+        """When the request's next token is due (``Deadlines.next_token_s``): what the
+        next attempt, its routing wait and a retry's backoff must fit in."""
+        return self.deadlines.next_token_s(self._last_s)
 
     def left_s(self) -> float:
         return self.deadline - time.monotonic()
@@ -216,7 +231,7 @@ class RequestRun:
                 try:
                     left = self.left_s()
                     if left <= 0:
-                        raise ServeError(504, "the request's deadline passed", code="deadline")
+                        raise self.deadlines.passed(self._last_s)
                     legs.start(left, self.collects)
                     async for ids in legs.tokens():
                         self.generated.extend(ids)
@@ -225,10 +240,18 @@ class RequestRun:
                         if self.params.prompt_logprobs and self.prompt_logprobs is None:
                             self.prompt_logprobs = self._checked_prompt_logprobs(legs)
                         yield ids
+                    if legs.has_pending_report:
+                        await legs.wait_report()
                 finally:
                     legs.close()
+                    if legs.has_token:  # the idle gap of what comes next runs from here
+                        self._last_s = legs.last_arrival_s
                 self.finish_reason = legs.finish_reason
                 return
+            except ServeError as err:
+                if err.code == "deadline":  # which one: the leg's call cannot say
+                    raise self.deadlines.passed(self._last_s) from None
+                raise
             except EngineFull as full:
                 last_full = full
                 self._on_full(full)
@@ -246,7 +269,8 @@ class RequestRun:
                                      code="engine_failure") from None
                 backoff = min(s.retry_backoff_s * 2 ** (failures - 1), s.retry_backoff_max_s)
                 if backoff >= self.left_s():
-                    raise ServeError(504, f"deadline passed while retrying after: {f.public}",
+                    passed = self.deadlines.passed(self._last_s)
+                    raise ServeError(504, f"{passed.message} while retrying after: {f.public}",
                                      code="deadline") from None
                 await asyncio.sleep(backoff)
 
@@ -314,7 +338,7 @@ class RequestRun:
 
     def _leg(self, kind: type[Leg], engine: EngineEndpoint, request: pb.GenerateRequest):
         return kind(engine, request, self.deps.registry.session(engine.address), self.timings,
-                    self.deps.aborter)
+                    self.deps.aborter, self.deadlines)
 
 
 def _is_full(plan: Plan) -> bool:

@@ -191,9 +191,10 @@ class Output:
                     text = self.echo + text
                 chunk = self.shape.chunk(text, is_first, token_ids=ids if with_ids else None,
                                          logprobs=self.logprobs.take() if has_logprobs else None)
-                if continuous_usage:
-                    chunk["usage"] = usage()
-                yield chunk
+                if chunk is not None:  # None: a tool call's text held back (structured.py)
+                    if continuous_usage:
+                        chunk["usage"] = usage()
+                    yield chunk
                 is_first = False
             event = await self.next_event()
         if on_end is not None:

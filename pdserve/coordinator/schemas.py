@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from .deadlines import MIN_REQUEST_TIMEOUT_S
 from .structured import ResponseFormat, ToolCall, ToolChoice, ToolDefinition
 
 MAX_SEED = 2**53 - 1  # exact in a JSON number
@@ -117,6 +118,11 @@ class _Request(BaseModel):
     """Extension (as vLLM's and SGLang's): the model's EOS does not end the output."""
     min_tokens: int = Field(default=0, ge=0, le=1 << 20)
     """Extension (as vLLM's): no EOS or stop token before this many output tokens."""
+    request_timeout: float | None = Field(default=None, ge=MIN_REQUEST_TIMEOUT_S,
+                                          allow_inf_nan=False)
+    """pdserve extension: the request's total in seconds, the whole generation included
+    (as the ``x-request-timeout`` header; the smallest of these and the server's
+    applies); past it the request ends with 504 ``deadline``."""
     # Structured output, enforced by the engines' grammar (structured.py).
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -7,6 +7,12 @@ token is awaited before the response starts, so errors before it (no route, bad
 prompt) get their real HTTP status; errors after it end the stream with an OpenAI
 error event and ``data: [DONE]``.
 
+Deadlines (``deadlines.py``) are fixed at arrival: the settings' first-token and idle
+bounds, and a total when the settings or the client set one (the body's
+``request_timeout`` or the ``x-request-timeout`` header, in seconds; the smallest
+applies; anything but a number of at least 1 is a 400). The admission wait counts
+against the first token's.
+
 Ids: every request gets the Coordinator's own id (``lifecycle.new_request_id``): the
 response's ``id`` and its engines' request id. A client's ``x-request-id`` (1-128
 visible ASCII characters, else 400) is a label only: echoed in the response header,
@@ -37,6 +43,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from .admission import Admission
+from .deadlines import TIMEOUT_HEADER, Deadlines, client_total_s
 from .errors import ServeError
 from .guard import ADMIN_SCOPE_KEY
 from .http_server import CLIENT_HOOK
@@ -51,7 +58,8 @@ from .structured import output_format, template_messages
 log = logging.getLogger(__name__)
 TIMINGS_HEADER = "x-pdserve-timings"
 REQUEST_ID_HEADER = "x-request-id"
-_REQUEST_ID, _TIMINGS = REQUEST_ID_HEADER.encode(), TIMINGS_HEADER.encode()
+_REQUEST_ID, _TIMINGS, _TIMEOUT = (REQUEST_ID_HEADER.encode(), TIMINGS_HEADER.encode(),
+                                   TIMEOUT_HEADER.encode())
 MAX_CLIENT_ID_CHARS = 128
 # A chat's max_tokens when it gives none: past any engine's capacity, so the engine
 # ends it at its context limit; fits the wire's int32.
@@ -77,16 +85,19 @@ def client_request_id(given: bytes | None) -> str | None:
     return text
 
 
-def _request_headers(scope) -> tuple[bytes | None, bytes | None]:
-    """(``x-request-id``, ``x-pdserve-timings``) as sent, each None when absent: one pass
-    over the request's headers (lower-case names, as ASGI gives them)."""
-    given = timings = None
+def _request_headers(scope) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """(``x-request-id``, ``x-pdserve-timings``, ``x-request-timeout``) as sent, each
+    None when absent: one pass over the request's headers (lower-case names, as ASGI
+    gives them)."""
+    given = timings = timeout = None
     for name, value in scope["headers"]:
         if name == _REQUEST_ID and given is None:
             given = value
         elif name == _TIMINGS and timings is None:
             timings = value
-    return given, timings
+        elif name == _TIMEOUT and timeout is None:
+            timeout = value
+    return given, timings, timeout
 
 
 def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
@@ -247,16 +258,17 @@ class Completions:
         if body.model != settings.model_name:
             raise ServeError(404, f"model {body.model!r} does not exist; this server serves "
                              f"{settings.model_name!r}", code="model_not_found", param="model")
-        given_id, timings_header = _request_headers(request.scope)
+        given_id, timings_header, timeout_header = _request_headers(request.scope)
         label = client_request_id(given_id)
+        deadlines = Deadlines.at_arrival(arrival, settings,
+                                         client_total_s(timeout_header, body.request_timeout))
         fmt = output_format(body)  # structured output and tools: 400 before routing
         prompt_ids = self._prompt_ids(body, fmt.tools)
         params = build_generation_params(body, settings, self.prompts.vocab_size, fmt.guided)
         check_context_length(body, len(prompt_ids), params.max_tokens,
                              self.deps.registry.max_model_len())
         num_choices = choice_counts(body)
-        deadline = arrival + settings.request_timeout_s
-        slot = await self.admission.acquire(deadline)
+        slot = await self.admission.acquire(deadlines.first_token_s)
         request_id = new_request_id()
         echo = self._echo_text(body, prompt_ids)
 
@@ -269,7 +281,7 @@ class Completions:
             if num_choices[1] > num_choices[0]:  # best_of ranks choices by their logprobs
                 choice_params = dataclasses.replace(choice_params, logprobs=True)
             run = RequestRun(self.deps, request_id if not index else f"{request_id}-{index}",
-                             prompt_ids, choice_params, deadline, arrival, label)
+                             prompt_ids, choice_params, deadlines, arrival, label)
             logprobs = None if not choice_params.logprobs else OutputLogprobs(
                 run, self.token_texts, endpoint == "chat", params.top_logprobs,
                 echo if params.prompt_logprobs else None)

@@ -13,7 +13,11 @@ classifies one kind of error), plus ``cancel``.
 
 Deadlines are the Coordinator's: each call has a timer at its deadline that fails it
 with DEADLINE_EXCEEDED and cancels the request on the engine, as a call's gRPC
-deadline did.
+deadline did. A call that streams tokens has an idle bound too: each message moves
+its deadline to the message's arrival plus ``idle_s``. Nothing is re-armed per
+message: the session stamps each message's arrival (one clock read per session
+response), and the timer, when it fires, looks at the stamp and is armed again
+for the rest of the gap while messages keep coming (``deadlines.py``).
 
 Invariants: a call ends once (its end, its deadline, its cancel, or the session
 breaking), and then leaves the session's table; a link that breaks (the engine
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 
@@ -52,7 +57,8 @@ class SessionCall:
     the messages between wait in the call and are read in one go, not one wake each;
     ``arrival_s`` then says when the message last read arrived (``time.monotonic``),
     which is when its tokens reached the Coordinator however late they are read.
-    Set right after ``generate``, before any message came."""
+    Set right after ``generate``, before any message came. ``last_arrival_s`` is when
+    the last message put arrived, read or not (0.0: none yet)."""
 
     def __init__(self, session: EngineSession, request_id: str) -> None:
         self.request_id = request_id
@@ -62,10 +68,14 @@ class SessionCall:
         self._waiter: asyncio.Future | None = None
         self._end: BaseException | None = None  # StopAsyncIteration or the error
         self._timer: asyncio.TimerHandle | None = None
+        self._first_s = math.inf  # the deadline until the first message (monotonic)
+        self._idle_s: float | None = None  # then each message's arrival plus this
+        self._end_s = math.inf  # and never later than this
         self.holds = False
         self._num_put = 0
         self._arrivals: deque[float] = deque()  # of the messages in ``_items``, when holding
         self.arrival_s = 0.0
+        self.last_arrival_s = 0.0
 
     def __aiter__(self) -> SessionCall:
         return self
@@ -114,12 +124,14 @@ class SessionCall:
 
     # -- called by the session --
 
-    def put(self, message: pb.GenerateResponse) -> None:
+    def put(self, message: pb.GenerateResponse, now: float) -> None:
+        """``message`` arrived at ``now`` (``time.monotonic``)."""
         self._items.append(message)
+        self.last_arrival_s = now
         if not self.holds:
             self._wake()
             return
-        self._arrivals.append(time.monotonic())
+        self._arrivals.append(now)
         self._num_put += 1
         if self._num_put == 1 or message.finished:
             self._wake()
@@ -133,8 +145,36 @@ class SessionCall:
                 self._timer.cancel()
             self._wake()
 
+    def arm(self, timeout_s: float, idle_s: float | None, end_s: float) -> None:
+        """Called by ``EngineSession.generate``: the first message is due within
+        ``timeout_s``; with ``idle_s``, each later one within ``idle_s`` of the one
+        before, never after ``end_s``; without, ``timeout_s`` bounds the whole call."""
+        self._first_s = time.monotonic() + timeout_s
+        self._idle_s, self._end_s = idle_s, end_s
+        # Before the first message the timer also wakes every ``idle_s``: a first
+        # message long before the first deadline starts the idle bound in time.
+        first_wait = timeout_s if idle_s is None else min(timeout_s, idle_s)
+        self._timer = self.loop.call_later(first_wait, self._on_timer)
+
+    def _on_timer(self) -> None:
+        """The timer: expires the call when its deadline passed, else waits on for the
+        rest (messages came since it was armed and moved the deadline)."""
+        if self._end is not None:
+            return
+        now = time.monotonic()
+        if self._idle_s is None or not self.last_arrival_s:
+            due = self._first_s
+            wait = due - now if self._idle_s is None else min(due - now, self._idle_s)
+        else:
+            due = min(self.last_arrival_s + self._idle_s, self._end_s)
+            wait = due - now
+        if due <= now:
+            self.expire()
+        else:
+            self._timer = self.loop.call_later(wait, self._on_timer)
+
     def expire(self) -> None:
-        """The deadline's timer."""
+        """The deadline passed: the engine is told to cancel; reading raises DEADLINE_EXCEEDED."""
         if self._end is None:
             self._session.cancel(self.request_id)
             self.ended(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
@@ -169,9 +209,12 @@ class EngineSession:
         """"frames", "grpc", or "" while not open or still opening (status, tests)."""
         return self._link.transport if self._link is not None else ""
 
-    def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None) -> SessionCall:
+    def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None,
+                 idle_s: float | None = None, end_s: float = math.inf) -> SessionCall:
         """Called by ``Leg.start``: sends ``request`` on the session (opened if it is
-        not), failing it with DEADLINE_EXCEEDED after ``timeout_s``."""
+        not), failing it with DEADLINE_EXCEEDED when no message came within
+        ``timeout_s``, or, with ``idle_s``, none within ``idle_s`` of the last one, or
+        at ``end_s`` (monotonic); without ``idle_s``, after ``timeout_s`` whatever came."""
         link = self._link
         if link is None:
             self.loop = asyncio.get_running_loop()
@@ -179,7 +222,7 @@ class EngineSession:
         call = SessionCall(self, request.request_id)
         self._calls[request.request_id] = call
         if timeout_s is not None:
-            call._timer = self.loop.call_later(timeout_s, call.expire)
+            call.arm(timeout_s, idle_s, end_s)
         self._generate.append(request)
         link.wake()
         return call
@@ -213,10 +256,11 @@ class EngineSession:
     def deliver(self, response: pb.SessionResponse) -> None:
         """The engine's messages and ends, each to its call."""
         calls = self._calls
+        now = time.monotonic()  # one read for the response's messages
         for message in response.messages:
             target = calls.get(message.request_id)
             if target is not None:
-                target.put(message)
+                target.put(message, now)
         for end in response.ends:
             target = calls.get(end.request_id)
             if target is None:

@@ -44,8 +44,15 @@ class CoordinatorSettings(BaseModel):
     prefix_index_max_blocks: int = Field(default=65536, ge=1)
     """LRU bound of the prefix index, per instance."""
 
-    request_timeout_s: float = Field(default=60.0, gt=0)
-    """The one deadline of a request, covering both legs and every retry."""
+    first_token_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    """How long a request may wait for its first token: admission, routing waits,
+    prefill, KV transfer and every retry before it (``deadlines.py``)."""
+    token_idle_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    """The longest gap between two messages of a stream, and a continuation's longest
+    wait for its next token after a failure."""
+    request_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """A total for every request, the whole generation included; None: none (a client
+    may still set its own; the smaller applies)."""
     max_concurrency: int = Field(default=256, ge=1)
     max_queue: int = Field(default=1024, ge=0)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
@@ -56,7 +63,7 @@ class CoordinatorSettings(BaseModel):
     """How long an engine that just failed a leg is avoided (when another exists)."""
     overload_max_wait_s: float = Field(default=10.0, ge=0)
     """How long a request may go on waiting for an engine with room after the first
-    "full" answer; then 503 with Retry-After (the deadline bounds it too)."""
+    "full" answer; then 503 with Retry-After (the request's deadline bounds it too)."""
     poll_interval_s: float = Field(default=0.5, gt=0)
     """Static view: how often each engine's Health and Stats are read."""
     pair_probe_interval_s: float = Field(default=30.0, gt=0)

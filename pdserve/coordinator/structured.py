@@ -12,7 +12,12 @@ it, so a bad schema or regex is a 400 naming its field:
 - ``tools`` with ``tool_choice``. Tools are written into the prompt by the chat
   template (``tools=``, as Hugging Face templates take them). A call is the text
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (the Hermes and
-  Qwen convention), several separated by a newline when ``parallel_tool_calls``:
+  Qwen convention), several separated by a newline when ``parallel_tool_calls``; a
+  newline after a call may also end the output (models write one before their end
+  token, and it must not commit them to another call). A tool's ``parameters`` are
+  enforced closed: an object schema that declares ``properties`` but leaves
+  ``additionalProperties`` unsaid takes no other keys (as OpenAI's strict function
+  calling), so arguments hold only what the function takes:
   - ``required``: the output is one or more calls, each to a declared tool with
     arguments valid for its ``parameters``;
   - named (``{"type": "function", "function": {"name": ...}}``): one call to it;
@@ -212,8 +217,33 @@ def _tool_format(body) -> OutputFormat:
 def _call_schema(name: str, parameters: dict) -> dict:
     """One call's JSON: this tool's name and arguments valid for its parameters."""
     return {"x-guidance": _COMPACT, "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters},
+            "properties": {"name": {"const": name}, "arguments": _closed(parameters)},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def _closed(schema):
+    """``schema`` with every object schema that declares properties and leaves
+    ``additionalProperties`` unsaid closed to undeclared keys (a copy; the request's
+    own is left alone)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(v) for v in out[key]]
+    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key])
+    if isinstance(out.get("properties"), dict) and out["properties"] and "additionalProperties" not in out:
+        out["additionalProperties"] = False  # an object with no declared keys stays free-form
+    return out
 
 
 def _calls_grammar(schemas: list[dict], parallel: bool, allow_text: bool) -> str:
@@ -222,7 +252,7 @@ def _calls_grammar(schemas: list[dict], parallel: bool, allow_text: bool) -> str
     rules = [f"tool_{i}: %json {json.dumps(s)}" for i, s in enumerate(schemas)]
     call = f"call: {json.dumps(CALL_OPEN)} ({' | '.join(f'tool_{i}' for i in range(len(schemas)))}) " \
            f"{json.dumps(CALL_CLOSE)}"
-    calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
+    calls = 'calls: call ("\\n" call)* "\\n"?' if parallel else 'calls: call "\\n"?'
     start = "start: calls | TEXT" if allow_text else "start: calls"
     text = [f"TEXT: /(.|\\n)*/ & ~/{CALL_OPEN.strip()}(.|\\n)*/"] if allow_text else []
     return "\n".join([start, calls, call, *rules, *text])
@@ -350,8 +380,11 @@ class ToolCallShaper:
                 _tool_calls_finish(choice)
         return body
 
-    def chunk(self, *args, **kwargs) -> dict:
+    def chunk(self, *args, **kwargs) -> dict | None:
+        """The wrapped builder's chunk with its text split; None when it carries nothing
+        (text held back inside a call, no ids, logprobs or finish): not sent."""
         body = self._inner.chunk(*args, **kwargs)
+        is_empty = True
         for choice in body["choices"]:
             delta, text = choice.get("delta", {}), self._text(choice["index"])
             content, calls = text.feed(delta.pop("content", None) or "")
@@ -364,7 +397,9 @@ class ToolCallShaper:
             if calls:
                 first = text.num_calls - len(calls)
                 delta["tool_calls"] = [{"index": first + i, **c} for i, c in enumerate(calls)]
-        return body
+            is_empty &= (not delta and choice["finish_reason"] is None and choice.get("logprobs") is None
+                         and not choice.get("token_ids"))
+        return None if is_empty else body
 
 
 def _tool_calls_finish(choice: dict) -> None:

@@ -25,7 +25,6 @@ never allowed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from pathlib import Path
 
 import llguidance
 import torch
@@ -70,10 +69,8 @@ class GuidedMatcher:
 class Grammars:
     """The engine's compiled grammars. Called by ``LLMEngine.add_request`` (loop thread)."""
 
-    def __init__(self, tokenizer, model_path: str, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self._source = tokenizer
-        self._model_path = model_path
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use
@@ -115,8 +112,7 @@ class Grammars:
             wrapper = llguidance.TokenizerWrapper(_ByteVocabulary(self._source, self._vocab_size))
             self._tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=self._vocab_size, eos_token=eos)
         elif self._source is not None:
-            text = (Path(self._model_path) / "tokenizer.json").read_text()
-            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self._vocab_size, eos_token=eos)
+            self._tokenizer = llguidance.LLTokenizer(self._source.to_json(), n_vocab=self._vocab_size, eos_token=eos)
         else:
             raise GuidedError("guided decoding needs the model's tokenizer; this model has none")
         return self._tokenizer

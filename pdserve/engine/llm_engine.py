@@ -79,7 +79,7 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.prefill_chunk_tokens,
                                    self.token_capacity, self.connector)
         self.output = OutputProcessor(tokenizer)
-        self.grammars = Grammars(tokenizer, config.model, cfg.vocab_size, cfg.eos_token_ids)
+        self.grammars = Grammars(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.requests: dict[str, Request] = self.output.requests  # live, by request id
         self.last_step_idle = False
         self.draining = False

@@ -78,6 +78,10 @@ class HFTokenizer:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` holds it (what llguidance reads)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if add_bos and self.bos_token_id is not None else ids

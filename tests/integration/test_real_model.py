@@ -10,6 +10,8 @@ token counts, greedy token ids.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -121,3 +123,32 @@ def test_the_preset_gguf_engine_answers_as_transformers_on_the_same_file(engines
                                          extra_body={"return_token_ids": True})
         prompt_ids = reference.tokenizer("The capital of France is")["input_ids"]
         assert done.choices[0].model_extra["token_ids"] == reference.greedy(prompt_ids, MAX_TOKENS)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_required_tool_call_ends_with_the_calls_the_model_makes(engines, loop):
+    # The model writes a newline after its call, then its end token; the arguments
+    # hold only the keys the function declares (the schema leaves additionalProperties
+    # unsaid), and a stream sends no chunk while a call's text is held back.
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    with coordinator(loop, engines, ["H"], PRESET) as app:
+        client = openai.OpenAI(base_url=app.url + "/v1", api_key="unused", max_retries=0)
+        kwargs = dict(model="smollm2", messages=ask, tools=[WEATHER], tool_choice="required",
+                      max_tokens=120, temperature=0, parallel_tool_calls=False)
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        calls = choice.message.tool_calls
+        assert len(calls) == 1 and not choice.message.content, choice
+        assert calls[0].function.name == "get_weather"
+        assert set(json.loads(calls[0].function.arguments)) == {"city"}
+        chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+        streamed = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == [
+            (c.function.name, c.function.arguments) for c in calls]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        empty = [c for c in chunks if not c.choices[0].finish_reason
+                 and c.choices[0].delta.model_dump(exclude_none=True) in ({}, {"content": ""})]
+        assert not empty, f"{len(empty)} chunks without content, call or finish"

@@ -68,7 +68,7 @@ def test_with_a_controller_the_request_waits_for_an_engine_switched_to_hybrid():
 
 
 def test_a_coordinator_given_only_a_decode_engine_answers_503_at_once(loop, stubs):
-    with serve(loop, [stubs(role="decode")], request_timeout_s=30.0) as app:
+    with serve(loop, [stubs(role="decode")], first_token_timeout_s=30.0) as app:
         wait_for(lambda: app.deps.registry.pools().decode)  # the view holds the engine, up
         t0 = time.monotonic()
         r = httpx.post(app.url + "/v1/completions", json=BODY, timeout=10)

@@ -53,7 +53,7 @@ def test_a_pair_that_comes_good_is_routed_after_its_next_probe(loop, stubs):
     d = stubs(role="decode", num_tokens=1, kv_endpoint="10.9.9.9:7005")
     p = stubs(role="prefill", probe_failures={"10.9.9.9:7005": "not yet"})
     with serve(loop, [p, d], fallback_policy="queue", pair_probe_retry_s=0.2,
-               request_timeout_s=10) as app:
+               first_token_timeout_s=10) as app:
         assert httpx.get(app.url + "/ready").status_code == 503
         stubs.by_address[p].probe_failures.clear()  # the KV port comes up
         started = time.monotonic()

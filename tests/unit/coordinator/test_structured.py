@@ -47,7 +47,7 @@ def _call(name: str, arguments: dict) -> str:
 
 @pytest.fixture(scope="module")
 def grammars():
-    return Grammars(ByteTokenizer(320), "tiny", 320, (257,))
+    return Grammars(ByteTokenizer(320), 320, (257,))
 
 
 def _accepts(grammars, guided, text: str, complete: bool = True) -> bool:
@@ -238,3 +238,36 @@ def test_the_template_gets_the_tools_and_earlier_calls():
     assert '{"name": "get_weather", "parameters": {"type": "object"' in text
     assert CALL_OPEN + '{"name": "get_weather", "arguments": {"city": "Rome"}}' + CALL_CLOSE in text
     assert text.endswith("<|tool|>\nsunny\n<|assistant|>\n")
+
+
+def test_a_newline_after_a_call_may_end_the_output_and_does_not_commit_to_another(grammars):
+    weather = _call("get_weather", {"city": "Paris"}).replace(" ", "")
+    for parallel in (True, False):
+        fmt = output_format(_chat(tools=[WEATHER, TIME], tool_choice="required",
+                                  parallel_tool_calls=parallel))
+        assert _accepts(grammars, fmt.guided, weather + "\n")  # then the end token
+        assert not _accepts(grammars, fmt.guided, weather + "\n\n")
+    split = ToolCallText(calls_only=True)
+    assert [c["function"]["name"] for c in split.feed(weather + "\n")[1]] == ["get_weather"]
+    assert split.flush() == ""
+
+
+def test_declared_parameters_take_no_other_keys_unless_the_schema_allows_them(grammars):
+    open_weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "where": {
+            "type": "object", "properties": {"lat": {"type": "number"}}}}, "required": ["city"]}}}
+    fmt = output_format(_chat(tools=[open_weather], tool_choice="required"))
+    assert _accepts(grammars, fmt.guided, _call("get_weather", {"city": "Paris"}).replace(" ", ""))
+    assert not _accepts(grammars, fmt.guided,
+                        _call("get_weather", {"city": "Paris", "junk": 1}).replace(" ", ""))
+    assert not _accepts(grammars, fmt.guided,
+                        _call("get_weather", {"city": "P", "where": {"x": 1}}).replace(" ", ""))
+    assert "additionalProperties" not in open_weather["function"]["parameters"]  # left alone
+    free = {"type": "function", "function": {"name": "log", "parameters": {
+        "type": "object", "properties": {"fields": {"type": "object"}}}}}
+    fmt = output_format(_chat(tools=[free], tool_choice="required"))
+    assert _accepts(grammars, fmt.guided, _call("log", {"fields": {"any": 1}}).replace(" ", ""))
+    allowed = {"type": "function", "function": {"name": "log", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}}}
+    fmt = output_format(_chat(tools=[allowed], tool_choice="required"))
+    assert _accepts(grammars, fmt.guided, _call("log", {"a": "x", "b": 2}).replace(" ", ""))

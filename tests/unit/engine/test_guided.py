@@ -177,7 +177,7 @@ def test_a_hugging_face_tokenizer_is_bridged(tmp_path):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
                                                "age": {"type": "integer", "maximum": 99}},
               "required": ["name", "age"], "additionalProperties": False}
-    matcher = Grammars(hf, str(tmp_path), vocab, hf.eos_token_ids).start(
+    matcher = Grammars(hf, vocab, hf.eos_token_ids).start(
         "json_schema", json.dumps(schema), [])
     out, pick = [], random.Random(0)
     while not matcher.is_done and len(out) < 100:
