@@ -194,8 +194,11 @@ class RequestRun:
 
     @property
     def last_tokens_s(self) -> float:
-        """When the ids ``tokens`` last gave reached the Coordinator (a collecting run's)."""
-        return self._legs.arrival_s
+        """When the ids ``tokens`` last gave reached the Coordinator (a collecting run's).
+        A leg started before the run was set to collect (a sibling choice of ``n``, whose
+        first message was read as a stream's) stamps no arrivals: its messages are handed
+        on as they come, so reading the clock now is their arrival."""
+        return self._legs.arrival_s or time.monotonic()
 
     @property
     def deadline(self) -> float:
