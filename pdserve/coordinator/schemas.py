@@ -23,7 +23,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from .deadlines import MIN_REQUEST_TIMEOUT_S
@@ -32,6 +40,9 @@ from .structured import ResponseFormat, ToolCall, ToolChoice, ToolDefinition
 MAX_SEED = 2**53 - 1  # exact in a JSON number
 MAX_CHOICES = 16  # n and best_of
 MAX_TOP_LOGPROBS = 20  # alternatives per token: OpenAI's chat limit, vLLM's for both
+MAX_BATCH_PROMPTS = 256  # prompts in one completion request (a list of prompts)
+MAX_PROMPT_IDS = 1 << 20
+MAX_STOPS = 4  # OpenAI's limit
 
 
 def _valid_unicode(value):
@@ -55,6 +66,57 @@ NOT_SUPPORTED: dict[str, tuple] = {
     "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
+
+
+_PROMPT_FORMS = ("a prompt is a string, a list of token ids, or a list of prompts (strings or "
+                 "token-id lists)")
+
+
+def _ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _one_prompt(value, where: str):
+    """A text or token-id prompt, checked; ``where`` names it in errors."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f"{where} is empty")
+        return _valid_unicode(value)
+    if not _ids(value) or not value:
+        raise ValueError(f"{where} must be a non-empty string or list of token ids; {_PROMPT_FORMS}")
+    if len(value) > MAX_PROMPT_IDS:
+        raise ValueError(f"{where} has more than {MAX_PROMPT_IDS} token ids")
+    if any(t < 0 for t in value):
+        raise ValueError(f"{where}: token ids must be non-negative")
+    return value
+
+
+def _prompt(value):
+    """Before-validator of a completion's ``prompt``: one prompt, or a list of them (as
+    vLLM and OpenAI take, and lm-eval sends even for one), with a message that says
+    which form was meant (a union's first member's error would not)."""
+    if isinstance(value, str) or _ids(value):
+        return _one_prompt(value, "the prompt")
+    if not isinstance(value, list) or not value:
+        raise ValueError(_PROMPT_FORMS)
+    if len(value) > MAX_BATCH_PROMPTS:
+        raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts in one request, got {len(value)}")
+    return [_one_prompt(p, f"prompt {i}") for i, p in enumerate(value)]
+
+
+def _stop(value):
+    """Before-validator of ``stop``: a string or at most ``MAX_STOPS`` of them."""
+    if isinstance(value, list) and len(value) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(value)}")
+    return value
+
+
+_ID_LIST = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
+            "maxItems": MAX_PROMPT_IDS}
+PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1}, _ID_LIST,
+    {"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 1}, _ID_LIST]},
+     "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}]}
 
 
 def _refuse_non_default(value, info):
@@ -93,8 +155,8 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    stop: Annotated[str | Annotated[list[str], Field(max_length=4)] | None,
-                    AfterValidator(_valid_unicode)] = None
+    stop: Annotated[str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None,
+                    BeforeValidator(_stop), AfterValidator(_valid_unicode)] = None
     top_k: int = Field(default=-1, ge=-1, le=1 << 20)
     """Extension (as vLLM's): sample from the k likeliest tokens; -1 or 0: all."""
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -144,9 +206,9 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: (Annotated[str, Field(min_length=1)]
-             | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=1 << 20)])
-    """Text (tokenized by the Coordinator) or one prompt as token ids."""
+    prompt: Annotated[Any, BeforeValidator(_prompt), WithJsonSchema(PROMPT_SCHEMA)]
+    """Text (tokenized by the Coordinator), one prompt as token ids, or a list of prompts
+    (each answered with ``n`` choices, indexed prompt by prompt, as vLLM does)."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """Each output token's logprob with this many likeliest alternatives (OpenAI allows 5)."""
     echo: bool = False
@@ -156,6 +218,11 @@ class CompletionRequest(_Request):
     suffix: Any = _unsupported("suffix (insertion)")
 
     _refuse = field_validator("suffix")(_refuse_non_default)
+
+    def batch(self) -> list | None:
+        """The prompts of a list of prompts; None for one prompt."""
+        prompt = self.prompt
+        return prompt if isinstance(prompt, list) and isinstance(prompt[0], str | list) else None
 
 
 class TextPart(BaseModel):

@@ -32,6 +32,7 @@ and logged at DEBUG: it is the client's doing, not an error of the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
@@ -51,7 +52,7 @@ from .lifecycle import Deps, GenerationParams, RequestRun, new_request_id
 from .logprobs import OutputLogprobs, TokenTexts
 from .output import Choices, Output
 from .prompts import PromptBuilder
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, build_usage
 from .settings import CoordinatorSettings
 from .structured import output_format, template_messages
 
@@ -214,6 +215,11 @@ class DisconnectWatch:
         return False
 
 
+def _watch(request: Request, loop, watch: bool):
+    """A ``DisconnectWatch`` of ``request``, or nothing when its caller watches."""
+    return DisconnectWatch(request.scope, request.receive, loop) if watch else contextlib.nullcontext()
+
+
 class JSONAnswer(Response):
     """A completion's JSON answer: Starlette's ``Response`` with its three headers
     written out at once (``Response.__init__`` lowercases, copies and encodes each)."""
@@ -250,9 +256,15 @@ class Completions:
         return ids
 
     async def handle(self, request: Request, body, endpoint: str,
-                     loop: asyncio.AbstractEventLoop | None = None) -> Response:
+                     loop: asyncio.AbstractEventLoop | None = None, watch: bool = True) -> Response:
         """Called by the app for /v1/completions and /v1/chat/completions; ``loop``: the
-        running loop, when the caller has it."""
+        running loop, when the caller has it. ``watch``: this call watches for the
+        client's going away (a batch's prompts are watched by the batch)."""
+        if endpoint == "completions" and (prompts := body.batch()) is not None:
+            if len(prompts) == 1:  # as lm-eval sends one prompt: the same as without the list
+                body = body.model_copy(update={"prompt": prompts[0]})
+            else:
+                return await self._handle_batch(request, body, prompts, loop)
         arrival = time.monotonic()
         settings = self.deps.settings
         if body.model != settings.model_name:
@@ -300,13 +312,13 @@ class Completions:
             out, [output(i) for i in range(1, num_choices[1])], num_choices[0], params.logprobs)
         try:
             if body.stream:
-                with DisconnectWatch(request.scope, request.receive, loop):  # the client gone: ClientGone
+                with _watch(request, loop, watch):  # the client gone: ClientGone
                     first = await out.next_event()
                 stream = StreamingResponse(answer.sse(first, slot),
                                            media_type="text/event-stream", headers=headers)
                 stream.label = run.label
                 return stream
-            with DisconnectWatch(request.scope, request.receive, loop):
+            with _watch(request, loop, watch):
                 await answer.collect()
             answer.done(200)
             slot.release()
@@ -324,6 +336,35 @@ class Completions:
                 exc.request_id = run.request_id
                 exc.is_counted = True
             raise
+
+    async def _handle_batch(self, request: Request, body: CompletionRequest, prompts: list,
+                            loop: asyncio.AbstractEventLoop | None) -> Response:
+        """A list of prompts: each answered as its own request, concurrently (the engines
+        batch them), then one response as vLLM gives it: prompt i's ``n`` choices at
+        indices ``i * n`` on, usage summed. Not streamed. The first failure answers for
+        the whole request (the other prompts are cancelled)."""
+        if body.stream:
+            raise ServeError(400, "a list of prompts cannot be streamed; stream one prompt per "
+                             "request", param="prompt")
+        subs = [body.model_copy(update={"prompt": p}) for p in prompts]
+        try:
+            with DisconnectWatch(request.scope, request.receive, loop):
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(self.handle(request, sub, "completions", loop, False))
+                             for sub in subs]
+        except ClientGone:
+            return Response(status_code=499)
+        except ExceptionGroup as failures:  # the first prompt that failed answers for all
+            raise failures.exceptions[0] from None
+        answers = [t.result() for t in tasks]
+        bodies = [orjson.loads(a.body) for a in answers]
+        choices = [{**c, "index": i * body.n + c["index"]}
+                   for i, one in enumerate(bodies) for c in one["choices"]]
+        usage = build_usage(*(sum(b["usage"][k] for b in bodies)
+                              for k in ("prompt_tokens", "completion_tokens")),
+                            sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies))
+        label = answers[0].label
+        return JSONAnswer(orjson.dumps({**bodies[0], "choices": choices, "usage": usage}), label)
 
     def _echo_text(self, body, prompt_ids: list[int]) -> str | None:
         """A completion's prompt text for ``echo`` (its token ids decoded when it came as
