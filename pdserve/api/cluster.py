@@ -140,7 +140,9 @@ class ModelSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": MODEL_R
 class EngineSpec(ApiModel):
     """Engine settings shared by every instance of the cluster."""
 
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and KV cache dtype; ``auto``: the checkpoint's own (its config.json's
+    ``dtype``), float32 for GGUF files and random presets."""
     block_size: BlockSize = 16
     """Tokens per KV block; prefill and decode must agree, so it is cluster-wide."""
     max_model_len: int | None = Field(default=None, ge=1)

@@ -43,7 +43,7 @@ def coordinator_argv(cluster: PDCluster, host: str, port: int, controller: str) 
             "--kv-mode", spec.kv_transfer.mode,
             "--local-prefill-max-tokens", str(spec.routing.local_prefill_max_tokens),
             "--fallback-policy", spec.fallback.policy,
-            "--block-size", str(spec.engine.block_size),
+            "--block-size", str(spec.engine.block_size), "--dtype", spec.engine.dtype,
             "--first-token-timeout-s", str(spec.timeouts.first_token_seconds),
             "--token-idle-timeout-s", str(spec.timeouts.token_idle_seconds)]
     if spec.timeouts.request_seconds:

@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 
 from pdserve import __version__
 from pdserve.runtime.logs import RequestLogMiddleware
+from pdserve.runtime.model_source import resolve_dtype
 from pdserve.runtime.security import SecuritySettings
 
 from .admission import Admission
@@ -156,6 +157,7 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
                 Aborter(registry))
     admission = Admission(settings.max_concurrency, settings.max_queue, metrics)
     prompts = PromptBuilder(settings.model)
+    served_dtype = resolve_dtype(settings.model, settings.dtype)
     completions = Completions(deps, prompts, admission)
     created = int(time.time())
     rejections = Rejections(metrics)
@@ -230,7 +232,8 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
     async def v1_models() -> dict:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model",
                                              "created": created, "owned_by": "pdserve",
-                                             "max_model_len": registry.max_model_len() or None}]}
+                                             "max_model_len": registry.max_model_len() or None,
+                                             "dtype": served_dtype}]}
 
     @app.get("/health", response_model=HealthStatus)
     async def health() -> dict:

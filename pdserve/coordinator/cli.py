@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="REST listen address")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--model", default=d.model, help="preset (tiny, small) or checkpoint dir, for the tokenizer")
+    parser.add_argument("--dtype", default=d.dtype, help="the engines' dtype, shown in /v1/models "
+                        "(auto: the checkpoint's)")
     parser.add_argument("--served-model-name", default=None,
                         help="name clients send as model (default: --model)")
     src = parser.add_mutually_exclusive_group()
@@ -102,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     return CoordinatorSettings(
-        model=args.model, served_model_name=args.served_model_name, engines=tuple(args.engine),
+        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype, engines=tuple(args.engine),
         controller=args.controller, coordinator_id=args.coordinator_id,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy, kv_mode=args.kv_mode,
         local_prefill_max_tokens=args.local_prefill_max_tokens,

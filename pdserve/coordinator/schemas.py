@@ -350,6 +350,8 @@ class ModelCard(BaseModel):
     owned_by: str
     max_model_len: int | None = None
     """The longest request (prompt + output tokens) every engine serving it takes."""
+    dtype: str | None = None
+    """Extension: the dtype its engines run in (``auto`` resolved)."""
 
 
 class ModelList(BaseModel):

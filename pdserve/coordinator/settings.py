@@ -20,6 +20,9 @@ class CoordinatorSettings(BaseModel):
     """Preset name (tiny, small) or a checkpoint dir: where the tokenizer comes from."""
     served_model_name: str | None = None
     """Name clients send as ``model`` and see in /v1/models; defaults to ``model``."""
+    dtype: str = "auto"
+    """The engines' dtype as the spec sets it, shown in /v1/models and /ui (``auto``
+    resolved as the engines resolve it: ``model_source.auto_dtype``)."""
     engines: tuple[str, ...] = ()
     """Static engine gRPC addresses, used when no Controller is given."""
     controller: str | None = None

@@ -32,6 +32,7 @@ from fastapi import FastAPI
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse
 
 from pdserve import __version__
+from pdserve.runtime.model_source import resolve_dtype
 from pdserve.runtime.security import SecuritySettings
 
 from .lifecycle import Deps
@@ -197,6 +198,7 @@ class StatusBoard:
         transports = sorted({st.kv_transport for st in self._engine_stats.values()
                              if st.kv_transport and st.kv_transport != "none"})
         return {"name": s.cluster_name, "model": s.model, "served_model_name": s.model_name,
+                "dtype": resolve_dtype(s.model, s.dtype),
                 "version": __version__, "prefill_policy": s.prefill_policy,
                 "decode_policy": s.decode_policy, "fallback_policy": s.fallback_policy,
                 "kv_mode": s.kv_mode, "kv_transport": ", ".join(transports)}

@@ -26,7 +26,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default="tiny", help="preset name (tiny, small) or a local HF checkpoint dir")
     g.add_argument("--device", default="cpu", help="cpu | cuda[:N] | npu[:N]")
-    g.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
+    g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="weights and KV cache dtype; auto: the checkpoint's (float32 for GGUF files "
+                        "and random presets)")
     g.add_argument("--role", default="hybrid", choices=ROLES,
                    help="prefill or decode (one leg of a disaggregated request), or hybrid (both)")
     g.add_argument("--block-size", type=int, default=16,

@@ -29,7 +29,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 ROLES = ("prefill", "decode", "hybrid")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")  # what an engine runs in; "auto" is resolved first
 HOST_MEMORY_TRANSPORTS = ("tcp", "shm", "mooncake", "nixl")
 """KV transports that read and write the KV cache as host memory: tcp sends from and
 receives into host pointers, shm maps /dev/shm, and Mooncake is started with its TCP

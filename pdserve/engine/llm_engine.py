@@ -33,6 +33,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingError, SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.runtime.model_source import AUTO, auto_dtype
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class EngineUnavailable(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.dtype == AUTO:  # the checkpoint's (model_source.auto_dtype)
+            config.dtype, why = auto_dtype(config.model)
+            log.info("dtype auto: %s (%s)", config.dtype, why)
         config.validate()
         config.check_model(model_config(config.model))
         self.config = config

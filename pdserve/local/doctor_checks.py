@@ -21,7 +21,7 @@ from pathlib import Path
 from pdserve.api import PDCluster
 from pdserve.runtime.chat_template import HOW_TO_ADD, find_chat_template
 from pdserve.runtime.doctor_checks import FAIL, PASS, WARN, Check
-from pdserve.runtime.model_source import ModelSourceError, is_random_preset, resolve
+from pdserve.runtime.model_source import ModelSourceError, auto_dtype, is_random_preset, resolve
 from pdserve.runtime.model_source import check as check_model_source
 from pdserve.runtime.security import SecuritySettings
 from pdserve.runtime.tokenizer import load_tokenizer
@@ -47,7 +47,11 @@ def check_model(cluster: PDCluster) -> list[Check]:
                       "point spec.model.path at a checkpoint directory holding config.json or at "
                       "a .gguf file, or name a preset")]
     what = f"preset {location!r} ({resolved})" if model.preset else f"checkpoint {location}"
-    return [Check("model source", PASS, what)]
+    dtype = cluster.spec.engine.dtype
+    if dtype == "auto":
+        resolved_dtype, why = auto_dtype(location)
+        dtype = f"{resolved_dtype} (auto: {why})"
+    return [Check("model source", PASS, f"{what}, served in {dtype}")]
 
 
 def check_tokenizer(cluster: PDCluster) -> list[Check]:

@@ -57,7 +57,12 @@ from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.local.runstate import RunState, default_run_dir, stop_in_order
 from pdserve.runtime.gguf_file import is_gguf
 from pdserve.runtime.kv_pool_master import READY_LINE as KV_POOL_READY
-from pdserve.runtime.model_source import PACKAGED_PRESETS, ModelSourceError, packaged_file
+from pdserve.runtime.model_source import (
+    PACKAGED_PRESETS,
+    ModelSourceError,
+    packaged_file,
+    resolve_dtype,
+)
 from pdserve.runtime.model_source import check as check_model_source
 from pdserve.runtime.security import TOKEN_FILE_ENV, SecuritySettings, create_channel
 
@@ -75,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="PATH_OR_PRESET",
                    help="serve this model instead of the spec's: a checkpoint directory, a .gguf file "
                         "or a preset name (smollm2, tiny, small)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weights and KV cache dtype; overrides spec.engine.dtype (default: the spec's, "
+                        "auto: the checkpoint's own)")
     p.add_argument("--kv-cache-bytes", type=bytes_arg, metavar="SIZE",
                    help="KV cache per engine, e.g. 2Gi or 512Mi; overrides spec.engine.kvCacheBytes "
                         "(spec.engine.numKvBlocks still wins when set)")
@@ -110,9 +118,12 @@ def why_cannot_listen(host: str, port: int) -> str | None:
     return None
 
 
-def with_overrides(cluster: PDCluster, model: str | None, kv_cache_bytes: int | None) -> PDCluster:
-    """``cluster`` with ``--model`` and ``--kv-cache-bytes`` applied (validated)."""
+def with_overrides(cluster: PDCluster, model: str | None, kv_cache_bytes: int | None,
+                   dtype: str | None = None) -> PDCluster:
+    """``cluster`` with ``--model``, ``--kv-cache-bytes`` and ``--dtype`` applied (validated)."""
     spec = cluster.spec
+    if dtype is not None:
+        spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"dtype": dtype})})
     if model is not None:
         spec = spec.model_copy(update={"model": model_spec(model, spec.model.served_name)})
     if kv_cache_bytes is not None:
@@ -263,7 +274,7 @@ def describe_start_failure(engine: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     cluster = PDCluster.from_file(args.file) if args.file else default_cluster()
     try:
-        cluster = with_overrides(cluster, args.model, args.kv_cache_bytes)
+        cluster = with_overrides(cluster, args.model, args.kv_cache_bytes, args.dtype)
         check_model(cluster)
     except StartError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -318,7 +329,10 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     spec, name, sizes = cluster.spec, cluster.metadata.name, pool_sizes(cluster)
     transfer = (f"{spec.kv_transfer.mode} over {spec.kv_transfer.transport}"
                 if sizes["prefill"] or sizes["decode"] else "colocated")
-    print(f"starting cluster {name!r}: model {spec.model.preset or spec.model.path}, "
+    location = spec.model.preset or spec.model.path
+    dtype = (f"{spec.engine.dtype}" if spec.engine.dtype != "auto" or location is None
+             else f"{resolve_dtype(location, 'auto')} (auto)")
+    print(f"starting cluster {name!r}: model {location} in {dtype}, "
           f"{describe_pools(sizes)}, {transfer} (logs in {launcher.state.run_dir})", flush=True)
     if token_file := launcher.env.get(TOKEN_FILE_ENV):
         print(f"internal calls authenticate with the cluster token in {token_file}", flush=True)

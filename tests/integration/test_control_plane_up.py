@@ -90,7 +90,8 @@ def _lifecycle(args, port, run_dir, procs: list[Proc]) -> None:
         text = answers["/v1/completions"]["choices"][0]["text"]
         assert len(text.split()) >= 5 and text.isprintable(), text  # words, not random bytes
         assert answers["/v1/models"]["data"][0] | {"created": 0} == {
-            "id": "local", "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": 8192}
+            "id": "local", "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": 8192,
+            "dtype": "float32"}
         doctor = subprocess.run([*PDSERVE, "doctor", "--run-dir", str(run_dir)], capture_output=True,
                                 text=True, timeout=120)
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr

@@ -63,7 +63,8 @@ def test_doctor_without_a_target_checks_the_built_in_cluster(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr  # nothing runs yet
     rows = result.stdout.splitlines()
     model = next(r for r in rows if "model source" in r)
-    assert model.startswith("PASS") and "preset 'smollm2'" in model and model.endswith(".gguf)")
+    assert model.startswith("PASS") and "preset 'smollm2'" in model
+    assert model.endswith(".gguf), served in float32 (auto: GGUF weights dequantized to float32)")
     template = next(r for r in rows if "chat template" in r)
     assert template.startswith("PASS") and "tokenizer.chat_template" in template
     assert "no running `pdserve up` for 'local'" in result.stdout and "fix: pdserve up" in result.stdout

@@ -101,7 +101,7 @@ def test_chat_prompts_count_as_transformers_renders_them(engines, loop, referenc
             assert got["tokens"] == reference.chat_ids(messages), (model, messages)
             assert got["max_model_len"] == 8192
         models = httpx.get(app.url + "/v1/models", timeout=10).json()["data"][0]
-        assert models["max_model_len"] == 8192
+        assert models["max_model_len"] == 8192 and models["dtype"] == "float32"  # auto: the file's
         source = httpx.get(app.url + "/ready?verbose=1", timeout=10).json()["chat_template"]
         assert source == ("chat_template.jinja" if model == "checkpoint"
                           else "SmolLM2-135M-Instruct.Q4_1.gguf (tokenizer.chat_template)")
