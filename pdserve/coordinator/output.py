@@ -53,8 +53,10 @@ class Output:
         self.admission = admission
         self.want_timings = want_timings
         self.is_admin = is_admin
-        self.shape = ResponseBuilder(run.request_id.rsplit("-", 1)[0] if index else run.request_id,
-                                     body.model, int(time.time()), endpoint == "chat", index)
+        response_id = run.request_id.rsplit("-", 1)[0] if index else run.request_id
+        if endpoint == "chat":  # OpenAI's: chatcmpl-...; the Coordinator's own id is cmpl-...
+            response_id = "chat" + response_id
+        self.shape = ResponseBuilder(response_id, body.model, int(time.time()), endpoint == "chat", index)
         self.text: list[str] = []
         self.first_s: float | None = None
         self.last_s: float | None = None

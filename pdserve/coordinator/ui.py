@@ -113,7 +113,7 @@ class StatusBoard:
         out = {"ttft": _hist(m.ttft), "tpot": _hist(m.tpot), "e2e": _hist(m.e2e),
                "kv_stage": _hist(m.stage, stage="kv_transfer")}
         out["requests"] = sum(s.value for f in m.requests.collect() for s in f.samples
-                              if s.name.endswith("_total"))
+                              if s.name.endswith("_total") and s.labels.get("code") == "200")
         stats = [s for s in self._engine_stats.values() if s.role == "prefill"]  # one side only
         out["kv_bytes"] = float(sum(s.kv_transfer_bytes for s in stats))
         out["kv_ok"] = float(sum(s.kv_transfers_ok for s in stats))

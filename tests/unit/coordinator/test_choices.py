@@ -24,7 +24,7 @@ def test_n_choices_run_on_the_first_choices_engines(loop, stubs):
         counts = sorted(len(stubs.by_address[a].request_ids) for a in engines)
         assert counts == [0, 3]
         ids = next(stubs.by_address[a].request_ids for a in engines if stubs.by_address[a].request_ids)
-        assert ids[1:] == [f"{ids[0]}-1", f"{ids[0]}-2"] and out.id == ids[0]
+        assert ids[1:] == [f"{ids[0]}-1", f"{ids[0]}-2"] and out.id == "chat" + ids[0]
 
 
 def test_streamed_choices_carry_their_index_and_end_with_summed_usage(loop, stubs):

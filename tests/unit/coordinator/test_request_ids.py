@@ -68,3 +68,20 @@ def test_the_coordinators_ids_are_cmpl_and_32_hex_digits_never_repeated():
     ids = {new_request_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)
+
+
+def test_chat_answers_are_chatcmpl_as_openais_and_the_status_page_counts_only_served(loop, stubs):
+    with serve(loop, [stubs()]) as app:
+        chat = httpx.post(app.url + "/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200
+        assert chat.json()["id"] == "chat" + chat.headers["x-request-id"]
+        assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", chat.json()["id"])
+        stream = httpx.post(app.url + "/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 2, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert '"id":"chatcmpl-' in stream.text.replace(" ", "")
+        assert httpx.post(app.url + "/v1/completions", json={**BODY, "model": "other"}).status_code == 404
+        assert httpx.post(app.url + "/v1/completions", json={**BODY, "max_tokens": -1}).status_code == 400
+        assert httpx.get(app.url + "/v1/completions").status_code == 405
+        assert httpx.get(app.url + "/ui/state").json()["requests_total"] == 2
