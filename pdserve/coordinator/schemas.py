@@ -104,6 +104,20 @@ def _prompt(value):
     return [_one_prompt(p, f"prompt {i}") for i, p in enumerate(value)]
 
 
+def _text_parts(value):
+    """Before-validator of a message's ``content``: a string, or parts of type ``text``;
+    any other part (an image, audio) is refused saying so."""
+    if isinstance(value, list):
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"part {i} has type {kind!r}: this model takes text only "
+                                 "(a string, or parts of type 'text')")
+    elif value is not None and not isinstance(value, str):
+        raise ValueError("content must be a string or a list of parts of type 'text'")
+    return value
+
+
 def _stop(value):
     """Before-validator of ``stop``: a string or at most ``MAX_STOPS`` of them."""
     if isinstance(value, list) and len(value) > MAX_STOPS:
@@ -234,7 +248,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Annotated[str | list[TextPart] | None, AfterValidator(_valid_unicode)] = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts),
+                       AfterValidator(_valid_unicode)] = None
     name: Annotated[str | None, AfterValidator(_valid_unicode)] = None
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)
     """An assistant turn's calls, for the chat template."""

@@ -60,3 +60,18 @@ def test_a_list_of_prompts_is_not_streamed_and_too_many_stops_say_so(loop, stubs
         assert r.status_code == 400 and "cannot be streamed" in r.json()["error"]["message"]
         r = post(app, prompt="a", stop=["1", "2", "3", "4", "5"])
         assert r.status_code == 400 and "at most 4 stop sequences, got 5" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+     "part 0 has type 'image_url': this model takes text only"),
+    ([{"type": "text", "text": "hi"}, {"type": "input_audio"}], "part 1 has type 'input_audio'"),
+    (42, "content must be a string or a list of parts of type 'text'"),
+])
+def test_a_non_text_content_part_says_so(loop, stubs, content, message):
+    with serve(loop, [stubs(num_tokens=1)]) as app:
+        r = httpx.post(app.url + "/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["param"] == "messages.0.content", error
