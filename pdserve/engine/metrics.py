@@ -152,7 +152,7 @@ class EngineMetrics:
         if not ok:
             if xfer.is_full:
                 self.reserve_refused.labels(params.role).inc()
-            else:
+            elif not xfer.is_cancelled:
                 self.transfer_failures.labels(*key).inc()
             return
         now = time.monotonic()

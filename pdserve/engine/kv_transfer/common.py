@@ -10,7 +10,10 @@ worker's sender thread also touches.
 A transfer that ends because D had no blocks for it (``Transfer.is_full``: D gave up
 reserving after ``reserve_wait_s``, or P heard so in D's ABORT) is load, not a
 failure: it is raised as ``full`` instead of ``failed`` and its request ends
-``FINISHED_FULL`` ("decode full").
+``FINISHED_FULL`` ("decode full"). A transfer whose request was aborted by its
+client (the Coordinator cancelling a leg: D refused it, the client left, a stop
+string) is cancelled (``Transfer.is_cancelled``, on this side and, through the
+ABORT or FAILED reason, on the peer's): logged at INFO and counted apart, not as a failure.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_transfer.base import ConnectorEvents
-from pdserve.engine.kv_transfer.messages import DECODE_FULL
+from pdserve.engine.kv_transfer.messages import CANCELLED, DECODE_FULL
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.kv_transfer.worker import ConnectorWorker
 from pdserve.engine.request import Request
@@ -70,6 +73,7 @@ class Transfer:
     handles: list = field(default_factory=list)  # submitted batches (sender thread appends on P)
     error: str | None = None
     is_full: bool = False  # ended for want of D's blocks: load, not a failure
+    is_cancelled: bool = False  # ended because its request was aborted: not a failure
     lock: threading.Lock = field(default_factory=threading.Lock)
     started_s: float = field(default_factory=time.monotonic)
 
@@ -145,7 +149,8 @@ class Side(abc.ABC):
         the blocks are kept."""
         xfer = self.find(request)
         if xfer is not None:
-            self.fail(xfer, request.error or "aborted", notify_peer=True)
+            xfer.is_cancelled = request.error is None  # aborted by its client, not failed
+            self.fail(xfer, request.error or f"{CANCELLED}: the request was aborted", notify_peer=True)
         return self.holds(request)
 
     def advance(self, now: float) -> None:
@@ -176,6 +181,7 @@ class Side(abc.ABC):
                 self.on_peer_ended(xfer, f"{DECODE_FULL} (peer {xfer.peer})", is_full=True)
             else:
                 verb = "aborted" if kind == "ABORT" else "failed"
+                xfer.is_cancelled = reason.startswith(CANCELLED)
                 self.on_peer_ended(xfer, f"peer {xfer.peer} {verb}: {reason}", is_full=False)
         elif not self.on_message(xfer, kind, msg):
             log.warning("transfer %s: unexpected %s in state %s", xfer.transfer_id, kind,
@@ -205,6 +211,8 @@ class Side(abc.ABC):
     def log_failed(self, xfer: Transfer, reason: str) -> None:
         if xfer.is_full:  # load: the Coordinator sends the request elsewhere or waits
             log.info("transfer %s (%s) refused: %s", xfer.transfer_id, xfer.params.role, reason)
+        elif xfer.is_cancelled:
+            log.info("transfer %s (%s) cancelled: %s", xfer.transfer_id, xfer.params.role, reason)
         else:
             log.warning("transfer %s (%s) failed: %s", xfer.transfer_id, xfer.params.role, reason)
 

@@ -30,11 +30,13 @@ from pdserve.engine.request import Request
 @dataclass
 class TransferStats:
     """Running totals of finished KV transfers (``stats()`` reports them). A transfer
-    refused for want of D's blocks counts in ``num_refused``, not as failed."""
+    refused for want of D's blocks counts in ``num_refused``, one whose request was
+    aborted in ``num_cancelled``; neither as failed."""
 
     num_ok: int = 0
     num_failed: int = 0
     num_refused: int = 0
+    num_cancelled: int = 0
     num_bytes: int = 0
     exposed_s_total: float = 0.0  # P: time from prefill end to every write settled
     duration_s_total: float = 0.0
@@ -44,6 +46,8 @@ class TransferStats:
         if not ok:
             if xfer.is_full:
                 self.num_refused += 1
+            elif xfer.is_cancelled:
+                self.num_cancelled += 1
             else:
                 self.num_failed += 1
             return

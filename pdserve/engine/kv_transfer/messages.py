@@ -29,6 +29,7 @@ TYPES = {"HELLO", "HELLO_ACK", "HELLO_REJECT", "RESERVE", "WANT_DEST", "DONE", "
 PROBE_REPLIES = ("PROBE_ACK", "PROBE_REJECT")
 MAX_MESSAGE_BYTES = 1 << 20
 DECODE_FULL = "decode full"  # D's ABORT reason (and the gRPC details) when it had no room
+CANCELLED = "cancelled"  # an ABORT's or FAILED's reason when the request was aborted by its client
 
 
 class MessageError(ValueError):

@@ -120,3 +120,30 @@ def test_reserve_wait_must_stay_below_the_descriptor_timeout():
         EngineConfig(kv_reserve_wait_s=10.0, kv_descriptor_timeout_s=10.0).validate()
     with pytest.raises(ConfigError, match="kv_reserve_wait_s"):
         EngineConfig(kv_reserve_wait_s=-1.0).validate()
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_leg_its_client_aborts_cancels_the_transfer_and_is_no_failure(side):
+    # What the Coordinator does when D refused a leg, its client left or a stop string
+    # matched: it aborts the other leg. Both sides count a cancellation, not a failure.
+    p, d = make_pair(reserve_wait_s=1.0, send_delay_s=0.5)
+    try:
+        submit_pair(p, d, "gone", FIRST, PARAMS, "layerwise")
+        for _ in range(3):
+            p.step(), d.step()
+        (p if side == "prefill" else d).abort_request(f"{side[0]}-gone")
+        if side == "decode":
+            p.abort_request("p-gone")  # the Coordinator closes both legs of the attempt
+        run_until_idle(p, d)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(
+                e.connector.transfer_stats.num_cancelled == 0 for e in (p, d)):
+            p.step(), d.step()
+            time.sleep(0.01)
+        for engine in (p, d):
+            stats = engine.connector.transfer_stats
+            assert (stats.num_failed, stats.num_cancelled) == (0, 1), (engine.config.role, stats)
+        assert_all_free(p, d)
+    finally:
+        p.close()
+        d.close()
