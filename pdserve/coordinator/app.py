@@ -260,8 +260,17 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def prometheus() -> Response:
         pools = registry.pools()
+        engine_gauges = (metrics.engine_running, metrics.engine_waiting, metrics.engine_kv_usage)
+        for gauge in engine_gauges:
+            gauge.clear()  # engines that left the view leave the scrape
         for role in ("prefill", "decode", "hybrid"):
             metrics.instances.labels(role).set(len(getattr(pools, role)))
+        for inst in registry.all():
+            if inst.routable:
+                labels = (inst.instance_id, inst.role)
+                metrics.engine_running.labels(*labels).set(inst.num_running)
+                metrics.engine_waiting.labels(*labels).set(inst.num_waiting)
+                metrics.engine_kv_usage.labels(*labels).set(inst.kv_usage)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     register_tokenize(app, prompts, registry, settings)  # /tokenize, /detokenize

@@ -75,6 +75,14 @@ class CoordinatorMetrics:
         self.queued_for_route = Gauge(p + "route_waiting_requests", "Requests waiting for an "
                                       "engine pool (fallback policy queue).", registry=r)
         self.instances = Gauge(p + "instances", "Routable engines by role.", ["role"], registry=r)
+        self.engine_running = Gauge(p + "engine_running_requests", "Requests each routable engine "
+                                    "runs, as it last reported.", ["instance", "role"], registry=r)
+        self.engine_waiting = Gauge(p + "engine_waiting_requests", "Requests queued in each "
+                                    "routable engine, as it last reported.", ["instance", "role"],
+                                    registry=r)
+        self.engine_kv_usage = Gauge(p + "engine_kv_usage_ratio", "Share of each routable "
+                                     "engine's KV blocks in use, as it last reported.",
+                                     ["instance", "role"], registry=r)
         self.stage = LoopHistogram(p + "stage_duration_seconds", "Per-request stage durations "
                                    "reported by the engines.", LATENCY_BUCKETS, r,
                                    labelnames=("stage",), series=[(s,) for s in STAGES])

@@ -45,7 +45,7 @@ def transfer(role: str, mode: str = "layerwise", num_bytes: int = 4096, done_s: 
     import time
 
     now = time.monotonic()
-    return SimpleNamespace(params=SimpleNamespace(role=role, mode=mode), started_s=now - 0.01, is_full=False,
+    return SimpleNamespace(params=SimpleNamespace(role=role, mode=mode), started_s=now - 0.01, is_full=False, is_cancelled=False,
                            prefill_done_s=done_s if done_s is not None else now - 0.002,
                            handles=[SimpleNamespace(num_bytes=num_bytes)])
 
