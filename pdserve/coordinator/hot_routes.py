@@ -93,6 +93,7 @@ class CompletionRoutes:
             log.exception("unhandled error on %s", scope["path"])  # a bug: its traceback is wanted
             return await self._refuse(scope, send, ServeError(500, "internal error",
                                                               code="internal_error"), start)
+        status = response.status_code
         try:
             if isinstance(response, StreamingResponse):
                 await send({"type": "http.response.start", "status": response.status_code,
@@ -101,11 +102,11 @@ class CompletionRoutes:
                     with DisconnectWatch(scope, receive, loop):
                         await write_stream(response.body_iterator, send)
                 except ClientGone:
-                    pass  # counted and logged by the stream itself
+                    status = 499  # as the metrics count it: the client left mid-stream
             else:
                 await response(scope, receive, send)
         finally:
-            log_request(self.access_log, scope, response.status_code, response.label, start)
+            log_request(self.access_log, scope, status, response.label, start)
 
     async def _refuse(self, scope, send, err: ServeError, start: float) -> None:
         self.rejections.record(scope["method"], scope["path"], err)

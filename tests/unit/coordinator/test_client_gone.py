@@ -46,6 +46,10 @@ def test_a_client_that_goes_away_is_counted_and_logged_at_debug(loop, stubs, cap
     gone = [r for r in caplog.records if r.name == "pdserve.coordinator.output"
             and "went away" in r.getMessage()]
     assert [r.levelno for r in gone] == [logging.DEBUG]
+    if when == "mid_stream":  # the access line says what the metrics say
+        access = [r.getMessage() for r in caplog.records if r.name == "pdserve.access"
+                  and "/v1/completions" in r.getMessage()]
+        assert len(access) == 1 and " POST /v1/completions 499 " in access[0], access
     # The Coordinator's log (pdserve, uvicorn); the stub engines' gRPC server logs apart.
     assert [e for e in errors(caplog) if e.startswith(("pdserve", "uvicorn"))] == []
 
