@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pdserve.api.cluster import (
+    EngineSpec,
     KVTransferSpec,
     ModelSpec,
     PDCluster,
@@ -191,7 +192,9 @@ def dump_manifest(obj: BaseModel) -> str:
 
 def default_cluster(name: str = "local", namespace: str | None = None) -> PDCluster:
     """The built-in cluster: the ``smollm2`` preset (a real 135M-parameter instruct
-    model), 1 prefill + 1 decode, layerwise over TCP.
+    model, served in float32: dtype ``auto``), 1 prefill + 1 decode, layerwise over TCP,
+    each engine with KV room for one request of the model's whole 8,192 tokens
+    (45 KiB per token in float32: 512 MiB).
 
     What ``pdserve up`` runs without ``-f``; small enough for a laptop CPU.
     """
@@ -199,6 +202,7 @@ def default_cluster(name: str = "local", namespace: str | None = None) -> PDClus
         metadata=ObjectMeta(name=name, namespace=namespace),
         spec=PDClusterSpec(
             model=ModelSpec(preset="smollm2"),
+            engine=EngineSpec(kv_cache_bytes="512Mi"),
             prefill=PoolSpec(replicas=1),
             decode=PoolSpec(replicas=1),
             kv_transfer=KVTransferSpec(mode="layerwise", transport="tcp"),

@@ -88,10 +88,15 @@ def _lifecycle(args, port, run_dir, procs: list[Proc]) -> None:
         assert "Paris" in chat["choices"][0]["message"]["content"], chat
         assert chat["usage"]["prompt_tokens"] == 37  # SmolLM2's own template, system prompt included
         text = answers["/v1/completions"]["choices"][0]["text"]
-        assert len(text.split()) >= 5 and text.isprintable(), text  # words, not random bytes
+        assert len(text.split()) >= 5 and all(c.isprintable() or c.isspace() for c in text), text
         assert answers["/v1/models"]["data"][0] | {"created": 0} == {
             "id": "local", "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": 8192,
             "dtype": "float32"}
+        engine_metrics = re.findall(r"engine metrics on (http://\S+/metrics)",
+                                    (run_dir / "nodeagent.log").read_text())
+        assert len(engine_metrics) == 2, engine_metrics  # the prefill and the decode engine
+        for url in engine_metrics:
+            assert "pdserve_engine_running_requests" in httpx.get(url, timeout=10).text
         doctor = subprocess.run([*PDSERVE, "doctor", "--run-dir", str(run_dir)], capture_output=True,
                                 text=True, timeout=120)
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr

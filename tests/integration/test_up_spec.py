@@ -63,7 +63,7 @@ def test_up_runs_a_colocated_spec_with_its_model_name_policy_and_cores(tmp_path)
     up = Proc([*PDSERVE, "up", "-f", str(spec), "--host", "127.0.0.1", "--port", str(port),
                "--run-dir", str(run_dir)])
     try:
-        up.wait_for(r"starting cluster 'up-spec': model tiny, 1 hybrid, colocated", timeout_s=30)
+        up.wait_for(r"starting cluster 'up-spec': model tiny in float32, 1 hybrid, colocated", timeout_s=30)
         up.wait_for(r"pdserve is up: http://127\.0\.0\.1:" + str(port), timeout_s=60)
         assert re.search(r"mode COLOCATED: hybrid 1/1 ready", up.output), up.output
         base = f"http://127.0.0.1:{port}"
@@ -168,7 +168,7 @@ def test_sigterm_stops_a_pd_cluster_in_order_leaving_no_traceback_and_no_shared_
     up = Proc([*PDSERVE, "up", "-f", str(spec), "--model", "tiny", "--kv-cache-bytes", "16Mi",
                "--port", str(port), "--run-dir", str(run_dir)])
     try:
-        up.wait_for(r"starting cluster 'up-spec': model tiny, 1 prefill \+ 1 decode, layerwise over shm",
+        up.wait_for(r"starting cluster 'up-spec': model tiny in float32, 1 prefill \+ 1 decode, layerwise over shm",
                     timeout_s=30)
         up.wait_for(r"pdserve is up", timeout_s=120)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,

@@ -21,7 +21,7 @@ def test_argv_from_the_default_cluster():
     flags = dict(zip(argv[4::2], argv[5::2], strict=False))
     assert argv[3] == "engine" and argv[-2:] == ["--threads", "1"]
     assert flags["--model"] == "smollm2" and flags["--role"] == "decode" and flags["--port"] == "0"
-    assert flags["--kv-transport"] == "tcp" and flags["--kv-cache-bytes"] == str(256 * 2**20)
+    assert flags["--kv-transport"] == "tcp" and flags["--kv-cache-bytes"] == str(512 * 2**20)
     assert with_role(argv, "hybrid")[argv.index("--role") + 1] == "hybrid"
 
 
