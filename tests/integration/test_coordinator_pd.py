@@ -26,7 +26,7 @@ from pdserve.runtime.engine_client import EngineClient, build_generate_request
 from pdserve.runtime.tokenizer import ByteTokenizer
 from tests.procs import PDSERVE, Proc
 from tests.stub_engine import StubEngine, start_stub
-from tests.unit.coordinator.harness import ALWAYS_PD, AppServer, LoopThread
+from tests.unit.coordinator.harness import ALWAYS_PD, AppServer
 
 ENGINE_ARGS = ["--model", "tiny", "--port", "0", "--kv-transport", "tcp", "--num-kv-blocks", "256",
                "--block-size", "8", "--threads", "1"]
@@ -43,13 +43,6 @@ def engines():
     finally:
         for p in procs.values():
             p.stop()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 def engine_call(address: str, fn):

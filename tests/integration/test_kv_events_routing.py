@@ -9,22 +9,14 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 
 from pdserve.runtime.block_hash import hash_chain
 from pdserve.runtime.engine_client import EngineClient
 from tests.procs import start_engine
-from tests.unit.coordinator.harness import LoopThread, metric, serve
+from tests.unit.coordinator.harness import metric, serve
 
 BLOCK = 8
 PROMPT = list(range(1, 33))  # four full blocks
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 async def _engine_holds(address: str) -> set[bytes]:

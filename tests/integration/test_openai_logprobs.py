@@ -12,7 +12,6 @@ import pytest
 
 from tests.integration.test_coordinator_pd import TOK, assert_all_free, engine_call, serve
 from tests.integration.test_coordinator_pd import engines as engines  # noqa: F401 (fixture)
-from tests.integration.test_coordinator_pd import loop as loop  # noqa: F401 (fixture)
 
 CLUSTERS = {"pd": ["P1", "D1", "D2"], "hybrid": ["H"]}
 PROMPT = "Logprobs say how sure the model was of each token."
@@ -85,7 +84,7 @@ def on_each_cluster(engines, loop, ask) -> dict:
     return results
 
 
-def test_chat_logprobs_are_the_same_through_pd_and_hybrid(engines, loop):  # noqa: F811
+def test_chat_logprobs_are_the_same_through_pd_and_hybrid(engines, loop):
     _, addrs = engines
     results = on_each_cluster(engines, loop,
                               lambda c: [chat_logprobs(c, stream) for stream in (False, True)])
@@ -101,7 +100,7 @@ def test_chat_logprobs_are_the_same_through_pd_and_hybrid(engines, loop):  # noq
     assert_all_free(addrs, "P1", "D1", "D2", "H")
 
 
-def test_completion_echo_puts_the_prompt_and_its_logprobs_first(engines, loop):  # noqa: F811
+def test_completion_echo_puts_the_prompt_and_its_logprobs_first(engines, loop):
     _, addrs = engines
 
     def ask(client):
@@ -143,7 +142,7 @@ def kill_the_running_decode(app, procs, addrs) -> str:
     raise AssertionError("no decode engine was running the request")
 
 
-def test_n_choices_share_one_prefill_and_match_between_pd_and_hybrid(engines, loop):  # noqa: F811
+def test_n_choices_share_one_prefill_and_match_between_pd_and_hybrid(engines, loop):
     """n = 3 seeded choices: the same through PD and hybrid, streamed or not; choices
     1 and 2 find the prompt in the prefill engine's cache (one prefill); best_of picks
     the choice with the highest total logprob."""
@@ -181,7 +180,7 @@ def test_n_choices_share_one_prefill_and_match_between_pd_and_hybrid(engines, lo
     assert_all_free(addrs, "P1", "D1", "D2", "H")
 
 
-def test_logprobs_keep_flowing_when_the_decode_engine_dies_mid_stream(engines, loop):  # noqa: F811
+def test_logprobs_keep_flowing_when_the_decode_engine_dies_mid_stream(engines, loop):
     procs, addrs = engines
     kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=400, temperature=0, logprobs=1,
                   extra_body={"ignore_eos": True})

@@ -20,7 +20,7 @@ from pdserve.coordinator.app import create_app
 from pdserve.coordinator.settings import CoordinatorSettings
 from tests.procs import PDSERVE, Proc
 from tests.real_model import FRANCE, PRESET, Reference, gguf_path, hf_checkpoint
-from tests.unit.coordinator.harness import ALWAYS_PD, AppServer, LoopThread
+from tests.unit.coordinator.harness import ALWAYS_PD, AppServer
 
 ENGINE_ARGS = ["--port", "0", "--kv-transport", "tcp", "--num-kv-blocks", "128", "--block-size", "16",
                "--dtype", "float32", "--threads", "1"]
@@ -45,13 +45,6 @@ def engines():
     finally:
         for p in procs.values():
             p.stop()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 def coordinator(loop, engines, names, model, **overrides) -> AppServer:
