@@ -88,7 +88,9 @@ def _lifecycle(args, port, run_dir, procs: list[Proc]) -> None:
         assert "Paris" in chat["choices"][0]["message"]["content"], chat
         assert chat["usage"]["prompt_tokens"] == 37  # SmolLM2's own template, system prompt included
         text = answers["/v1/completions"]["choices"][0]["text"]
-        assert len(text.split()) >= 5 and all(c.isprintable() or c.isspace() for c in text), text
+        # Sampled (the README sets no temperature): words, not the random bytes of a preset.
+        assert re.search(r"[A-Za-z]{3,}", text) and "\ufffd" not in text, text
+        assert all(c.isprintable() or c.isspace() for c in text), text
         assert answers["/v1/models"]["data"][0] | {"created": 0} == {
             "id": "local", "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": 8192,
             "dtype": "float32"}

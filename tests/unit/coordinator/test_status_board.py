@@ -57,6 +57,7 @@ def test_state_names_the_cluster_its_policies_and_the_instances_not_serving():
         "10:00:08 demo-decode-0: forgotten (silent for 20s)"]))
     assert state["cluster"] == {
         "name": "demo", "model": "/ckpt/qwen", "served_model_name": "qwen", "version": __version__,
+        "dtype": "float32",  # auto: a checkpoint that names no dtype
         "prefill_policy": "prefix_cache_aware", "decode_policy": "round_robin",
         "fallback_policy": "queue", "kv_mode": "push", "kv_transport": ""}
     assert [r["id"] for r in state["instances"]] == ["demo-prefill-0"]
