@@ -108,11 +108,10 @@ def auto_dtype(location: str) -> tuple[str, str]:
     engine (what it loads) and the Coordinator (what /v1/models says), so both agree."""
     if location in RANDOM_PRESETS:
         return "float32", "random-weight preset"
-    path = Path(resolve(location, install=False)) if location in PACKAGED_PRESETS else Path(location)
-    if location in PACKAGED_PRESETS or is_gguf(path):
+    if location in PACKAGED_PRESETS or is_gguf(location):  # a packaged preset is a GGUF file
         return "float32", "GGUF weights dequantized to float32"
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = json.loads((Path(location) / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         raw = {}
     for key in ("dtype", "torch_dtype"):
