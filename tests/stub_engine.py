@@ -2,7 +2,9 @@
 answering at once, with no model behind it.
 
 ``behavior``: "ok" answers each Generate with ``num_tokens`` tokens (``token_ids``
-cycled, default A, B, C, ...), ``token_delay_s`` apart, with one pause of
+cycled, default A, B, C, ...) in all, from the request's ``sample_offset``: a
+continuation goes on with the letters after those already streamed and ends where
+the whole answer would, ``token_delay_s`` apart, with one pause of
 ``stall_s`` more before token ``stall_after`` (an engine stalled mid-stream); a
 prefill leg: the first token, then "handoff", both ``prefill_delay_s`` late (a
 decode leg can finish first); "fail" ends the first ``num_fail`` Generate calls (None:
@@ -100,10 +102,11 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
 
     async def _respond(self, request: pb.GenerateRequest, leg: str, aborted: asyncio.Event):
         rid, n_prompt = request.request_id, len(request.prompt_token_ids)
+        offset = request.sampling.sample_offset  # a continuation goes on where its stream was
         if self.behavior == "fail" and (self.num_fail is None or self.num_failed < self.num_fail):
             self.num_failed += 1
             for i in range(self.fail_after):
-                yield pb.GenerateResponse(request_id=rid, token_ids=[self._token(i)])
+                yield pb.GenerateResponse(request_id=rid, token_ids=[self._token(offset + i)])
             yield pb.GenerateResponse(request_id=rid, finished=True,
                                       finish_reason="error", error="stub engine fails on purpose")
             return
@@ -113,13 +116,13 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
             if aborted.is_set():
                 yield pb.GenerateResponse(request_id=rid, finished=True, finish_reason="abort")
                 return
-            yield pb.GenerateResponse(request_id=rid, token_ids=[self._token(0)],
+            yield pb.GenerateResponse(request_id=rid, token_ids=[self._token(offset)],
                                       num_prompt_tokens=n_prompt, timings=timings,
                                       num_cached_tokens=self.num_cached_tokens)
             yield pb.GenerateResponse(request_id=rid, finished=True,
                                       finish_reason="handoff", timings=pb.Timings())
             return
-        n = max(1, min(self.num_tokens, request.sampling.max_tokens or 16))
+        n = max(1, min(self.num_tokens - offset, request.sampling.max_tokens or 16))
         for i in range(n):
             await _pause(aborted, self.token_delay_s + (self.stall_s if i == self.stall_after else 0))
             if aborted.is_set():
@@ -127,7 +130,7 @@ class StubEngine(SessionServicer, pb_grpc.EngineServicer):
                 return
             last = i == n - 1
             yield pb.GenerateResponse(
-                request_id=rid, token_ids=[self._token(i)], finished=last,
+                request_id=rid, token_ids=[self._token(offset + i)], finished=last,
                 finish_reason="length" if last else "", num_prompt_tokens=n_prompt,
                 num_output_tokens=i + 1, timings=timings if i == 0 else None,
                 num_cached_tokens=self.num_cached_tokens,

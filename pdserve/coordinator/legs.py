@@ -142,6 +142,7 @@ class Leg:
         self._has_timings = False
         self._num_pending = 0
         self._prefill_task: asyncio.Future | None = None  # a pair's decode leg: its P's task
+        self.awaits_kv = True  # a pair's decode leg: no message from D yet (D waits for P's KV)
         sampling = request.sampling
         self.wants_logprobs = sampling.logprobs or sampling.prompt_logprobs
         self.logprobs: list[pb.TokenLogprob] = []  # of the tokens yielded, not yet taken
@@ -171,14 +172,21 @@ class Leg:
         stream = self._call.__aiter__()
         prefill = self._prefill_task
         while True:
-            if prefill is not None and not self.has_token and prefill.done() \
-                    and not prefill.cancelled() and prefill.exception() is not None:
-                raise self._prefill_failure(prefill.exception())  # P failed before D's KV
+            watching = prefill is not None and self.awaits_kv
+            if watching:
+                if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
+                    raise self._prefill_failure(prefill.exception())  # P failed before D's KV
+                if not self.has_token and self._prefill.first_ids is not None:
+                    yield self._prefill_token()  # P's first token, before D exposed the KV
+                    continue
             try:
-                if prefill is None or self.has_token or prefill.done():
+                if not watching or prefill.done():
                     msg = await stream.__anext__()
                 else:
-                    msg = await self._next_unless_prefill_fails(stream)
+                    first = self._prefill.first_token
+                    msg = await stream.next_unless(prefill if first.done() else first)
+                    if msg is None:  # P moved on (its first token, or its end): look again
+                        continue
             except StopAsyncIteration:
                 raise self._failure("ended_early", self.ENDED_EARLY) from None
             except grpc.aio.AioRpcError as exc:
@@ -194,6 +202,10 @@ class Leg:
                     self._timings.report.setdefault("cached_tokens", msg.num_cached_tokens)
                     self._timings.observe_cached(msg.num_cached_tokens)
             ids = msg.token_ids[:]  # a list; one read of the field (upb builds a view per read)
+            if watching:
+                self.awaits_kv = self._from_prefill = False
+                if self.has_token:  # P's first token went out already: D's first is it
+                    del ids[:1]
             if ids:
                 if not self.has_token:
                     self.has_token = True
@@ -284,11 +296,23 @@ class PrefillLeg(Leg):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.has_first_token = asyncio.Event()
+        self.first_ids: list[int] | None = None  # the first token P sampled
+        self.first_arrival_s = 0.0  # when its message reached the Coordinator
+        self.first_token: asyncio.Future | None = None  # done at the first token or the end
+        # (made by ``PairedLegs.start``)
 
     async def until_handoff(self) -> None:
         """The pair's prefill task: the prefill engine's stream to its handoff."""
-        async for _ in self.tokens():
-            self.has_first_token.set()
+        first = self.first_token
+        try:
+            async for ids in self.tokens():
+                if self.first_ids is None:
+                    self.first_ids, self.first_arrival_s = ids, self._call.last_arrival_s
+                    first.set_result(None)
+                self.has_first_token.set()
+        finally:
+            if not first.done():
+                first.set_result(None)
 
     def _stage(self) -> str:
         return "before_handoff"
@@ -301,10 +325,13 @@ class DecodeLeg(Leg):
     kind = "decode"
     PREFILLS_PROMPT = False
 
+    _from_prefill = False  # the ids last yielded were P's first token (D had sent nothing)
+
     def follow(self, prefill: PrefillLeg, task: asyncio.Future) -> None:
         """Called by ``PairedLegs.start``: ``task`` runs ``prefill`` to its handoff. Until
-        this leg's first token P's failure is the attempt's, and P's message of the
-        first token is awaited when it carries logprobs."""
+        D's first message P's failure is the attempt's; P's first token is handed on
+        when P's message of it comes before D's; else D's is, after P's message of it
+        when that carries logprobs."""
         self._prefill, self._prefill_task = prefill, task
 
     def _record_first(self, t: pb.Timings) -> None:
@@ -312,15 +339,21 @@ class DecodeLeg(Leg):
         self._timings.observe("decode_wait", t.kv_wait_s)
         self._timings.observe("decode_queue", t.decode_queue_s)
 
-    async def _next_unless_prefill_fails(self, stream):
-        # Before its first token a decode leg only waits for P's KV: P's failure wins.
-        prefill = self._prefill_task
-        msg = await stream.next_unless(prefill)
-        if msg is None:  # P's stream ended first
-            if not prefill.cancelled() and prefill.exception() is not None:
-                raise self._prefill_failure(prefill.exception())
-            msg = await stream.__anext__()
-        return msg
+    def _prefill_token(self) -> list[int]:
+        """P's first token, handed on as soon as P's message of it is in: D's message of
+        it comes only once D has the KV and its loop finished the step it was in."""
+        self.has_token = self._from_prefill = True  # its logprobs: P's (``take_logprobs``)
+        return self._prefill.first_ids
+
+    @property
+    def arrival_s(self) -> float:
+        if self._from_prefill:
+            return self._prefill.first_arrival_s
+        return self._call.arrival_s
+
+    @property
+    def last_arrival_s(self) -> float:
+        return self._call.last_arrival_s or self._prefill.first_arrival_s
 
     async def _prefill_first_token(self) -> None:
         """Called before the first token is handed on: until P's message of it (its
@@ -398,7 +431,9 @@ class PairedLegs:
     def start(self, timeout_s: float, collects: bool = False) -> None:
         self.decode.start(timeout_s, collects)  # P's messages drive D's first token: never held
         self.prefill.start(timeout_s)
-        self._prefill_task = self.decode._call.loop.create_task(self.prefill.until_handoff())
+        loop = self.decode._call.loop
+        self.prefill.first_token = loop.create_future()
+        self._prefill_task = loop.create_task(self.prefill.until_handoff())
         self.decode.follow(self.prefill, self._prefill_task)
 
     def tokens(self) -> AsyncIterator[list[int]]:

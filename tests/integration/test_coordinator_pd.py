@@ -119,8 +119,9 @@ def test_pd_output_equals_hybrid_greedy(engines, loop, mode):
 
 
 def test_stage_timings_add_up_to_the_clients_ttft(engines, loop):
-    # route + D's wait for P's notice + D's queue is the TTFT less the D -> Coordinator
-    # hop; P's queue and compute sit between the route and the first token.
+    # The first token goes out with whichever message of it comes first: P's, after
+    # route + P's queue and compute (+ the hops), or D's, after route + D's wait for
+    # P's KV + D's queue (+ its hop). The TTFT is the earlier of the two.
     _, addrs = engines
     with serve(loop, addrs, ["P1", "D1"], kv_mode="layerwise") as app:
         for n in range(5):
@@ -129,11 +130,8 @@ def test_stage_timings_add_up_to_the_clients_ttft(engines, loop):
                            json={"model": "tiny", "prompt": f"timings {n} " * 20, "max_tokens": 4})
             t = r.json()["pdserve_timings"]
             d_side = t["route_s"] + t["decode_wait_s"] + t["decode_queue_s"]
-            assert 0 <= t["ttft_s"] - d_side < 0.05, t
-            # P's queue and compute lie between the legs' send (after the route) and D's
-            # first token. Bounding them by D's wait alone would race: P may read its leg
-            # milliseconds before D reads its own on a busy machine.
-            assert t["prefill_queue_s"] + t["prefill_compute_s"] <= t["ttft_s"] - t["route_s"], t
+            p_side = t["route_s"] + t["prefill_queue_s"] + t["prefill_compute_s"]
+            assert p_side <= t["ttft_s"] < min(p_side, d_side) + 0.05, t
             assert t["prefill_compute_s"] > 0, t
         assert metric(app, "pdserve_coordinator_stage_duration_seconds_count",
                       stage="decode_queue") == 5
@@ -257,8 +255,10 @@ def test_decode_failure_before_first_token_redispatches(engines, loop):
             r = httpx.post(app.url + "/v1/completions", timeout=30, json={
                 "model": "tiny", "prompt": f"redispatch {k}", "max_tokens": 8, "temperature": 0})
             assert r.json()["choices"][0]["text"] == TOK.decode(reference(addrs, f"redispatch {k}", 8))
-        assert metric(app, "pdserve_coordinator_retries_total", leg="decode",
-                      stage="before_first_token") == 1
+        # D's failure comes before P's first token (before_first_token) or after it went
+        # out (mid_stream: a continuation); either way the answer is whole.
+        assert sum(metric(app, "pdserve_coordinator_retries_total", leg="decode", stage=stage)
+                   for stage in ("before_first_token", "mid_stream")) == 1
     assert_all_free(addrs, "P1", "D1")
 
 

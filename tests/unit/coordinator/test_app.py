@@ -70,10 +70,11 @@ def test_prefill_and_decode_failures_are_retried(loop, stubs, failing, stage):
     race: whichever leg fails first is the one retried)."""
     other = "decode" if failing == "prefill" else "prefill"
     # A stub D streams at once; a real one waits for P's KV. Its first token comes after
-    # a failing P's answer, as it would be: P's failure ends the attempt.
-    delay_s = 0.2 if other == "decode" else 0.0
+    # a failing P's answer, as it would be: P's failure ends the attempt. A failing D
+    # fails before a slow P's first token, which would otherwise go out first.
+    delay = {"token_delay_s": 0.2} if other == "decode" else {"prefill_delay_s": 0.2}
     engines = [stubs(role=failing, behavior="fail", num_tokens=2), stubs(role=failing, num_tokens=2),
-               stubs(role=other, num_tokens=2, token_delay_s=delay_s)]
+               stubs(role=other, num_tokens=2, **delay)]
     with serve(loop, engines, prefill_policy="round_robin", decode_policy="round_robin") as app:
         for _ in range(4):  # round robin: the failing engine is chosen within two requests
             r = httpx.post(app.url + "/v1/completions", json=BODY, timeout=10)

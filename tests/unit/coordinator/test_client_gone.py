@@ -36,8 +36,10 @@ def leave(url: str, when: str) -> None:
 def test_a_client_that_goes_away_is_counted_and_logged_at_debug(loop, stubs, caplog, when):
     caplog.set_level(logging.DEBUG, logger="pdserve")
     first_token_s = 1.0 if when == "before_first_token" else 0.05
+    # P's first token goes out as soon as P has it, D's when D has the KV: both late.
     decode = stubs(role="decode", num_tokens=100, token_delay_s=first_token_s)
-    with serve(loop, [stubs(role="prefill"), decode]) as app, uvicorn_records(caplog):
+    prefill = stubs(role="prefill", prefill_delay_s=first_token_s)
+    with serve(loop, [prefill, decode]) as app, uvicorn_records(caplog):
         leave(app.url + "/v1/completions", when)
         wait_for(lambda: stubs.by_address[decode].aborted)  # its legs ended on the engines
         wait_for(lambda: metric(app, "pdserve_coordinator_aborts_total", reason="client_gone") == 1)

@@ -36,9 +36,11 @@ def streamed(r: httpx.Response) -> tuple[str, list[dict]]:
     return text, chunks
 
 
-def pd(stubs, **decode) -> tuple[list[str], str]:
+def pd(stubs, prefill_delay_s: float = 0.0, **decode) -> tuple[list[str], str]:
+    """A stub P and D; the first token of an attempt is P's when P's message of it comes
+    first (``prefill_delay_s`` makes it late), else D's."""
     d = stubs(role="decode", **decode)
-    return [stubs(role="prefill"), d], d
+    return [stubs(role="prefill", prefill_delay_s=prefill_delay_s), d], d
 
 
 # -- the bounds, as arithmetic --
@@ -107,7 +109,7 @@ def test_an_idle_gap_longer_than_the_idle_timeout_ends_the_request(loop, stubs, 
 
 
 def test_a_late_first_token_ends_the_request_at_the_first_token_timeout(loop, stubs):
-    engines, d = pd(stubs, num_tokens=2, token_delay_s=5.0)
+    engines, d = pd(stubs, prefill_delay_s=5.0, num_tokens=2, token_delay_s=5.0)
     with serve(loop, engines, first_token_timeout_s=0.5, token_idle_timeout_s=30) as app:
         started = time.monotonic()
         r = post(app)
@@ -119,10 +121,11 @@ def test_a_late_first_token_ends_the_request_at_the_first_token_timeout(loop, st
 
 
 def test_a_continuation_waits_for_its_next_token_no_longer_than_the_idle_gap(loop, stubs):
-    """D fails after two tokens; the continuation (on the same D, the only one) would
-    bring its first token 5 s later: it gets the idle gap from the last token, not the
-    first token's 30 s."""
-    engines, d = pd(stubs, behavior="fail", fail_after=2, num_fail=1, token_delay_s=5.0)
+    """D fails after two tokens; the continuation (on the same P and D, the only ones)
+    would bring its first token 5 s later: it gets the idle gap from the last token, not
+    the first token's 30 s."""
+    engines, d = pd(stubs, prefill_delay_s=5.0, behavior="fail", fail_after=2, num_fail=1,
+                    token_delay_s=5.0)
     with serve(loop, engines, first_token_timeout_s=30, token_idle_timeout_s=0.5) as app:
         started = time.monotonic()
         r = post(app, stream=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 import grpc
 import pytest
@@ -29,6 +30,7 @@ class ScriptedCall:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.is_cancelled = False
         self.loop = asyncio.get_running_loop()
+        self.arrival_s = self.last_arrival_s = 0.0  # as ``SessionCall``'s
 
     def __aiter__(self):
         return self
@@ -50,6 +52,7 @@ class ScriptedCall:
 
     def send(self, **fields) -> None:
         self.queue.put_nowait(pb.GenerateResponse(**fields))
+        self.last_arrival_s = time.monotonic()
 
     def fail(self, code: grpc.StatusCode) -> None:
         self.queue.put_nowait(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "boom"))
@@ -302,5 +305,56 @@ def test_a_full_engine_is_load_not_a_failure():
             async for _ in leg.tokens():
                 pass
         leg.close()
+
+    asyncio.run(scenario())
+
+
+def test_p_first_token_goes_out_before_d_has_the_kv():
+    """P's message of the first token comes before D's (D exposes the KV only after the
+    step it was in): the token is handed on at P's arrival, D's copy of it is dropped,
+    and D's tokens follow, each timed by its own arrival."""
+    async def scenario():
+        aborts, timings = Aborts(), RequestTimings("r1", CoordinatorMetrics())
+        p, d, pair = make_pair(aborts, timings)
+        pair.start(10.0)
+        stream = pair.tokens()
+        call_of(pair.prefill).send(token_ids=[7], timings=pb.Timings(queue_s=0.05, prefill_s=0.1))
+        assert await asyncio.wait_for(stream.__anext__(), 5) == [7]  # D has sent nothing
+        assert pair.has_token and pair.arrival_s == call_of(pair.prefill).last_arrival_s
+        assert pair.last_arrival_s == pair.arrival_s  # the idle gap runs from P's token
+        await asyncio.sleep(0.01)
+        call_of(pair.decode).send(token_ids=[7], timings=pb.Timings(kv_wait_s=0.1, decode_queue_s=0.2))
+        call_of(pair.decode).send(token_ids=[8], finished=True, finish_reason="length")
+        assert [ids async for ids in stream] == [[8]]
+        assert pair.arrival_s == call_of(pair.decode).arrival_s  # D's own stamp again
+        call_of(pair.prefill).send(finished=True, finish_reason="handoff", timings=pb.Timings())
+        await asyncio.wait_for(pair.wait_report(), 5)
+        pair.close()
+        assert timings.report["decode_queue_s"] == 0.2 and not aborts.sent
+        assert (p.num_inflight, p.num_pending_prefill_tokens, d.num_inflight) == (0, 0, 0)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("failing", ["prefill", "decode"])
+def test_a_failure_after_p_first_token_went_out_is_mid_stream(failing):
+    """Once P's first token went out, the attempt's failure before D's first message is
+    a continuation's (the client has a token): P's failure still ends the attempt (D
+    would wait for KV that never comes), and D's is classified mid-stream."""
+    async def scenario():
+        aborts = Aborts()
+        p, d, pair = make_pair(aborts, RequestTimings("r1", CoordinatorMetrics()))
+        pair.start(10.0)
+        stream = pair.tokens()
+        call_of(pair.prefill).send(token_ids=[7], timings=pb.Timings(queue_s=0.05, prefill_s=0.1))
+        assert await asyncio.wait_for(stream.__anext__(), 5) == [7]
+        fails = call_of(pair.prefill if failing == "prefill" else pair.decode)
+        fails.send(finished=True, finish_reason="error", error="kv send failed")
+        with pytest.raises(LegFailure) as info:
+            await asyncio.wait_for(stream.__anext__(), 5)
+        pair.close()
+        want = ("prefill", "before_handoff", p) if failing == "prefill" else ("decode", "mid_stream", d)
+        assert (info.value.leg, info.value.stage, info.value.engine) == want
+        assert (p.num_inflight, p.num_pending_prefill_tokens, d.num_inflight) == (0, 0, 0)
 
     asyncio.run(scenario())
