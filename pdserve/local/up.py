@@ -55,6 +55,7 @@ from pdserve.api.manifest import default_cluster, dump_manifest
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.local.runstate import RunState, default_run_dir, stop_in_order
+from pdserve.runtime import extras
 from pdserve.runtime.gguf_file import is_gguf
 from pdserve.runtime.kv_pool_master import READY_LINE as KV_POOL_READY
 from pdserve.runtime.model_source import (
@@ -161,6 +162,22 @@ def check_model(cluster: PDCluster) -> None:
     except ModelSourceError as exc:
         field = "spec.model.preset" if model.preset else "spec.model.path"
         raise StartError(f"{field}: {exc}") from None
+
+
+def check_extras(cluster: PDCluster) -> None:
+    """Stop before anything starts when this environment cannot run the cluster's
+    engines: the engine extra (torch), and the extra of the spec's KV transport (PD
+    pools) and of its shared KV pool. ``pip install pdserve`` alone is the control
+    plane."""
+    spec = cluster.spec
+    needed = ["engine"]
+    if (spec.prefill.replicas or spec.decode.replicas) and spec.kv_transfer.transport in extras.EXTRAS:
+        needed.append(spec.kv_transfer.transport)
+    if spec.kv_pool.enabled:
+        needed.append("mooncake")
+    for extra in needed:
+        if extras.missing_modules(extra):
+            raise StartError(extras.explain("pdserve up runs engines here", extra))
 
 
 TOKEN_FILE = "cluster-token"
@@ -275,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = PDCluster.from_file(args.file) if args.file else default_cluster()
     try:
         cluster = with_overrides(cluster, args.model, args.kv_cache_bytes, args.dtype)
+        check_extras(cluster)
         check_model(cluster)
     except StartError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -5,7 +5,8 @@ arguments come from ``pdserve.api.component_args.coordinator_argv``, which ``pds
 up`` uses too, so local mode and Kubernetes run the same settings; it reads no
 cluster file, and mounts the model (its tokenizer) read-only where ``--model`` points.
 The Controller reads the cluster file (``-f``): its pod template carries the hash of
-``controller_settings``, the part of the spec it uses.
+``controller_settings``, the part of the spec it uses. Both run the control-plane
+image (no torch); the KV pool's master runs the engine image.
 
 Invariants: each pod template holds exactly what its component consumes, so a
 Deployment rolls when, and only when, its component's settings change (replica
@@ -30,9 +31,10 @@ def _deployment(cluster: PDCluster, name: str, component: str, replicas: int, co
                 settings: OperatorSettings, strategy: str, *, with_model: bool,
                 volumes: tuple[dict, ...] | list[dict] = (),
                 mounts: tuple[dict, ...] | list[dict] = (),
-                annotations: dict | None = None) -> dict:
+                annotations: dict | None = None, is_engine_image: bool = False) -> dict:
     env, shared_volumes, shared_mounts = b.shared_mounts(cluster, with_model=with_model)
-    container = {"image": cluster.spec.image or settings.image, **container, "env": env,
+    image = settings.engine_image if is_engine_image else settings.image
+    container = {"image": cluster.spec.image or image, **container, "env": env,
                  "volumeMounts": [*mounts, *shared_mounts]}
     template_meta = {"labels": b.labels(cluster, component)}
     if annotations:
@@ -93,7 +95,8 @@ def build_controller_deployment(cluster: PDCluster, settings: OperatorSettings) 
 def build_kv_pool_deployment(cluster: PDCluster, settings: OperatorSettings) -> dict:
     """The master of the cluster's shared KV pool (``pdserve kv-pool``); one replica,
     recreated (a second master would be a second, empty pool). The engines hold the
-    memory, so a restarted master only costs cache misses until they rejoin."""
+    memory, so a restarted master only costs cache misses until they rejoin. It runs
+    the engine image: the master is Mooncake's, which the control-plane image lacks."""
     port = cluster.spec.kv_pool.port
     container = {
         "name": "kv-pool",
@@ -105,7 +108,7 @@ def build_kv_pool_deployment(cluster: PDCluster, settings: OperatorSettings) -> 
         "livenessProbe": {"tcpSocket": {"port": "rpc"}, "periodSeconds": 10},
     }
     return _deployment(cluster, b.kv_pool_service_name(cluster), "kv-pool", 1, container,
-                       settings, "Recreate", with_model=False)
+                       settings, "Recreate", with_model=False, is_engine_image=True)
 
 
 def build_coordinator_deployment(cluster: PDCluster, settings: OperatorSettings) -> dict:

@@ -156,7 +156,7 @@ def _pod_spec(cluster: PDCluster, instance: str, pool: Pool, image: str) -> dict
 
 
 def engine_pod_hash(cluster: PDCluster, pool: Pool, image: str) -> str:
-    """The settings hash of ``pool``'s engine Pods under the operator's default ``image``."""
+    """The settings hash of ``pool``'s engine Pods under the operator's engine ``image``."""
     return b.spec_hash(_pod_spec(cluster, PLACEHOLDER_INSTANCE, pool, image))
 
 

@@ -6,7 +6,9 @@ environment, so tests build ``OperatorSettings(...)`` directly.
 
 Invariants: ``store_url`` is ``etcd://HOST:PORT`` when etcd endpoints are given,
 else ``memory://`` (then the Controller runs one replica: two replicas on two
-memory stores would both lead).
+memory stores would both lead). Two images: ``image`` (the control plane, no torch)
+for the Controller and Coordinator, ``engine_image`` (torch and the transports) for
+the engine Pods and the KV pool's master; a cluster's ``spec.image`` replaces both.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 DEFAULT_IMAGE = "ghcr.io/pdserve/pdserve:latest"
+DEFAULT_ENGINE_IMAGE = "ghcr.io/pdserve/pdserve-engine:latest"
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,9 @@ class OperatorSettings:
     """Namespace to watch; empty watches every namespace."""
     operator_namespace: str = "default"
     image: str = DEFAULT_IMAGE
-    """Image for clusters that set no ``spec.image``."""
+    """Control-plane image (Controller, Coordinator) of clusters that set no ``spec.image``."""
+    engine_image: str = DEFAULT_ENGINE_IMAGE
+    """Engine image (engine Pods, the KV pool's master) of clusters that set no ``spec.image``."""
     etcd_endpoints: tuple[str, ...] = ()
     key_secret: str = "pdserve-operator-key"
     """Secret in ``operator_namespace`` holding the key cluster tokens derive from
@@ -50,13 +55,17 @@ class OperatorSettings:
 
     @classmethod
     def from_env(cls, env: dict | None = None, **overrides) -> OperatorSettings:
-        """Called by ``pdserve operator``: the chart's variables, then flag overrides."""
+        """Called by ``pdserve operator``: the chart's variables, then flag overrides.
+        Without ``PDSERVE_ENGINE_IMAGE`` (an older chart's one image for everything) the
+        engines run ``PDSERVE_CLUSTER_IMAGE`` too."""
         env = os.environ if env is None else env
         endpoints = tuple(e.strip() for e in env.get("PDSERVE_ETCD_ENDPOINTS", "").split(",") if e.strip())
         values = dict(
             namespace=env.get("PDSERVE_WATCH_NAMESPACE", ""),
             operator_namespace=env.get("POD_NAMESPACE", "default"),
             image=env.get("PDSERVE_CLUSTER_IMAGE") or DEFAULT_IMAGE,
+            engine_image=(env.get("PDSERVE_ENGINE_IMAGE") or env.get("PDSERVE_CLUSTER_IMAGE")
+                          or DEFAULT_ENGINE_IMAGE),
             etcd_endpoints=endpoints,
             key_secret=env.get("PDSERVE_KEY_SECRET") or "pdserve-operator-key",
             metrics_port=int(env.get("PDSERVE_METRICS_PORT") or 8080),

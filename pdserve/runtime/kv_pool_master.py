@@ -18,6 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from pdserve.runtime import extras
+
 READY_LINE = "Master service started on port"  # what the master logs once it serves
 
 
@@ -25,8 +27,11 @@ def master_binary() -> str:
     """The ``mooncake_master`` of this environment (next to its Python, or on PATH)."""
     beside = Path(sys.executable).parent / "mooncake_master"
     found = str(beside) if beside.exists() else shutil.which("mooncake_master")
+    if found is None and extras.missing_modules("mooncake"):
+        raise SystemExit(f"error: {extras.explain('pdserve kv-pool', 'mooncake')}")
     if found is None:
-        raise SystemExit("mooncake_master not found: install the mooncake-transfer-engine wheel")
+        raise SystemExit("error: pdserve kv-pool: mooncake_master is neither beside this Python "
+                         "nor on PATH (reinstall the mooncake extra)")
     return found
 
 

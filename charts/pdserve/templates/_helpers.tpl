@@ -40,6 +40,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
 
+{{- define "pdserve.engineImage" -}}
+{{ .Values.engineImage.repository }}:{{ .Values.engineImage.tag | default .Chart.AppVersion }}
+{{- end }}
+
 {{/* Client URLs of etcd: the bundled StatefulSet's Service, or etcd.endpoints. */}}
 {{- define "pdserve.etcdEndpoints" -}}
 {{- if .Values.etcd.enabled }}

@@ -12,7 +12,13 @@ import pytest
 
 from pdserve.operator.settings import OperatorSettings
 
-from .cluster_objects import chart_settings, operator_container
+from .cluster_objects import (
+    MINIMAL,
+    chart_settings,
+    load_example,
+    operator_container,
+    operator_objects,
+)
 from .helm import NAMESPACE, RELEASE
 from .value_sets import VALUE_SETS
 
@@ -85,17 +91,26 @@ def test_selectors_pick_exactly_their_own_pods(helm, name):
 
 @pytest.mark.parametrize(("name", "expected"), [
     ("defaults", OperatorSettings(operator_namespace=NAMESPACE, image="ghcr.io/pdserve/pdserve:0.1.0",
+                                  engine_image="ghcr.io/pdserve/pdserve-engine:0.1.0",
                                   etcd_endpoints=(ETCD,), key_secret="r-pdserve-operator-key")),
     ("external-etcd", OperatorSettings(operator_namespace=NAMESPACE, image="ghcr.io/pdserve/pdserve:0.1.0",
+                                       engine_image="ghcr.io/pdserve/pdserve-engine:0.1.0",
                                        etcd_endpoints=("http://etcd-0.db:2379", "https://etcd-1.db:2379"),
                                        key_secret="r-pdserve-operator-key")),
     ("namespaced", OperatorSettings(namespace="team-a", operator_namespace=NAMESPACE,
                                     image="ghcr.io/pdserve/pdserve:0.1.0", etcd_endpoints=(ETCD,),
+                                    engine_image="ghcr.io/pdserve/pdserve-engine:0.1.0",
                                     key_secret="r-pdserve-operator-key",
                                     metrics_port=9090, log_level="debug")),
+    # operator.clusterImage: one image for every pod of a cluster, as before engineImage
     ("images", OperatorSettings(operator_namespace=NAMESPACE, image="registry.example/pdserve:1.2.3-cuda",
+                                engine_image="registry.example/pdserve:1.2.3-cuda",
                                 etcd_endpoints=(ETCD,), key_secret="r-pdserve-operator-key")),
+    ("engine-image", OperatorSettings(operator_namespace=NAMESPACE, image="registry.example/pdserve:1.2.3",
+                                      engine_image="registry.example/pdserve-engine:1.2.3-cu128",
+                                      etcd_endpoints=(ETCD,), key_secret="r-pdserve-operator-key")),
     ("names", OperatorSettings(operator_namespace=NAMESPACE, image="ghcr.io/pdserve/pdserve:0.1.0",
+                               engine_image="ghcr.io/pdserve/pdserve-engine:0.1.0",
                                etcd_endpoints=(f"http://pds-etcd.{NAMESPACE}.svc:2379",),
                                key_secret="pds-operator-key")),
 ])
@@ -110,6 +125,38 @@ def test_operator_is_told_its_settings(helm, name, expected):
     [service] = [s for s in rendered.of_kind("Service") if s["metadata"]["name"].endswith("-operator")]
     assert service["spec"]["ports"] == [{"name": "metrics", "port": expected.metrics_port,
                                          "targetPort": "metrics"}]
+
+
+@pytest.mark.parametrize(("name", "control_plane", "engine"), [
+    ("defaults", "ghcr.io/pdserve/pdserve:0.1.0", "ghcr.io/pdserve/pdserve-engine:0.1.0"),
+    ("engine-image", "registry.example/pdserve:1.2.3", "registry.example/pdserve-engine:1.2.3-cu128"),
+    ("images", "registry.example/pdserve:1.2.3-cuda", "registry.example/pdserve:1.2.3-cuda"),
+])
+def test_clusters_run_the_control_plane_image_and_engines_the_engine_image(helm, name, control_plane,
+                                                                        engine):
+    """What the operator builds under the chart's settings: the Controller and Coordinator
+    run the control-plane image (no torch), engine Pods and the KV pool's master the
+    engine image; operator.clusterImage is one image for all; spec.image overrides both."""
+    rendered = helm.template(VALUE_SETS[name])
+    settings = chart_settings(rendered, NAMESPACE)
+    assert operator_container(rendered)["image"] == (
+        "ghcr.io/pdserve/pdserve:0.1.0" if name == "defaults" else "registry.example/pdserve:1.2.3")
+
+    def images(cluster) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for obj in operator_objects(cluster, settings):
+            spec = obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"] \
+                if obj["kind"] == "Deployment" else None
+            if spec is not None:
+                component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+                out.setdefault(component, set()).update(c["image"] for c in spec["containers"])
+        return out
+
+    cluster = load_example(MINIMAL, kvPool={"enabled": True})
+    assert images(cluster) == {"controller": {control_plane}, "coordinator": {control_plane},
+                               "engine": {engine}, "kv-pool": {engine}}
+    own = images(load_example(MINIMAL, kvPool={"enabled": True}, image="mine:1"))
+    assert set().union(*own.values()) == {"mine:1"}
 
 
 def test_operator_store_follows_etcd(helm):

@@ -24,6 +24,10 @@ VALUE_SETS: dict[str, dict] = {
                "operator": {"clusterImage": "registry.example/pdserve:1.2.3-cuda"},
                "etcd": {"image": {"repository": "registry.example/etcd", "tag": "v3.5.21",
                                   "pullPolicy": "Never"}}},
+    "engine-image": {"image": {"repository": "registry.example/pdserve", "tag": "1.2.3",
+                               "pullPolicy": "IfNotPresent"},
+                     "engineImage": {"repository": "registry.example/pdserve-engine",
+                                     "tag": "1.2.3-cu128"}},
     "placement": {"operator": {
         "resources": {"requests": {"cpu": "250m", "memory": "300Mi"},
                       "limits": {"cpu": 1, "memory": "1Gi"}},

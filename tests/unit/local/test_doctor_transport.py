@@ -25,4 +25,5 @@ def test_a_missing_nixl_package_fails_with_the_fix(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "nixl_cu12" else real(name, *a))
     (row,) = check_transport(cluster_with("nixl"), require_rdma=False)
-    assert row.status == FAIL and "nixl-cu12" in row.fix
+    assert row.status == FAIL and "nixl-cu12" in row.detail
+    assert row.fix == "pip install 'pdserve[nixl]', or use transport tcp"

@@ -71,6 +71,7 @@ from pdserve.engine.kv_transfer.transport.staging import (
     copy_packed,
     segments,
 )
+from pdserve.runtime.extras import install_command
 
 _MIN_MOONCAKE_TIMEOUT_S = 5
 # Segments submitted and not yet done, per batch. Mooncake's TCP protocol queues them per
@@ -102,7 +103,12 @@ class MooncakeTransport(ChannelTransport):
         os.environ.setdefault(
             "MC_TRANSFER_TIMEOUT", str(max(_MIN_MOONCAKE_TIMEOUT_S, math.ceil(timeout_s)))
         )
-        from mooncake.engine import TransferEngine  # imported late: env must be set first
+        try:
+            from mooncake.engine import TransferEngine  # imported late: env must be set first
+        except ImportError as exc:
+            raise TransportUnavailable(
+                f"the mooncake transport needs the Mooncake transfer engine ({exc}): "
+                f"{install_command('mooncake')}, or choose transport tcp") from None
 
         self._engine = TransferEngine()
         mc_host = advertise_host or host

@@ -46,6 +46,7 @@ from pdserve.engine.kv_transfer.transport.base import (
 from pdserve.engine.kv_transfer.transport.channel_transport import Batch, ChannelTransport
 from pdserve.engine.kv_transfer.transport.limits import ChannelLimits
 from pdserve.engine.kv_transfer.transport.link import PeerLink
+from pdserve.runtime.extras import install_command
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,8 @@ def _load_api():
         from nixl_cu12 import _api
     except ImportError as exc:
         raise TransportUnavailable(
-            f"the nixl transport needs the nixl-cu12 package ({exc}); install it, or "
-            "choose transport tcp") from None
+            f"the nixl transport needs the nixl-cu12 package ({exc}): "
+            f"{install_command('nixl')}, or choose transport tcp") from None
     finally:
         logging.raiseExceptions = raise_exceptions
     nixl_log = logging.getLogger("nixl")
