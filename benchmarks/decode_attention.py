@@ -172,11 +172,11 @@ def run_kernels(rounds: int, call_cost: int) -> None:
 
 
 def run_engine(rounds: int) -> None:
+    from pdserve.api.sampling import SamplingParams
     from pdserve.engine import model as model_mod
     from pdserve.engine import runner as runner_mod
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
 
     new_build, new_attention = runner_mod.build_decode_buckets, model_mod.paged_attention
 

@@ -118,9 +118,9 @@ def build_checkpoint(preset: str, path: Path) -> None:
 
 
 def run_pdserve(args: argparse.Namespace) -> dict:
+    from pdserve.api.sampling import SamplingParams
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
 
     start_rss = rss_bytes()
     max_bs, seq_len = max(args.batch_sizes), args.prompt_len + args.new_tokens

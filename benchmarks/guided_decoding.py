@@ -20,9 +20,9 @@ import argparse
 import json
 import time
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {
     "items": {"type": "array", "items": {"type": "object", "properties": {

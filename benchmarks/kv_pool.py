@@ -22,9 +22,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from pdserve.api.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.kv_pool import PoolMaster  # noqa: E402
 
 SYSTEM_TOKENS, QUESTION_TOKENS = 1500, 40

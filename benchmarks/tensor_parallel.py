@@ -40,9 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_once(args: argparse.Namespace, tp: int, threads: int, prompts: list[list[int]]) -> dict:
+    from pdserve.api.sampling import SamplingParams
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
 
     budget = args.batch * args.prompt_len
     engine = LLMEngine(EngineConfig(

@@ -31,9 +31,9 @@ deadline and for at most ``overload_max_wait_s`` after the first "full"; then 50
 ``overloaded`` with ``Retry-After`` (``pdserve_coordinator_overload_total{leg}``
 counts the answers).
 
-``GenerationParams`` is what the client asked for, fixed at arrival;
-``GenerationParams.engine_request`` is the one place it becomes the engine's
-``GenerateRequest``, for the first attempt and for a continuation alike
+``SamplingParams`` (``api/sampling.py``, the carrier the engine reads too) is what the
+client asked for, fixed at arrival; ``engine_request`` is the one place it becomes the
+engine's ``GenerateRequest``, for the first attempt and for a continuation alike
 (``paired_requests``: a PD attempt's two, built the same way).
 
 Logprobs: every leg that samples reports its tokens' (``logprobs``); prompt logprobs
@@ -61,6 +61,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pdserve.api.proto import engine_pb2 as pb
+from pdserve.api.sampling import SamplingParams
 from pdserve.runtime.log_throttle import ThrottledLog
 
 from .deadlines import Deadlines
@@ -100,76 +101,42 @@ class Deps:
     engine_log: ThrottledLog = field(default_factory=lambda: ThrottledLog(log, LOG_INTERVAL_S))
 
 
-@dataclass(frozen=True)
-class GenerationParams:
-    """Sampling and length limits of one request; built by ``serving.build_generation_params``."""
+def engine_request(params: SamplingParams, leg_id: str, prompt_ids: list[int], num_generated: int,
+                   kv_transfer: pb.KVTransferParams | None = None) -> pb.GenerateRequest:
+    """One leg's request. ``prompt_ids`` is the original prompt followed by the
+    ``num_generated`` tokens already streamed: the leg asks for what is left and
+    samples from where the stream stands (a seeded stream draws the same numbers,
+    and ``sample_offset`` tells the engine the prompt's last ``num_generated`` tokens
+    are output, which the presence and frequency penalties count). Only a leg that
+    prefills the client's own prompt scores it (``prompt_logprobs``)."""
+    sampling = params.to_proto()
+    sampling.max_tokens = params.max_tokens - num_generated
+    sampling.min_tokens = max(0, params.min_tokens - num_generated)
+    sampling.sample_offset = num_generated
+    prefills = kv_transfer is None or kv_transfer.role == "prefill"
+    sampling.prompt_logprobs = params.prompt_logprobs and prefills and num_generated == 0
+    return pb.GenerateRequest(request_id=leg_id, prompt_token_ids=prompt_ids,
+                              kv_transfer=kv_transfer, sampling=sampling)
 
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    stop_token_ids: list[int] = field(default_factory=list)
-    logprobs: bool = False
-    top_logprobs: int = 0
-    prompt_logprobs: bool = False
-    # Grammar-constrained decoding: (kind, spec) as on the wire; every leg carries it
-    # and a continuation's engine replays the tokens already streamed into it.
-    guided: tuple[str, str] | None = None
 
-    def engine_request(self, leg_id: str, prompt_ids: list[int], num_generated: int,
-                       kv_transfer: pb.KVTransferParams | None = None) -> pb.GenerateRequest:
-        """One leg's request. ``prompt_ids`` is the original prompt followed by the
-        ``num_generated`` tokens already streamed: the leg asks for what is left and
-        samples from where the stream stands (a seeded stream draws the same numbers,
-        and ``sample_offset`` tells the engine the prompt's last ``num_generated``
-        tokens are output, which the presence and frequency penalties count)."""
-        prefills = kv_transfer is None or kv_transfer.role == "prefill"
-        return pb.GenerateRequest(
-            request_id=leg_id, prompt_token_ids=prompt_ids, kv_transfer=kv_transfer,
-            sampling=pb.SamplingParams(
-                max_tokens=self.max_tokens - num_generated, temperature=self.temperature,
-                top_p=self.top_p, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
-                sample_offset=num_generated, min_tokens=max(0, self.min_tokens - num_generated),
-                top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
-                stop_token_ids=self.stop_token_ids,
-                guided=pb.GuidedDecoding(kind=self.guided[0], spec=self.guided[1])
-                if self.guided else None,
-                logprobs=self.logprobs, top_logprobs=self.top_logprobs,
-                prompt_logprobs=self.prompt_logprobs and prefills and num_generated == 0,
-                # The wire's 0 means "off" (1).
-                repetition_penalty=0.0 if self.repetition_penalty == 1.0
-                else self.repetition_penalty))
-
-    def paired_requests(self, leg_id: str, prompt_ids: list[int], num_generated: int,
-                        decode_kv: pb.KVTransferParams, prefill_kv: pb.KVTransferParams,
-                        ) -> tuple[pb.GenerateRequest, pb.GenerateRequest]:
-        """A PD attempt's (decode, prefill) requests, each ``engine_request``'s. The
-        prefill request is made from the decode request's fields: copying a repeated
-        field or a message costs a fraction of setting it from Python values."""
-        decode = self.engine_request(leg_id, prompt_ids, num_generated, decode_kv)
-        prefill = pb.GenerateRequest(request_id=leg_id, kv_transfer=prefill_kv,
-                                     sampling=decode.sampling)
-        prefill.prompt_token_ids.MergeFrom(decode.prompt_token_ids)
-        # Only a leg that prefills the client's prompt scores it.
-        prefill.sampling.prompt_logprobs = self.prompt_logprobs and num_generated == 0
-        return decode, prefill
+def paired_requests(params: SamplingParams, leg_id: str, prompt_ids: list[int],
+                    num_generated: int, decode_kv: pb.KVTransferParams,
+                    prefill_kv: pb.KVTransferParams) -> tuple[pb.GenerateRequest, pb.GenerateRequest]:
+    """A PD attempt's (decode, prefill) requests, each ``engine_request``'s. The prefill
+    request is made from the decode request's fields: copying a repeated field or a
+    message costs a fraction of setting it from Python values."""
+    decode = engine_request(params, leg_id, prompt_ids, num_generated, decode_kv)
+    prefill = pb.GenerateRequest(request_id=leg_id, kv_transfer=prefill_kv, sampling=decode.sampling)
+    prefill.prompt_token_ids.MergeFrom(decode.prompt_token_ids)
+    prefill.sampling.prompt_logprobs = params.prompt_logprobs and num_generated == 0
+    return decode, prefill
 
 
 class RequestRun:
     """One request's attempts; built by serving, iterated through ``tokens`` on the event loop.
     ``label`` is what the client calls it (its ``x-request-id``), ``request_id`` by default."""
 
-    def __init__(self, deps: Deps, request_id: str, prompt_ids: list[int], params: GenerationParams,
+    def __init__(self, deps: Deps, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  deadlines: Deadlines, arrival_s: float | None = None, label: str | None = None) -> None:
         self.deps = deps
         self.arrival_s = time.monotonic() if arrival_s is None else arrival_s
@@ -328,12 +295,12 @@ class RequestRun:
         report = self.timings.report
         if plan.kind != "pd":
             report["prefill_instance"] = report["decode_instance"] = plan.single.address
-            return self._leg(Leg, plan.single, self.params.engine_request(leg_id, prompt, num_generated))
+            return self._leg(Leg, plan.single, engine_request(self.params, leg_id, prompt, num_generated))
         p, d = plan.prefill, plan.decode
         report["prefill_instance"], report["decode_instance"] = p.address, d.address
         mode, xid = self.deps.settings.kv_mode, f"x-{leg_id}"
-        decode_request, prefill_request = self.params.paired_requests(
-            leg_id, prompt, num_generated,
+        decode_request, prefill_request = paired_requests(
+            self.params, leg_id, prompt, num_generated,
             pb.KVTransferParams(role="decode", mode=mode, transfer_id=xid, peer=p.kv_endpoint),
             pb.KVTransferParams(role="prefill", mode=mode, transfer_id=xid, peer=d.kv_endpoint))
         return PairedLegs(self._leg(PrefillLeg, p, prefill_request),

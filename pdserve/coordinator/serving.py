@@ -43,12 +43,14 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from pdserve.api.sampling import SamplingParams
+
 from .admission import Admission
 from .deadlines import TIMEOUT_HEADER, Deadlines, client_total_s
 from .errors import ServeError
 from .guard import ADMIN_SCOPE_KEY
 from .http_server import CLIENT_HOOK
-from .lifecycle import Deps, GenerationParams, RequestRun, new_request_id
+from .lifecycle import Deps, RequestRun, new_request_id
 from .logprobs import OutputLogprobs, TokenTexts
 from .output import Choices, Output
 from .prompts import PromptBuilder
@@ -104,7 +106,7 @@ def _request_headers(scope) -> tuple[bytes | None, bytes | None, bytes | None]:
 def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
                             settings: CoordinatorSettings,
                             vocab_size: int | None = None,
-                            guided: tuple[str, str] | None = None) -> GenerationParams:
+                            guided: tuple[str, str] | None = None) -> SamplingParams:
     """The request's sampling and limits, from its OpenAI body; called once by ``handle``.
 
     Without ``max_tokens``, a completion gets ``settings.max_tokens_default`` (16, as
@@ -137,9 +139,10 @@ def build_generation_params(body: CompletionRequest | ChatCompletionRequest,
     else:
         logprobs, num_top = body.logprobs is not None, body.logprobs or 0
         prompt_logprobs = logprobs and body.echo
-    return GenerationParams(
-        max_tokens, body.temperature, body.top_p, seed, body.stop_list(), body.ignore_eos,
-        body.min_tokens, top_k=max(0, body.top_k), min_p=body.min_p,
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed,
+        stop=body.stop_list(), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+        top_k=max(0, body.top_k), min_p=body.min_p,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logit_bias=bias,
         stop_token_ids=list(body.stop_token_ids), logprobs=logprobs, top_logprobs=num_top,

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.cli_args import add_engine_arguments, engine_config_from_args
 from pdserve.engine.config import ConfigError
 
@@ -39,18 +40,19 @@ def _parse_ids(text: str | None) -> list[int] | None:
         raise ValueError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
 
 
+def _sampling(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos)
+
+
 def _run_local(args, ids):
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
     config.kv_transport = "none"  # one process, nothing to transfer
     engine = LLMEngine(config)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-    )
-    request = engine.add_request("cli", ids, params, args.prompt)
+    request = engine.add_request("cli", ids, _sampling(args), args.prompt)
     while engine.has_unfinished:
         engine.step()
     return request.output_token_ids, request.output_text, request.finish_reason
@@ -59,15 +61,13 @@ def _run_local(args, ids):
 def _run_remote(args, ids):
     import asyncio
 
-    from pdserve.runtime.engine_client import EngineClient, build_generate_request
+    from pdserve.api.proto import engine_pb2 as pb
+    from pdserve.runtime.engine_client import EngineClient
 
     async def go():
         async with EngineClient(args.server) as client:
-            req = build_generate_request(
-                "", args.prompt or "", ids, max_tokens=args.max_tokens,
-                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                stop=args.stop, ignore_eos=args.ignore_eos,
-            )
+            req = pb.GenerateRequest(prompt=args.prompt or "", prompt_token_ids=ids or [],
+                                     sampling=_sampling(args).to_proto())
             token_ids, text, reason = [], [], None
             async for msg in client.generate(req, timeout_s=600):
                 token_ids.extend(msg.token_ids)

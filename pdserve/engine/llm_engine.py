@@ -17,6 +17,7 @@ import os
 import time
 
 from pdserve.api.proto.engine_pb2 import StatsResponse
+from pdserve.api.sampling import SamplingError, SamplingParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.device import prepare_device
@@ -31,7 +32,6 @@ from pdserve.engine.output import OutputProcessor, RequestOutput
 from pdserve.engine.parallel import TensorParallel, TPWorkers, rank_device
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampling_params import SamplingError, SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.runtime.model_source import AUTO, auto_dtype
 

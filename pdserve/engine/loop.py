@@ -32,10 +32,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from pdserve.api.proto.engine_pb2 import StatsResponse
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.api.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.guided import GuidedMatcher

@@ -6,7 +6,7 @@ banned tokens (``min_tokens``) and ``logit_bias``, then the
 repetition, frequency and presence penalties (these two affect greedy requests too),
 then temperature, min-p, top-k and top-p for sampled requests.
 
-Randomness is counter-based (see ``sampling_params.py``): output token ``i`` of a
+Randomness is counter-based (see ``api/sampling.py``): output token ``i`` of a
 request is drawn with a generator seeded from ``(seed, i)`` using the exponential-race
 trick (argmax of p / Exp(1) noise samples exactly from p). The same request therefore
 draws the same tokens whatever batch it shares and whichever engine runs the step.
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.guided import GuidedMatcher, apply_masks
-from pdserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
 

@@ -43,6 +43,7 @@ import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.kv_transfer.messages import DECODE_FULL
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.kv_transfer.probe import ProbeResult
@@ -51,7 +52,6 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.engine.metrics import attach_metrics, start_metrics_server
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import RequestStatus, TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.runtime.security import SecuritySettings, add_port, server_interceptors
 from pdserve.runtime.session_server import FrameSessionServer, SessionServicer
 
@@ -65,27 +65,7 @@ def sampling_from_proto(msg: pb.SamplingParams, has_sampling: bool) -> SamplingP
         return SamplingParams()
     if msg.n > 1:  # the wire has the field; the engine does not fork choices yet
         raise ValueError(f"n > 1 is not supported yet (got {msg.n})")
-    return SamplingParams(
-        max_tokens=msg.max_tokens or 16,
-        temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop_token_ids=list(msg.stop_token_ids),
-        stop=list(msg.stop),
-        ignore_eos=msg.ignore_eos,
-        sample_offset=msg.sample_offset,
-        min_tokens=msg.min_tokens,
-        min_p=msg.min_p,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty or 1.0,
-        logit_bias=dict(msg.logit_bias),
-        guided=(msg.guided.kind, msg.guided.spec) if msg.HasField("guided") else None,
-        logprobs=msg.logprobs,
-        top_logprobs=msg.top_logprobs,
-        prompt_logprobs=msg.prompt_logprobs,
-    )
+    return SamplingParams.from_proto(msg)
 
 
 def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:

@@ -12,6 +12,7 @@ import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+from pdserve.api.sampling import SamplingParams
 from pdserve.runtime.security import SecuritySettings, create_channel
 
 
@@ -71,37 +72,16 @@ class EngineClient:
         return await self._stub.SetRole(pb.SetRoleRequest(role=role), timeout=timeout_s, metadata=self._md)
 
 
-def build_generate_request(
-    request_id: str = "",
-    prompt: str = "",
-    prompt_token_ids: list[int] | None = None,
-    *,
-    max_tokens: int = 16,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop: list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    ignore_eos: bool = False,
-    min_tokens: int = 0,
-    kv_transfer: dict | None = None,
-    sample_offset: int = 0,
-) -> pb.GenerateRequest:
+def build_generate_request(request_id: str = "", prompt: str = "",
+                           prompt_token_ids: list[int] | None = None, *,
+                           kv_transfer: dict | None = None, **sampling) -> pb.GenerateRequest:
     """A request from keyword arguments, for the CLI, tests and benchmarks (the Coordinator
-    builds its legs' requests from its own parameters). ``kv_transfer``: {"role", "mode",
-    "transfer_id", "peer"} for one disaggregated leg."""
-    sampling = pb.SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos,
-        sample_offset=sample_offset, min_tokens=min_tokens,
-    )
-    if seed is not None:
-        sampling.seed = seed
-    request = pb.GenerateRequest(
-        request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids or [],
-        sampling=sampling,
-    )
+    builds its legs' requests from its own parameters): ``sampling`` are
+    ``SamplingParams``' fields. ``kv_transfer``: {"role", "mode", "transfer_id", "peer"}
+    for one disaggregated leg."""
+    request = pb.GenerateRequest(request_id=request_id, prompt=prompt,
+                                 prompt_token_ids=prompt_token_ids or [],
+                                 sampling=SamplingParams(**sampling).to_proto())
     if kv_transfer is not None:
         request.kv_transfer.CopyFrom(pb.KVTransferParams(**kv_transfer))
     return request

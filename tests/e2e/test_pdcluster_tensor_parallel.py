@@ -43,9 +43,9 @@ print(sum(b"--multiprocessing-fork" in open(f"/proc/{p}/cmdline", "rb").read()
 
 
 def _reference_text() -> str:
+    from pdserve.api.sampling import SamplingParams
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", kv_transport="none"))
     try:

@@ -13,10 +13,10 @@ import time
 import grpc
 import pytest
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.runtime.engine_client import EngineClient, build_generate_request
 from tests.procs import PDSERVE, REPO, start_engine
 

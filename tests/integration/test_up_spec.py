@@ -316,9 +316,9 @@ def test_up_runs_a_tensor_parallel_prefill_engine_feeding_a_tp1_decode_engine(tm
     """``examples/tensor-parallel-pd.yaml`` as a user runs it: the prefill engine runs two
     ranks (two processes), every request crosses from them into the TP=1 decode engine,
     and the Coordinator's answer is what one TP=1 engine generates for the prompt."""
+    from pdserve.api.sampling import SamplingParams
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
 
     prompt = [(11 * i + 5) % 250 + 1 for i in range(70)]
     reference = LLMEngine(EngineConfig(model="tiny", dtype="float32", kv_transport="none"))

@@ -12,9 +12,10 @@ import grpc
 import pytest
 
 from pdserve.api.proto import engine_pb2 as pb
+from pdserve.api.sampling import SamplingParams
 from pdserve.coordinator.errors import ServeError
 from pdserve.coordinator.legs import DecodeLeg, EngineFull, Leg, LegFailure, PairedLegs, PrefillLeg
-from pdserve.coordinator.lifecycle import GenerationParams
+from pdserve.coordinator.lifecycle import engine_request
 from pdserve.coordinator.metrics import CoordinatorMetrics
 from pdserve.coordinator.timings import RequestTimings
 from pdserve.runtime.engine_client import build_generate_request
@@ -79,7 +80,7 @@ class Aborts:
 
 
 def make_leg(kind: type[Leg], engine, aborts: Aborts, timings: RequestTimings) -> Leg:
-    request = GenerationParams(max_tokens=4).engine_request("r1", PROMPT, 0)
+    request = engine_request(SamplingParams(max_tokens=4), "r1", PROMPT, 0)
     return kind(engine, request, ScriptedClient(), timings, aborts)
 
 
@@ -246,16 +247,16 @@ def test_client_gone_mid_stream_cancels_and_aborts_both_legs():
 
 
 def test_engine_request_is_what_is_left_of_the_stream():
-    params = GenerationParams(max_tokens=10, temperature=0.7, top_p=0.9, seed=None, stop=["\n"],
+    params = SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, seed=None, stop=["\n"],
                               ignore_eos=True, min_tokens=4)
     kv = pb.KVTransferParams(role="decode", mode="push", transfer_id="x-r1.2", peer="p1:2")
-    continued = params.engine_request("r1.2", [1, 2, 3, 9, 9, 9], 3, kv)
+    continued = engine_request(params, "r1.2", [1, 2, 3, 9, 9, 9], 3, kv)
     assert continued == build_generate_request(
         "r1.2", prompt_token_ids=[1, 2, 3, 9, 9, 9], max_tokens=7, temperature=0.7, top_p=0.9,
         stop=["\n"], ignore_eos=True, min_tokens=1, sample_offset=3,
         kv_transfer={"role": "decode", "mode": "push", "transfer_id": "x-r1.2", "peer": "p1:2"})
     assert not continued.sampling.HasField("seed")
-    first = GenerationParams(max_tokens=4, seed=7).engine_request("r1", [1, 2], 0)
+    first = engine_request(SamplingParams(max_tokens=4, seed=7), "r1", [1, 2], 0)
     assert first.sampling.seed == 7 and first.sampling.max_tokens == 4
     assert not first.HasField("kv_transfer")
 

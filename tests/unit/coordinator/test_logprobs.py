@@ -12,9 +12,10 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from pdserve.api.proto import engine_pb2 as pb
+from pdserve.api.sampling import SamplingParams
 from pdserve.coordinator.errors import ServeError
 from pdserve.coordinator.legs import DecodeLeg, LegFailure, PairedLegs, PrefillLeg
-from pdserve.coordinator.lifecycle import GenerationParams
+from pdserve.coordinator.lifecycle import engine_request
 from pdserve.coordinator.logprobs import OutputLogprobs, TokenTexts
 from pdserve.coordinator.metrics import CoordinatorMetrics
 from pdserve.coordinator.schemas import (
@@ -42,12 +43,12 @@ def entry(token_id: int, logprob: float, *top: tuple[int, float]) -> pb.TokenLog
 
 
 def test_prompt_logprobs_are_asked_of_the_leg_that_prefills_on_a_first_attempt():
-    params = GenerationParams(max_tokens=8, logprobs=True, top_logprobs=3, prompt_logprobs=True)
+    params = SamplingParams(max_tokens=8, logprobs=True, top_logprobs=3, prompt_logprobs=True)
     prefill = pb.KVTransferParams(role="prefill", mode="push", transfer_id="x", peer="d:2")
     decode = pb.KVTransferParams(role="decode", mode="push", transfer_id="x", peer="p:2")
     for kv, num_generated, expected in ((None, 0, True), (prefill, 0, True), (decode, 0, False),
                                         (None, 2, False), (prefill, 2, False)):
-        sampling = params.engine_request("r", PROMPT, num_generated, kv).sampling
+        sampling = engine_request(params, "r", PROMPT, num_generated, kv).sampling
         assert (sampling.logprobs, sampling.top_logprobs) == (True, 3)
         assert sampling.prompt_logprobs is expected, (kv and kv.role, num_generated)
 
@@ -67,20 +68,20 @@ def test_request_fields_become_generation_params():
     assert (p.logprobs, p.prompt_logprobs) == (False, False)  # echo alone: text only
 
 
-def make_pair(params: GenerationParams):
+def make_pair(params: SamplingParams):
     aborts, timings = Aborts(), RequestTimings("r1", CoordinatorMetrics())
     legs = []
     for kind, engine, role in ((PrefillLeg, inst("p1", "prefill"), "prefill"),
                                (DecodeLeg, inst("d1", "decode"), "decode")):
         kv = pb.KVTransferParams(role=role, mode="push", transfer_id="x-r1", peer="peer:2")
-        legs.append(kind(engine, params.engine_request("r1", PROMPT, 0, kv), ScriptedClient(),
+        legs.append(kind(engine, engine_request(params, "r1", PROMPT, 0, kv), ScriptedClient(),
                          timings, aborts))
     return PairedLegs(*legs)
 
 
 def test_pair_waits_for_p_to_score_the_first_token_before_yielding_it():
     async def scenario():
-        pair = make_pair(GenerationParams(max_tokens=3, logprobs=True, top_logprobs=1,
+        pair = make_pair(SamplingParams(max_tokens=3, logprobs=True, top_logprobs=1,
                                           prompt_logprobs=True))
         pair.start(10.0)
         # D's first token (P's, exposed on D) arrives before P's message of it.
@@ -105,7 +106,7 @@ def test_pair_waits_for_p_to_score_the_first_token_before_yielding_it():
 
 def test_p_ending_without_its_first_token_fails_the_attempt():
     async def scenario():
-        pair = make_pair(GenerationParams(max_tokens=3, logprobs=True))
+        pair = make_pair(SamplingParams(max_tokens=3, logprobs=True))
         pair.start(10.0)
         call_of(pair.decode).send(token_ids=[65])
         call_of(pair.prefill).send(finished=True, finish_reason="handoff")
@@ -121,7 +122,7 @@ def test_p_ending_without_its_first_token_fails_the_attempt():
 
 def test_a_pair_without_logprobs_does_not_wait_for_p():
     async def scenario():
-        pair = make_pair(GenerationParams(max_tokens=1))
+        pair = make_pair(SamplingParams(max_tokens=1))
         pair.start(10.0)
         call_of(pair.decode).send(token_ids=[65], finished=True, finish_reason="length")
         assert [ids async for ids in pair.tokens()] == [[65]]  # P has sent nothing

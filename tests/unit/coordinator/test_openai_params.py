@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from pdserve.coordinator.lifecycle import engine_request
 from pdserve.coordinator.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.coordinator.serving import UNTIL_CONTEXT_LIMIT, build_generation_params
 from pdserve.coordinator.settings import CoordinatorSettings
@@ -21,14 +22,14 @@ def test_sampling_controls_reach_the_engine_request():
                              frequency_penalty=-0.25, repetition_penalty=1.2,
                              logit_bias={"65": -100, "7": 2.5}, stop_token_ids=[9, 10],
                              temperature=0)
-    sampling = build_generation_params(body, CoordinatorSettings(), 320).engine_request(
-        "r1.2", [1, 2, 3, 4], 2).sampling
+    sampling = engine_request(build_generation_params(body, CoordinatorSettings(), 320),
+                              "r1.2", [1, 2, 3, 4], 2).sampling
     assert (sampling.top_k, sampling.presence_penalty, sampling.frequency_penalty,
             dict(sampling.logit_bias), list(sampling.stop_token_ids), sampling.sample_offset) == (
         40, 0.5, -0.25, {65: -100.0, 7: 2.5}, [9, 10], 2)
     assert sampling.min_p == pytest.approx(0.1) and sampling.repetition_penalty == pytest.approx(1.2)
     off = build_generation_params(CompletionRequest(**COMPLETION), CoordinatorSettings())
-    assert off.engine_request("r1", [1], 0).sampling.top_k == 0  # vLLM's -1: off
+    assert engine_request(off, "r1", [1], 0).sampling.top_k == 0  # vLLM's -1: off
 
 
 def test_chat_without_max_tokens_runs_to_the_context_limit():

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.llm_engine import EngineInputError, LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 
 GOOD_PROMPT = [10, 20, 30, 40, 50]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.runtime.block_hash import hash_chain
 
 BS = 4

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.metrics import attach_metrics
-from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.pd_harness import (
     assert_all_free,
     make_engine,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.api.sampling import SamplingParams
 from tests.unit.engine.pd_harness import (
     MODES,
     TRANSPORTS,

@@ -13,10 +13,10 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.guided import Grammars
 from pdserve.engine.llm_engine import EngineInputError, LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.runtime.tokenizer import load_tokenizer
 from tests.unit.engine.pd_harness import (
     assert_all_free,

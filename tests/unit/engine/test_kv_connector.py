@@ -4,12 +4,12 @@ that the scheduler frees. A fake worker stands in for the transport (no sockets)
 
 from __future__ import annotations
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_transfer.dispatch import DispatchConnector
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.kv_transfer.transport.base import BatchHandle
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 PEER = "peer:1"

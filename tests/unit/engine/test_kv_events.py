@@ -4,10 +4,10 @@ a reader missed are no longer kept, and one wake-up per burst."""
 
 from __future__ import annotations
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.runtime.block_hash import hash_chain
 
 H = [bytes([i]) * 16 for i in range(8)]

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import torch
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.kv_transfer import messages
 from pdserve.engine.kv_transfer.layout import KVLayout
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.kv_transfer.transport.grants import WriteGrants
 from pdserve.engine.kv_transfer.transport.tcp import TcpTransport
-from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.pd_harness import assert_all_free, make_engine, run_until_idle, submit_pair
 
 PROMPT = list(range(1, 30))

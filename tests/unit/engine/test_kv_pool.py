@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine import kv_pool
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from tests.kv_pool import PoolMaster
 from tests.procs import Proc
 from tests.unit.engine.pd_harness import assert_all_free, prompt_kv

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from pdserve.api.proto import engine_pb2 as pb
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.llm_engine import EngineInputError, LLMEngine
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server import output_to_proto, sampling_from_proto
 from tests.unit.engine.hf_models import build_hf_model, save_hf_model
 from tests.unit.engine.pd_harness import (

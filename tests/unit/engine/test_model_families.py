@@ -13,12 +13,12 @@ import json
 import pytest
 import torch
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import _fill_preset, load_model
 from pdserve.engine.model import Transformer
 from pdserve.engine.rope import inv_freq
-from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.hf_models import (
     build_hf_model,
     full_prefill_logits,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
-from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.hf_models import (
     build_hf_model,
     full_prefill_logits,

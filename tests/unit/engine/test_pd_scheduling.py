@@ -8,9 +8,9 @@ import asyncio
 import threading
 import time
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.loop import EngineLoop
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server import EngineService
 from tests.unit.engine.pd_harness import assert_all_free, make_engine, run_until_idle, tokens
 from tests.unit.engine.test_scheduler_engine import (

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.runtime.detokenizer import Detokenizer
 from pdserve.runtime.tokenizer import ByteTokenizer
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from pdserve.api.proto import engine_pb2 as pb
+from pdserve.api.sampling import SamplingError, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampler import TokenHistory, sample
-from pdserve.engine.sampling_params import SamplingError, SamplingParams
 from pdserve.engine.server import sampling_from_proto
 
 PROMPT = [5, 9, 200, 31, 7, 77, 140, 9, 9]

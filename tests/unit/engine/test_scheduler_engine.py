@@ -12,10 +12,10 @@ import random
 
 import pytest
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 8
 

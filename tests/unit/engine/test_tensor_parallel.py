@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import HOST_MEMORY_TRANSPORTS, ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model, preset_config
-from pdserve.engine.sampling_params import SamplingParams
 from tests.unit.engine.hf_models import (
     build_hf_model,
     full_prefill_logits,

@@ -1,4 +1,16 @@
-"""Per-request sampling parameters.
+"""Per-request sampling parameters: the one carrier of a request's sampling settings.
+
+``SamplingParams`` is what the Coordinator builds from an OpenAI request
+(``coordinator/serving.build_generation_params``), what crosses to the engine
+(``to_proto`` / ``from_proto``: the wire's ``SamplingParams`` message, field for field
+by name) and what the engine's sampler reads. One set of defaults, here. Adding a
+sampling setting touches the OpenAI schema, this class and its proto field (same
+name; a test keeps the two in step), and the sampler.
+
+The wire's zeros: proto3 cannot tell an unset scalar from 0, so a message from
+another producer that leaves ``max_tokens``, ``top_p`` or ``repetition_penalty`` at 0
+gets the default (``WIRE_ZERO_IS_DEFAULT``); ``seed`` and ``guided`` have presence.
+The wire's ``n`` is not a sampling setting of one request (the engine refuses n > 1).
 
 Validated on arrival so that a bad value is refused with a message and never reaches
 the step loop. The random stream is counter-based: the token at output index ``i``
@@ -19,7 +31,9 @@ penalizes exactly as the first engine would have.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from pdserve.api.proto import engine_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat and vLLM allow
 
@@ -104,3 +118,35 @@ class SamplingParams:
         if self.seed is not None or self.is_greedy:
             return self
         return SamplingParams(**{**self.__dict__, "seed": random.getrandbits(62)})
+
+    def to_proto(self) -> pb.SamplingParams:
+        """The wire's message: every field by its name."""
+        msg = pb.SamplingParams(**{name: getattr(self, name) for name in _PLAIN})
+        if self.seed is not None:
+            msg.seed = self.seed
+        if self.guided is not None:
+            msg.guided.kind, msg.guided.spec = self.guided
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg: pb.SamplingParams) -> SamplingParams:
+        """The settings a wire message carries; its zeros in ``WIRE_ZERO_IS_DEFAULT`` and
+        its absent ``seed`` and ``guided`` are the defaults. Not validated (``validate``)."""
+        values = {name: getattr(msg, name) for name in _PLAIN}
+        for name in WIRE_ZERO_IS_DEFAULT:
+            if not values[name]:
+                del values[name]
+        for name in _REPEATED:
+            values[name] = list(values[name])
+        values["logit_bias"] = dict(values["logit_bias"])
+        if msg.HasField("seed"):
+            values["seed"] = msg.seed
+        if msg.HasField("guided"):
+            values["guided"] = (msg.guided.kind, msg.guided.spec)
+        return cls(**values)
+
+
+WIRE_ZERO_IS_DEFAULT = ("max_tokens", "top_p", "repetition_penalty")
+_PRESENCE = ("seed", "guided")  # fields whose absence on the wire is None
+_PLAIN = tuple(f.name for f in fields(SamplingParams) if f.name not in _PRESENCE)
+_REPEATED = ("stop", "stop_token_ids")
