@@ -24,11 +24,12 @@ decode leg) must get its first message within ``timeout_s`` and each later one
 within the request's idle bound of the one before, never past its total; a prefill
 leg's whole stream is before the first token, so ``timeout_s`` bounds all of it.
 
-Outcomes other than tokens: the client's (``ServeError`` 400: the engine refused
-the input, never retried), the deadline's (504), load (``EngineFull``: the engine
-answered RESOURCE_EXHAUSTED with details starting "decode full" or "prefill full";
-it is healthy, the request waits or goes elsewhere), or the engine's failure
-(``LegFailure``, with the leg and the stage: retryable on other engines). In a PD
+Outcomes other than tokens, from the call's end (``engine_errors``: pdserve's own,
+whatever the wire): the client's (``ServeError`` 400: the engine refused the input,
+never retried), the deadline's (504), load (``EngineFull``: the engine had no room,
+"decode full" or "prefill full"; it is healthy, the request waits or goes
+elsewhere), or the engine's failure (``LegFailure``, with the leg and the stage:
+retryable on other engines). In a PD
 attempt, a prefill failure before the decode leg's first token is the attempt's
 failure (D only waits for the KV); after it, the failure is moot.
 
@@ -61,7 +62,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import AsyncIterator
 
 import grpc
@@ -69,6 +69,7 @@ import grpc
 from pdserve.api.proto import engine_pb2 as pb
 
 from .deadlines import Deadlines
+from .engine_errors import DeadlinePassed, EngineBusy, EngineCallError, InputRefused
 from .errors import ServeError
 from .instances import EngineEndpoint, InstanceRegistry
 from .sessions import EngineSession
@@ -77,11 +78,6 @@ from .timings import RequestTimings
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0
 REPORT_WAIT_S = 2.0  # how long a finished answer waits for its prefill leg's report
-# The engine's answer when it has no room for a request (KV blocks, queue): gRPC
-# status RESOURCE_EXHAUSTED with details starting "decode full" or "prefill full".
-# gRPC itself uses RESOURCE_EXHAUSTED for other things (a message too large), which
-# stay engine failures.
-FULL_DETAILS = re.compile(r"^(decode|prefill) full\b")
 
 
 class LegFailure(Exception):
@@ -189,8 +185,8 @@ class Leg:
                         continue
             except StopAsyncIteration:
                 raise self._failure("ended_early", self.ENDED_EARLY) from None
-            except grpc.aio.AioRpcError as exc:
-                raise self._rpc_failure(exc) from None
+            except EngineCallError as exc:
+                raise self._call_failure(exc) from None
             finished = msg.finished
             if finished and msg.finish_reason not in self.END_REASONS:
                 raise self._failure(msg.finish_reason or "unfinished",
@@ -266,15 +262,14 @@ class Leg:
     def _failure(self, reason: str, message: str, public_message: str | None = None) -> LegFailure:
         return LegFailure(self.engine, self.kind, self._stage(), reason, message, public_message)
 
-    def _rpc_failure(self, exc: grpc.aio.AioRpcError) -> Exception:
-        code, details = exc.code(), exc.details() or ""
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return ServeError(400, details or "invalid request", code="invalid_request")
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    def _call_failure(self, exc: EngineCallError) -> Exception:
+        if isinstance(exc, InputRefused):
+            return ServeError(400, exc.details or "invalid request", code="invalid_request")
+        if isinstance(exc, DeadlinePassed):
             return ServeError(504, "the request's deadline passed before it finished", code="deadline")
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and FULL_DETAILS.match(details):
-            return EngineFull(self.engine, self.kind, details)
-        return self._failure(code.name, f"{code.name}: {details}", code.name)
+        if isinstance(exc, EngineBusy):
+            return EngineFull(self.engine, self.kind, exc.details)
+        return self._failure(exc.status, str(exc), exc.status)
 
     def _record_first(self, t: pb.Timings) -> None:
         """The engine's first timings: its prefill is done."""

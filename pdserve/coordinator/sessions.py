@@ -8,12 +8,12 @@ Session RPC. Either way the legs' requests and cancels queued in one event-loop
 turn leave as one ``SessionRequest``, and each ``SessionResponse``'s messages and ends go to the ``SessionCall`` of their
 request id. A ``SessionCall`` is what a Generate call was to a leg: an async
 iterator of the request's ``GenerateResponse`` messages that ends as the call
-would (the end's status raised as ``grpc.aio.AioRpcError``, so ``legs.Leg``
-classifies one kind of error), plus ``cancel``.
+would (its end raised as one of pdserve's own ``engine_errors``, whichever the
+wire: ``legs.Leg`` never sees a wire's error type), plus ``cancel``.
 
 Deadlines are the Coordinator's: each call has a timer at its deadline that fails it
 with DEADLINE_EXCEEDED and cancels the request on the engine, as a call's gRPC
-deadline did. A call that streams tokens has an idle bound too: each message moves
+deadline did (``DeadlinePassed``). A call that streams tokens has an idle bound too: each message moves
 its deadline to the message's arrival plus ``idle_s``. Nothing is re-armed per
 message: the session stamps each message's arrival (one clock read per session
 response), and the timer, when it fires, looks at the stamp and is armed again
@@ -22,7 +22,7 @@ for the rest of the gap while messages keep coming (``deadlines.py``).
 Invariants: a call ends once (its end, its deadline, its cancel, or the session
 breaking), and then leaves the session's table; a link that breaks (the engine
 gone, refused, the stream failed or ended, a malformed frame) fails every call on
-it with UNAVAILABLE or the stream's status, and the next ``generate`` opens a new
+it (``EngineFailed``, or what the stream's status says), and the next ``generate`` opens a new
 one; ``close`` (the app's shutdown) ends the link and its tasks.
 """
 
@@ -40,13 +40,17 @@ from pdserve.api.proto import engine_pb2 as pb
 from pdserve.runtime import frames
 from pdserve.runtime.engine_client import EngineClient
 
+from .engine_errors import (
+    CallCancelled,
+    DeadlinePassed,
+    EngineCallError,
+    EngineFailed,
+    from_rpc_error,
+    from_status,
+)
+
 log = logging.getLogger(__name__)
-_NO_METADATA = grpc.aio.Metadata()
 OPEN_TIMEOUT_S = 5.0  # the engine's Health answer, then the session port's hello
-
-
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, _NO_METADATA, _NO_METADATA, details)
 
 
 class SessionCall:
@@ -115,11 +119,11 @@ class SessionCall:
 
     def cancel(self) -> bool:
         """Called by ``Leg.close`` for a leg that did not finish: the engine is told to
-        cancel the request; reading on raises CANCELLED. False if it had ended."""
+        cancel the request; reading on raises ``CallCancelled``. False if it had ended."""
         if self._end is not None:
             return False
         self._session.cancel(self.request_id)
-        self.ended(rpc_error(grpc.StatusCode.CANCELLED, "cancelled by the Coordinator"))
+        self.ended(CallCancelled("CANCELLED", "cancelled by the Coordinator"))
         return True
 
     # -- called by the session --
@@ -174,10 +178,10 @@ class SessionCall:
             self._timer = self.loop.call_later(wait, self._on_timer)
 
     def expire(self) -> None:
-        """The deadline passed: the engine is told to cancel; reading raises DEADLINE_EXCEEDED."""
+        """The deadline passed: the engine is told to cancel; reading raises ``DeadlinePassed``."""
         if self._end is None:
             self._session.cancel(self.request_id)
-            self.ended(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            self.ended(DeadlinePassed("DEADLINE_EXCEEDED", "Deadline Exceeded"))
 
     def _wake_by(self, _: asyncio.Future) -> None:
         self._wake()
@@ -212,7 +216,7 @@ class EngineSession:
     def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None,
                  idle_s: float | None = None, end_s: float = math.inf) -> SessionCall:
         """Called by ``Leg.start``: sends ``request`` on the session (opened if it is
-        not), failing it with DEADLINE_EXCEEDED when no message came within
+        not), failing it with ``DeadlinePassed`` when no message came within
         ``timeout_s``, or, with ``idle_s``, none within ``idle_s`` of the last one, or
         at ``end_s`` (monotonic); without ``idle_s``, after ``timeout_s`` whatever came."""
         link = self._link
@@ -240,7 +244,7 @@ class EngineSession:
         """Called by ``InstanceRegistry.close`` at the app's shutdown."""
         link = self._link
         if link is not None:
-            self.broken(link, rpc_error(grpc.StatusCode.CANCELLED, "the Coordinator is closing"))
+            self.broken(link, CallCancelled("CANCELLED", "the Coordinator is closing"))
             await link.closed()
 
     # -- called by the link --
@@ -268,12 +272,12 @@ class EngineSession:
                     log.info("session %s: request %r ended: %s", self.address,
                              end.request_id, end.details)
                 continue
-            target.ended(rpc_error(_STATUS.get(end.code, grpc.StatusCode.UNKNOWN),
-                                   end.details) if end.code else StopAsyncIteration())
+            target.ended(from_status(end.code, end.details) if end.code else StopAsyncIteration())
 
     def broken(self, link: _Link, exc: BaseException) -> None:
-        """Fails every call of ``link`` with ``exc`` (an ``AioRpcError``, or UNAVAILABLE
-        saying what happened); the next generate opens a new link. First one wins."""
+        """Fails every call of ``link`` with what ``exc`` says (an ``EngineCallError``, a
+        gRPC stream's status, else ``EngineFailed`` saying what happened); the next
+        generate opens a new link. First one wins."""
         if self._link is not link:
             return
         log.info("session to engine %s broke: %s", self.address, _describe(exc))
@@ -281,11 +285,12 @@ class EngineSession:
         self._generate, self._cancel = [], []
         calls, self._calls = self._calls, {}
         if isinstance(exc, grpc.aio.AioRpcError):
-            code, details = exc.code(), exc.details()
-        else:
-            code, details = grpc.StatusCode.UNAVAILABLE, _describe(exc)
+            exc = from_rpc_error(exc)
+        if not isinstance(exc, EngineCallError):
+            exc = EngineFailed("UNAVAILABLE", _describe(exc))
+        kind, status, details = type(exc), exc.status, exc.details
         for target in calls.values():  # an error each: one raised many times grows its traceback
-            target.ended(rpc_error(code, details))
+            target.ended(kind(status, details))
         link.shut()
 
 
@@ -344,8 +349,8 @@ class _Link:
                                     "ride its gRPC Session", health.session_port, session.address,
                                     _describe(exc))
             except grpc.aio.AioRpcError as exc:  # Health failed, or the session was refused
-                raise rpc_error(grpc.StatusCode.UNAVAILABLE,
-                                f"cannot open a session: {_describe(exc)}") from None
+                raise EngineFailed("UNAVAILABLE",
+                                   f"cannot open a session: {_describe(exc)}") from None
             if protocol is not None:
                 self.transport, self._frames = "frames", protocol
                 self._flush()
@@ -353,7 +358,7 @@ class _Link:
             else:
                 self.transport = "grpc"
                 await self._grpc()
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the engine ended the session")
+            raise EngineFailed("UNAVAILABLE", "the engine ended the session")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -423,13 +428,12 @@ class _FrameProtocol(asyncio.Protocol):
                 else:
                     self._session.deliver(pb.SessionResponse.FromString(payload))
         except Exception as exc:  # a frame too long, not a SessionResponse: a broken peer
-            self._end(rpc_error(grpc.StatusCode.UNAVAILABLE, f"malformed session frame: {exc}"))
+            self._end(EngineFailed("UNAVAILABLE", f"malformed session frame: {exc}"))
             self._transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._end(rpc_error(grpc.StatusCode.UNAVAILABLE,
-                            f"the session connection was lost: {exc}" if exc
-                            else "the engine ended the session"))
+        self._end(EngineFailed("UNAVAILABLE", f"the session connection was lost: {exc}" if exc
+                               else "the engine ended the session"))
 
     def write(self, data: bytes) -> None:
         self._transport.write(data)
@@ -443,20 +447,19 @@ class _FrameProtocol(asyncio.Protocol):
             self.answered.set_result(None)
             return
         reason = payload.removeprefix(frames.REFUSED).decode(errors="replace")
-        self._end(rpc_error(grpc.StatusCode.UNAVAILABLE, f"the engine refused the session: {reason}"))
+        self._end(EngineFailed("UNAVAILABLE", f"the engine refused the session: {reason}"))
         self._transport.close()
 
-    def _end(self, error: grpc.aio.AioRpcError) -> None:
+    def _end(self, error: EngineFailed) -> None:
         for future in (self.answered, self.lost):
             if not future.done():
                 future.set_exception(error)
                 future.exception()  # retrieved: the link reads whichever it awaits
 
 
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
-
-
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, EngineCallError):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"

@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.sampling import SamplingParams
+from pdserve.coordinator.engine_errors import from_status
 from pdserve.coordinator.errors import ServeError
 from pdserve.coordinator.legs import DecodeLeg, EngineFull, Leg, LegFailure, PairedLegs, PrefillLeg
 from pdserve.coordinator.lifecycle import engine_request
@@ -55,8 +56,9 @@ class ScriptedCall:
         self.queue.put_nowait(pb.GenerateResponse(**fields))
         self.last_arrival_s = time.monotonic()
 
-    def fail(self, code: grpc.StatusCode) -> None:
-        self.queue.put_nowait(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "boom"))
+    def fail(self, code: grpc.StatusCode, details: str = "boom") -> None:
+        """The call ends as a session ends it: ``code`` made pdserve's own error."""
+        self.queue.put_nowait(from_status(code, details))
 
     def cancel(self) -> bool:
         self.is_cancelled = True
@@ -288,9 +290,7 @@ def test_a_full_engine_is_load_not_a_failure():
         engine, aborts = inst("d1", "decode"), Aborts()
         leg = make_leg(DecodeLeg, engine, aborts, RequestTimings("r1", CoordinatorMetrics()))
         leg.start(10.0)
-        call_of(leg).queue.put_nowait(grpc.aio.AioRpcError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-            "decode full: 12 blocks wanted, 3 free"))
+        call_of(leg).fail(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode full: 12 blocks wanted, 3 free")
         with pytest.raises(EngineFull) as info:
             async for _ in leg.tokens():
                 pass

@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+from pdserve.coordinator.engine_errors import EngineFailed
 from pdserve.coordinator.sessions import EngineSession
 from pdserve.runtime import frames
 from pdserve.runtime.engine_client import EngineClient
@@ -201,10 +202,10 @@ def test_a_session_the_engine_refuses_fails_its_requests_as_unavailable():
             stub.session_port = port  # Health names a session port that wants TOKEN
             async with EngineClient(address, SecuritySettings(token="guess")) as client:
                 session = EngineSession(client)
-                with pytest.raises(grpc.aio.AioRpcError) as info:
+                with pytest.raises(EngineFailed) as info:
                     await read_all(session.generate(request("a"), 5.0))
-                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert "refused the session: wrong cluster token" in info.value.details()
+                assert info.value.status == "UNAVAILABLE"
+                assert "refused the session: wrong cluster token" in info.value.details
                 assert session.num_calls == 0 and session.transport == ""
                 await session.close()
         await server.stop(None)
@@ -251,10 +252,10 @@ def test_an_engine_sending_garbage_fails_the_calls_and_the_next_request_reopens(
         stub.session_port = garbage.sockets[0].getsockname()[1]
         async with EngineClient(address) as client:
             session = EngineSession(client)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
+            with pytest.raises(EngineFailed) as info:
                 await read_all(session.generate(request("a"), 5.0))
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "malformed session frame" in info.value.details()
+            assert info.value.status == "UNAVAILABLE"
+            assert "malformed session frame" in info.value.details
             assert session.num_calls == 0
             stub.session_port = good_port
             assert len(await read_all(session.generate(request("b", 3), 5.0))) == 3

@@ -16,6 +16,14 @@ import pytest
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
+from pdserve.coordinator.engine_errors import (
+    CallCancelled,
+    DeadlinePassed,
+    EngineBusy,
+    EngineCallError,
+    EngineFailed,
+    InputRefused,
+)
 from pdserve.coordinator.sessions import EngineSession
 from pdserve.runtime.engine_client import EngineClient, build_generate_request
 from pdserve.runtime.session_server import FrameSessionServer
@@ -66,8 +74,8 @@ async def session_on(stub: StubEngine, frames: bool):
         await server.stop(grace=None)
 
 
-async def error_of(call) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
+async def error_of(call) -> EngineCallError:
+    with pytest.raises(EngineCallError) as info:
         await read_all(call)
     return info.value
 
@@ -95,7 +103,7 @@ def test_one_requests_error_ends_it_alone(frames):
             bad = session.generate(request("bad", kv_transfer={  # the stub refuses its long id
                 "role": "decode", "mode": "push", "transfer_id": "x" * 200, "peer": "p:1"}), 10.0)
             error = await error_of(bad)
-            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "transfer_id" in error.details()
+            assert isinstance(error, InputRefused) and "transfer_id" in error.details
             assert len(await read_all(good)) == 4
             assert len(await read_all(session.generate(request("after"), 10.0))) == 4
 
@@ -106,8 +114,8 @@ def test_a_full_engine_answers_full_on_the_session(frames):
     async def scenario():
         async with session_on(StubEngine(behavior="full", num_full=1), frames) as session:
             error = await error_of(session.generate(request("first"), 10.0))
-            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert error.details().startswith("prefill full")
+            assert isinstance(error, EngineBusy) and error.status == "RESOURCE_EXHAUSTED"
+            assert error.details.startswith("prefill full")
             assert len(await read_all(session.generate(request("second"), 10.0))) == 1
 
     run(scenario)
@@ -122,7 +130,7 @@ def test_cancel_of_one_request_leaves_the_other_running(frames):
             assert a.cancel() and not a.cancel()
             await until(lambda: "a" not in stub._inflight)  # its Generate was cancelled
             assert [m.num_output_tokens for m in await read_all(b)] == [1, 2, 3, 4, 5]
-            assert (await error_of(a)).code() == grpc.StatusCode.CANCELLED
+            assert isinstance(await error_of(a), CallCancelled)
 
     run(scenario)
 
@@ -132,7 +140,7 @@ def test_a_deadline_fails_its_request_and_cancels_it_on_the_engine(frames):
         async with session_on(StubEngine(num_tokens=500, token_delay_s=0.05), frames) as session:
             slow = session.generate(request("slow", 500), 0.2)  # 25 s left alone
             quick = session.generate(request("quick", 2), 10.0)
-            assert (await error_of(slow)).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert isinstance(await error_of(slow), DeadlinePassed)
             assert len(await read_all(quick)) == 2
 
     run(scenario)
@@ -149,8 +157,9 @@ def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens(frames):
                 await call.__anext__()
             await server.stop(grace=None)  # the engine goes away mid-stream
             for call in calls:
-                assert (await error_of(call)).code() in (grpc.StatusCode.UNAVAILABLE,
-                                                         grpc.StatusCode.CANCELLED)
+                error = await error_of(call)
+                assert isinstance(error, EngineFailed) and error.status in ("UNAVAILABLE",
+                                                                            "CANCELLED")
             assert session.num_calls == 0 and session._link is None
             # The engine is back on its address: the next request opens a new session.
             server = grpc.aio.server()
@@ -167,7 +176,7 @@ def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens(frames):
                 try:
                     got = await read_all(session.generate(request(f"c{attempt}", 3), 10.0))
                     break
-                except grpc.aio.AioRpcError:
+                except EngineFailed:
                     await asyncio.sleep(0.1)
             assert len(got) == 3 and session.num_calls == 0
             assert session.transport == ("frames" if frames else "grpc")
