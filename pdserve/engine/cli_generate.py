@@ -81,7 +81,7 @@ def _run_remote(args, ids):
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from pdserve.engine.llm_engine import EngineInputError
+    from pdserve.engine.admission import EngineInputError
 
     try:
         ids = _parse_ids(args.prompt_token_ids)

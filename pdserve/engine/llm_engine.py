@@ -12,38 +12,35 @@ a KV transport, a ``KVConnector`` reached only through its interface.
 from __future__ import annotations
 
 import logging
-import operator
-import os
 import time
 
 from pdserve.api.proto.engine_pb2 import StatsResponse
-from pdserve.api.sampling import SamplingError, SamplingParams
+from pdserve.api.sampling import SamplingParams
+from pdserve.engine.admission import (
+    EngineInputError,
+    EngineUnavailable,
+    check_kv_transfer,
+    check_prompt,
+    check_sampling,
+    start_guided,
+)
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import ConfigError, EngineConfig
-from pdserve.engine.device import prepare_device
-from pdserve.engine.guided import Grammars, GuidedError
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.guided import Grammars
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_pool import attach_pool
-from pdserve.engine.kv_transfer.params import KVTransferError, KVTransferParams
+from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.kv_transfer.probe import ProbeResult
 from pdserve.engine.kv_transfer.setup import build_connector, kv_allocator
-from pdserve.engine.loader import load_model, model_config
+from pdserve.engine.loader import load_rank0, model_config
 from pdserve.engine.output import OutputProcessor, RequestOutput
-from pdserve.engine.parallel import TensorParallel, TPWorkers, rank_device
+from pdserve.engine.parallel import TPWorkers
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.runtime.model_source import AUTO, auto_dtype
 
 log = logging.getLogger(__name__)
-
-
-class EngineInputError(ValueError):
-    """A request the engine refuses; the message says why."""
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine is draining and admits no new requests."""
 
 
 class LLMEngine:
@@ -57,12 +54,13 @@ class LLMEngine:
         # With tensor parallelism this process is rank 0; the other ranks start first.
         self.tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         try:
-            model, tokenizer, num_blocks = self._load(config)
+            model, tokenizer, num_blocks = load_rank0(config)
             allocator = kv_allocator(config)
             self.runner = ModelRunner(model, num_blocks, config.block_size, allocator,
                                       self.tp_workers.send_step if self.tp_workers else None)
             if self.tp_workers is not None:
-                self._start_ranks(num_blocks, getattr(allocator, "fd", None))
+                self.tp_workers.start_cache(num_blocks, config.block_size,
+                                            getattr(allocator, "fd", None))
         except BaseException:
             if self.tp_workers is not None:
                 self.tp_workers.close()
@@ -93,30 +91,6 @@ class LLMEngine:
             self.runner.kv_cache_bytes / 2**20, config.block_size,
         )
 
-    def _load(self, config: EngineConfig):
-        """(model, tokenizer, KV block count) of this rank; the other ranks, if any, have
-        loaded their shards when it returns (their KV caches follow rank 0's)."""
-        tp = TensorParallel(0, config.tensor_parallel_size)
-        device = config.device if tp.size == 1 else rank_device(config.device, 0)
-        prepare_device(device, config.num_threads)
-        model, tokenizer = load_model(config.model, config.dtype, device, tp)
-        dtype_bytes = model.embed_tokens.element_size()
-        bytes_per_block = model.config.kv_bytes_per_token(dtype_bytes) * config.block_size
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
-        if num_blocks < 1:
-            raise ConfigError(
-                f"kv_cache_bytes={config.kv_cache_bytes} is below one block ({bytes_per_block} bytes)"
-            )
-        return model, tokenizer, num_blocks
-
-    def _start_ranks(self, num_blocks: int, shared_fd: int | None) -> None:
-        """The other ranks allocate (or, sharing rank 0's region, map) their KV caches."""
-        try:
-            self.tp_workers.start_cache(num_blocks, self.config.block_size, shared_fd)
-        finally:
-            if shared_fd is not None:
-                os.close(shared_fd)  # every rank maps the file now
-
     # -- admission -----------------------------------------------------------
 
     def add_request(
@@ -141,10 +115,7 @@ class LLMEngine:
         if self.draining:
             raise EngineUnavailable("the engine is draining and admits no new requests")
         if kv_transfer is not None:
-            self._check_kv_transfer(kv_transfer)
-            if kv_transfer.role == "decode" and params.prompt_logprobs:
-                raise EngineInputError("prompt_logprobs: a decode leg does not prefill; "
-                                       "ask the prefill leg")
+            check_kv_transfer(kv_transfer, params, self.config.role, self.connector)
         if request_id in self.requests:
             raise EngineInputError(f"request id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -153,13 +124,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise EngineInputError("this model has no tokenizer: send prompt token ids")
             prompt_token_ids = self.tokenizer.encode(prompt, add_bos=True)
-        prompt_token_ids = self._check_prompt(prompt_token_ids)
-        try:
-            params.validate(self.model_config.vocab_size)
-        except SamplingError as exc:
-            raise EngineInputError(str(exc)) from None
-        params = params.with_seed()
-        guided = self._start_guided(params, prompt_token_ids)
+        vocab, bm = self.model_config.vocab_size, self.block_manager
+        prompt_token_ids = check_prompt(prompt_token_ids, vocab, self.token_capacity,
+                                        self.max_model_len, bm.num_blocks * bm.block_size)
+        params = check_sampling(params, vocab)
+        guided = start_guided(self.grammars, params, prompt_token_ids)
         request = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
                           arrival_s)
         request.guided = guided
@@ -168,50 +137,6 @@ class LLMEngine:
             self.scheduler.add(request)
         # else: the connector hands it back (P: destination reserved; D: KV arrived)
         return request
-
-    def _start_guided(self, params: SamplingParams, prompt_token_ids: list[int]):
-        """A constrained request's matcher, advanced past the tokens a continued stream
-        generated on earlier engines (the prompt's last ``sample_offset``); else None."""
-        if params.guided is None:
-            return None
-        num_prior = min(params.sample_offset, len(prompt_token_ids))
-        try:
-            return self.grammars.start(*params.guided,
-                                       prompt_token_ids[len(prompt_token_ids) - num_prior:])
-        except GuidedError as exc:
-            raise EngineInputError(f"guided: {exc}") from None
-
-    def _check_prompt(self, prompt_token_ids: list) -> list[int]:
-        if not prompt_token_ids:
-            raise EngineInputError("the prompt is empty")
-        try:
-            # A float or string id would pass the range check and crash the step for all.
-            prompt_token_ids = [operator.index(t) for t in prompt_token_ids]
-        except TypeError:
-            raise EngineInputError("prompt token ids must be integers") from None
-        vocab = self.model_config.vocab_size
-        if any(not (0 <= t < vocab) for t in prompt_token_ids):
-            raise EngineInputError(f"prompt token ids must be in [0, {vocab})")
-        limit = self.token_capacity
-        if len(prompt_token_ids) >= limit:
-            raise EngineInputError(
-                f"prompt has {len(prompt_token_ids)} tokens; this engine's limit is {limit - 1} "
-                f"(max model length {self.max_model_len}, KV capacity "
-                f"{self.block_manager.num_blocks * self.block_manager.block_size} tokens)"
-            )
-        return prompt_token_ids
-
-    def _check_kv_transfer(self, kv: KVTransferParams) -> None:
-        try:
-            kv.validate()
-        except KVTransferError as exc:
-            raise EngineInputError(str(exc)) from None
-        if self.connector is None:
-            raise EngineInputError("this engine has no KV transport (kv_transport=none)")
-        if self.config.role not in (kv.role, "hybrid"):
-            raise EngineInputError(f"a {self.config.role} engine cannot take the {kv.role} leg")
-        if self.connector.has_transfer(kv.transfer_id):
-            raise EngineInputError(f"transfer id {kv.transfer_id!r} is already in use")
 
     def abort_request(self, request_id: str) -> bool:
         """End a request and free its blocks. Idempotent; unknown ids return False."""

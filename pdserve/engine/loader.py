@@ -28,9 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdserve.engine.config import ConfigError, ModelConfig
+from pdserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from pdserve.engine.device import prepare_device
 from pdserve.engine.model import Transformer
-from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.parallel import TensorParallel, rank_device
 from pdserve.runtime.gguf_file import GGUFError, GGUFFile, is_gguf
 from pdserve.runtime.model_source import PRESETS as ALL_PRESETS
 from pdserve.runtime.model_source import ModelSourceError, resolve
@@ -341,6 +342,24 @@ def _resolve(name_or_path: str) -> str:
         return resolve(name_or_path)
     except ModelSourceError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def load_rank0(config: EngineConfig) -> tuple[Transformer, object, int]:
+    """The engine's model, tokenizer and KV block count on rank 0 (the engine's own
+    process); the other tensor-parallel ranks, if any, have loaded their shards when it
+    returns, and their KV caches follow rank 0's."""
+    tp = TensorParallel(0, config.tensor_parallel_size)
+    device = config.device if tp.size == 1 else rank_device(config.device, 0)
+    prepare_device(device, config.num_threads)
+    model, tokenizer = load_model(config.model, config.dtype, device, tp)
+    dtype_bytes = model.embed_tokens.element_size()
+    bytes_per_block = model.config.kv_bytes_per_token(dtype_bytes) * config.block_size
+    num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ConfigError(
+            f"kv_cache_bytes={config.kv_cache_bytes} is below one block ({bytes_per_block} bytes)"
+        )
+    return model, tokenizer, num_blocks
 
 
 def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",

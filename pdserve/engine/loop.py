@@ -33,7 +33,8 @@ from concurrent.futures import Future
 
 from pdserve.api.proto.engine_pb2 import StatsResponse
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine
+from pdserve.engine.admission import EngineInputError, EngineUnavailable
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import RequestStatus
 

@@ -185,11 +185,15 @@ class TPWorkers:
     def start_cache(self, num_blocks: int, block_size: int, shared_fd: int | None = None) -> None:
         """Every worker allocates its KV cache, or, with ``shared_fd`` (a file holding one
         slab per rank, rank 0's first: ``create_shared_kv``), maps its slab of it; returns once
-        all are ready to step."""
-        self._send(("cache", (num_blocks, block_size, shared_fd is not None)))
-        for conn, proc in zip(self._conns, self._procs, strict=True):
+        all are ready to step. ``shared_fd`` is closed here: every rank maps the file then."""
+        try:
+            self._send(("cache", (num_blocks, block_size, shared_fd is not None)))
+            for conn, proc in zip(self._conns, self._procs, strict=True):
+                if shared_fd is not None:
+                    multiprocessing.reduction.send_handle(conn, shared_fd, proc.pid)
+        finally:
             if shared_fd is not None:
-                multiprocessing.reduction.send_handle(conn, shared_fd, proc.pid)
+                os.close(shared_fd)
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.recv_bytes()

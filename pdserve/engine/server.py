@@ -44,10 +44,11 @@ import grpc
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
 from pdserve.api.sampling import SamplingParams
+from pdserve.engine.admission import EngineInputError, EngineUnavailable
 from pdserve.engine.kv_transfer.messages import DECODE_FULL
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.kv_transfer.probe import ProbeResult
-from pdserve.engine.llm_engine import EngineInputError, EngineUnavailable, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.metrics import attach_metrics, start_metrics_server
 from pdserve.engine.output import RequestOutput

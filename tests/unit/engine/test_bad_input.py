@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve.api.sampling import SamplingParams
+from pdserve.engine.admission import EngineInputError
 from pdserve.engine.config import ConfigError, EngineConfig
-from pdserve.engine.llm_engine import EngineInputError, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
 
 GOOD_PROMPT = [10, 20, 30, 40, 50]
 

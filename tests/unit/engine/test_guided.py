@@ -14,9 +14,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pdserve.api.sampling import SamplingParams
+from pdserve.engine.admission import EngineInputError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.guided import Grammars
-from pdserve.engine.llm_engine import EngineInputError, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.runtime.tokenizer import load_tokenizer
 from tests.unit.engine.pd_harness import (
     assert_all_free,

@@ -8,9 +8,10 @@ import torch
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.sampling import SamplingParams
+from pdserve.engine.admission import EngineInputError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_transfer.params import KVTransferParams
-from pdserve.engine.llm_engine import EngineInputError, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import TokenLogprob
 from pdserve.engine.server import output_to_proto, sampling_from_proto
