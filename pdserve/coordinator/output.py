@@ -222,10 +222,10 @@ async def sse_body(answer, primary: Output, chunks, slot):
     options = primary.body.stream_options
     try:
         async for chunk in chunks:
-            yield _sse(chunk)
+            yield sse_event(chunk)
         answer.done(200)
         if options is not None and options.include_usage:
-            yield _sse(primary.shape.usage_chunk(answer.usage()))
+            yield sse_event(primary.shape.usage_chunk(answer.usage()))
     except ServeError as exc:
         code = exc.status
         yield _sse_data(exc.json_bytes())
@@ -359,5 +359,6 @@ def _sse_data(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-def _sse(body: dict) -> bytes:
+def sse_event(body: dict) -> bytes:
+    """One SSE event of ``body`` (JSON)."""
     return _sse_data(orjson.dumps(body))

@@ -52,9 +52,9 @@ from .guard import ADMIN_SCOPE_KEY
 from .http_server import CLIENT_HOOK
 from .lifecycle import Deps, RequestRun, new_request_id
 from .logprobs import OutputLogprobs, TokenTexts
-from .output import Choices, Output
+from .output import Choices, Output, sse_event
 from .prompts import PromptBuilder
-from .schemas import ChatCompletionRequest, CompletionRequest, build_usage
+from .schemas import ChatCompletionRequest, CompletionRequest, StreamOptions, build_usage
 from .settings import CoordinatorSettings
 from .structured import output_format, template_messages
 
@@ -343,23 +343,39 @@ class Completions:
     async def _handle_batch(self, request: Request, body: CompletionRequest, prompts: list,
                             loop: asyncio.AbstractEventLoop | None) -> Response:
         """A list of prompts: each answered as its own request, concurrently (the engines
-        batch them), then one response as vLLM gives it: prompt i's ``n`` choices at
-        indices ``i * n`` on, usage summed. Not streamed. The first failure answers for
-        the whole request (the other prompts are cancelled)."""
-        if body.stream:
-            raise ServeError(400, "a list of prompts cannot be streamed; stream one prompt per "
-                             "request", param="prompt")
-        subs = [body.model_copy(update={"prompt": p}) for p in prompts]
+        batch them), as one response as vLLM gives it: prompt i's ``n`` choices at
+        indices ``i * n`` on, usage summed; streamed, every prompt's chunks as they come
+        (``_merged_streams``). The first failure before any answer answers for the
+        whole request (the other prompts are cancelled)."""
+        if body.stream:  # each prompt's stream ends with its usage, summed into one
+            options = StreamOptions(include_usage=True, continuous_usage_stats=bool(
+                body.stream_options and body.stream_options.continuous_usage_stats))
+            subs = [body.model_copy(update={"prompt": p, "stream_options": options})
+                    for p in prompts]
+        else:
+            subs = [body.model_copy(update={"prompt": p}) for p in prompts]
+        tasks: list[asyncio.Task] = []
         try:
             with DisconnectWatch(request.scope, request.receive, loop):
                 async with asyncio.TaskGroup() as group:
                     tasks = [group.create_task(self.handle(request, sub, "completions", loop, False))
                              for sub in subs]
-        except ClientGone:
-            return Response(status_code=499)
-        except ExceptionGroup as failures:  # the first prompt that failed answers for all
-            raise failures.exceptions[0] from None
+        except (ClientGone, ExceptionGroup) as exc:
+            if body.stream:  # the streams that began hold their slots until they end
+                for task in tasks:
+                    if task.done() and not task.cancelled() and task.exception() is None:
+                        await _end_stream(task.result().body_iterator)
+            if isinstance(exc, ClientGone):
+                return Response(status_code=499)
+            raise exc.exceptions[0] from None  # the first prompt that failed answers for all
         answers = [t.result() for t in tasks]
+        if body.stream:
+            asked = body.stream_options is not None and body.stream_options.include_usage
+            stream = StreamingResponse(
+                _merged_streams([a.body_iterator for a in answers], body.n, asked),
+                media_type="text/event-stream", headers={REQUEST_ID_HEADER: answers[0].label})
+            stream.label = answers[0].label
+            return stream
         bodies = [orjson.loads(a.body) for a in answers]
         choices = [{**c, "index": i * body.n + c["index"]}
                    for i, one in enumerate(bodies) for c in one["choices"]]
@@ -392,3 +408,63 @@ def choice_counts(body: CompletionRequest | ChatCompletionRequest) -> tuple[int,
         raise ServeError(400, "best_of cannot be streamed (the best choices are known only "
                          "at the end)", param="best_of")
     return n, best_of
+
+
+async def _end_stream(body) -> None:
+    """Ends a stream no one will read: started (its first event was ready) and closed,
+    so its own ``finally`` counts it and releases its slot."""
+    with contextlib.suppress(StopAsyncIteration):
+        await body.__anext__()
+    await body.aclose()
+
+
+async def _merged_streams(bodies: list, n: int, include_usage: bool):
+    """The SSE body of a streamed list of prompts: each prompt's chunks as they come,
+    under the first prompt's id, its choices indexed ``i * n`` on; each prompt's usage
+    chunk summed into one at the end (when asked for); a prompt's error event ends the
+    whole stream (the others are closed); then ``[DONE]``."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, body) -> None:
+        try:
+            async for event in body:
+                await queue.put((i, event))
+        finally:
+            await queue.put((i, None))
+
+    pumps = [asyncio.ensure_future(pump(i, body)) for i, body in enumerate(bodies)]
+    first_id, usage, open_ = None, [], len(bodies)
+    try:
+        while open_:
+            i, event = await queue.get()
+            if event is None:
+                open_ -= 1
+                continue
+            payload = event.removeprefix(b"data: ").strip()
+            if payload == b"[DONE]":
+                continue
+            chunk = orjson.loads(payload)
+            if "error" in chunk:
+                yield event
+                return
+            if chunk.get("usage") and not chunk.get("choices"):
+                usage.append(chunk)
+                continue
+            first_id = first_id or chunk["id"]
+            chunk["id"] = first_id
+            for choice in chunk.get("choices", ()):
+                choice["index"] += i * n
+            yield sse_event(chunk)
+        if include_usage and usage:
+            counts = [u["usage"] for u in usage]
+            total = build_usage(sum(u["prompt_tokens"] for u in counts),
+                                sum(u["completion_tokens"] for u in counts),
+                                sum(u["prompt_tokens_details"]["cached_tokens"] for u in counts))
+            yield sse_event({**usage[0], "id": first_id or usage[0]["id"], "usage": total})
+        yield b"data: [DONE]\n\n"
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for body in bodies:
+            await body.aclose()

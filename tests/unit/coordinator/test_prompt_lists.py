@@ -1,14 +1,18 @@
 """A list of prompts in one completion request, as vLLM and OpenAI take it (and as
 lm-eval's ``local-completions`` sends even one prompt): each prompt answered with its
-``n`` choices, indexed prompt by prompt, usage summed; malformed prompts are 400s that
-say which form was meant."""
+``n`` choices, indexed prompt by prompt, usage summed, whole or streamed; malformed
+prompts are 400s that say which form was meant."""
 
 from __future__ import annotations
+
+import json
+from collections import defaultdict
 
 import httpx
 import pytest
 
 from tests.unit.coordinator.harness import serve
+from tests.unit.coordinator.test_quiet_logs import wait_for
 
 
 def post(app, **body) -> httpx.Response:
@@ -54,10 +58,53 @@ def test_a_malformed_prompt_says_which_form_was_meant(loop, stubs, prompt, messa
     assert "valid string" not in error["message"]
 
 
-def test_a_list_of_prompts_is_not_streamed_and_too_many_stops_say_so(loop, stubs):
+def stream_events(app, **body) -> list:
+    with httpx.stream("POST", app.url + "/v1/completions", timeout=30,
+                      json={"model": "tiny", "max_tokens": 3, "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        return [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_streamed_list_of_prompts_streams_every_choice_of_every_prompt(loop, stubs):
+    """As vLLM streams it: one stream, one id, each prompt's choices at ``i * n`` on,
+    one usage chunk summing every prompt's (as the whole answer's), then [DONE]."""
+    engines = [stubs(num_tokens=3, token_ids=[65, 66, 67], token_delay_s=0.01)]
+    body = {"prompt": ["hello", "hey", [104, 105]], "n": 2, "echo": True}
+    with serve(loop, engines) as app:
+        whole = post(app, **body).json()
+        events = stream_events(app, **body, stream_options={"include_usage": True})
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        texts = defaultdict(str)
+        for chunk in chunks[:-1]:
+            for choice in chunk["choices"]:
+                texts[choice["index"]] += choice["text"]
+        assert dict(texts) == {c["index"]: c["text"] for c in whole["choices"]}
+        assert dict(texts) == {0: "helloABC", 1: "helloABC", 2: "heyABC", 3: "heyABC",
+                               4: "hiABC", 5: "hiABC"}
+        assert len({c["id"] for c in chunks}) == 1
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+        finished = [c for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+        assert sorted(c["index"] for c in finished) == list(range(6))
+        # Without include_usage no usage chunk; every prompt's slot is released.
+        events = stream_events(app, prompt=["a", "b"])
+        assert events[-1] == "[DONE]" and all(json.loads(e)["choices"] for e in events[:-1])
+        wait_for(lambda: app.app.state.admission.num_running == 0)
+
+
+def test_a_client_that_leaves_a_streamed_list_ends_every_prompt(loop, stubs):
+    engine = stubs(num_tokens=100, token_delay_s=0.1)
+    with serve(loop, [engine]) as app:
+        with httpx.stream("POST", app.url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 100, "stream": True}) as r:
+            assert r.status_code == 200
+            assert len([line for _, line in zip(range(3), r.iter_lines(), strict=False)]) == 3
+        wait_for(lambda: len(stubs.by_address[engine].aborted) == 3)  # every prompt's leg
+        wait_for(lambda: app.app.state.admission.num_running == 0)
+
+
+def test_too_many_stops_say_so(loop, stubs):
     with serve(loop, [stubs(num_tokens=1)]) as app:
-        r = post(app, prompt=["a", "b"], stream=True)
-        assert r.status_code == 400 and "cannot be streamed" in r.json()["error"]["message"]
         r = post(app, prompt="a", stop=["1", "2", "3", "4", "5"])
         assert r.status_code == 400 and "at most 4 stop sequences, got 5" in r.json()["error"]["message"]
 
