@@ -68,11 +68,12 @@ def engine_model_config(model):
     """The engine's ``ModelConfig`` for a spec's model, as the engine would load it
     (raises ``ConfigError`` for a model it refuses)."""
     from pdserve.engine.config import ModelConfig
-    from pdserve.engine.loader import PRESETS, preset_config
+    from pdserve.engine.loader import model_config
+    from pdserve.runtime.model_source import PRESETS
 
-    if model.preset is not None:
+    if model.preset is not None:  # a random preset, or a packaged file (installed on demand)
         assert model.preset in PRESETS, f"unknown preset {model.preset!r}; presets: {', '.join(PRESETS)}"
-        return preset_config(model.preset)
+        return model_config(model.preset)
     if model.path is not None and Path(model.path).is_dir():
         return ModelConfig.from_path(Path(model.path))
     name = model.pvc.sub_path if model.pvc else (model.image or model.path)
@@ -101,12 +102,13 @@ def engine_command_lines(cluster) -> dict[str, list[list[str]]]:
 
 def check_engine_would_start(cluster) -> None:
     """Every engine of ``cluster`` through the checks the engine runs at start, before
-    it reads a weight (``pdserve engine``'s flags, ``EngineConfig.validate``, the model's
+    it reads a weight (``pdserve engine``'s flags, dtype ``auto`` resolved, ``EngineConfig.validate``, the model's
     ``ModelConfig`` and ``EngineConfig.check_model``); raises ``ConfigError`` as it would."""
     import argparse
 
     from pdserve.engine import cli_serve
     from pdserve.engine.cli_args import engine_config_from_args
+    from pdserve.runtime.model_source import AUTO, auto_dtype
 
     model = engine_model_config(cluster.spec.model)
     parser = argparse.ArgumentParser()
@@ -114,6 +116,8 @@ def check_engine_would_start(cluster) -> None:
     for argvs in engine_command_lines(cluster).values():
         for argv in argvs:
             config = engine_config_from_args(parser.parse_args(argv))
+            if config.dtype == AUTO:  # as the engine resolves it first
+                config.dtype = auto_dtype(config.model)[0]
             config.validate()
             config.check_model(model)
 
