@@ -38,6 +38,7 @@ from pdserve.api.proto import controller_pb2 as cpb
 from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
 from pdserve.local.doctor_checks import (
     check_etcd,
+    check_extras,
     check_model,
     check_tls,
     check_tokenizer,
@@ -75,7 +76,7 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     controller, url = args.controller, args.url
     checks: list[Check] = []
     if cluster is not None:
-        checks += check_model(cluster) + check_tokenizer(cluster)
+        checks += check_extras(cluster) + check_model(cluster) + check_tokenizer(cluster)
         checks += check_transport(cluster, args.require_rdma)
         state = RunState(args.run_dir or default_run_dir(cluster.metadata.name))
         found = state.read_addresses()

@@ -21,7 +21,7 @@ from pathlib import Path
 from pdserve.api import PDCluster
 from pdserve.runtime.chat_template import HOW_TO_ADD, find_chat_template
 from pdserve.runtime.doctor_checks import FAIL, PASS, WARN, Check
-from pdserve.runtime.extras import install_command
+from pdserve.runtime.extras import install_command, missing_modules, needed_by
 from pdserve.runtime.model_source import ModelSourceError, auto_dtype, is_random_preset, resolve
 from pdserve.runtime.model_source import check as check_model_source
 from pdserve.runtime.security import SecuritySettings
@@ -29,6 +29,19 @@ from pdserve.runtime.tokenizer import load_tokenizer
 
 TLS_EXPIRY_WARN_DAYS = 14  # a certificate expiring sooner is a warning
 RDMA_DIR = Path("/sys/class/infiniband")
+
+
+def check_extras(cluster: PDCluster) -> list[Check]:
+    """This host has the extras that running the spec's engines here (``pdserve up``)
+    takes; a warning when not, as the spec may be meant for Kubernetes' engine image."""
+    rows = []
+    for extra in needed_by(cluster):
+        missing = missing_modules(extra)
+        rows.append(Check(f"{extra} extra", WARN if missing else PASS,
+                          f"not installed (no module {', '.join(missing)}): pdserve up cannot "
+                          f"run this spec's engines here" if missing else "installed",
+                          install_command(extra) if missing else ""))
+    return rows
 
 
 def check_model(cluster: PDCluster) -> list[Check]:

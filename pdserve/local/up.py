@@ -169,13 +169,7 @@ def check_extras(cluster: PDCluster) -> None:
     engines: the engine extra (torch), and the extra of the spec's KV transport (PD
     pools) and of its shared KV pool. ``pip install pdserve`` alone is the control
     plane."""
-    spec = cluster.spec
-    needed = ["engine"]
-    if (spec.prefill.replicas or spec.decode.replicas) and spec.kv_transfer.transport in extras.EXTRAS:
-        needed.append(spec.kv_transfer.transport)
-    if spec.kv_pool.enabled:
-        needed.append("mooncake")
-    for extra in needed:
+    for extra in extras.needed_by(cluster):
         if extras.missing_modules(extra):
             raise StartError(extras.explain("pdserve up runs engines here", extra))
 

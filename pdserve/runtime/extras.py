@@ -47,3 +47,16 @@ def explain(what: str, extra: str, module: str | None = None) -> str:
     missing = module or ", ".join(missing_modules(extra)) or EXTRAS[extra][0]
     return (f"{what}: the {extra} extra is not installed (no module {missing}); "
             f"install it with {install_command(extra)}")
+
+
+def needed_by(cluster) -> list[str]:
+    """The extras a host needs to run ``cluster``'s engines (a ``PDCluster``: what
+    ``pdserve up`` starts): the engine, the KV transport of its PD pools, and Mooncake
+    for its shared KV pool."""
+    spec = cluster.spec
+    needed = ["engine"]
+    if (spec.prefill.replicas or spec.decode.replicas) and spec.kv_transfer.transport in EXTRAS:
+        needed.append(spec.kv_transfer.transport)
+    if spec.kv_pool.enabled and "mooncake" not in needed:
+        needed.append("mooncake")
+    return needed

@@ -13,6 +13,7 @@ The install comes from pip's configured index and cache, with the test venv's pi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -103,6 +104,15 @@ def test_pdserve_up_stops_at_once_naming_the_engine_extra(slim, tmp_path):
     assert out.returncode == 2
     assert "error: pdserve up runs engines here: the engine extra is not installed" in out.stderr
     assert "pip install 'pdserve[engine]'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_doctor_says_the_engine_extra_is_missing_here(slim, tmp_path):
+    out = run([slim / "pdserve", "doctor", "-f", REPO / "examples" / "minimal.yaml", "--json",
+               "--run-dir", tmp_path / "run"], tmp_path)
+    rows = {row["name"]: row for row in json.loads(out.stdout)}
+    assert rows["engine extra"]["status"] == "warn", rows
+    assert rows["engine extra"]["fix"] == "pip install 'pdserve[engine]'"
+    assert "Traceback" not in out.stderr
 
 
 def test_a_slim_coordinator_serves_a_completion_from_stub_engines(slim, loop):

@@ -122,3 +122,13 @@ def test_up_checks_the_engine_and_the_specs_transport_before_starting(monkeypatc
                  "hybrid": {"replicas": 1}}
     check_extras(parse_manifest({"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
                                  "metadata": {"name": "c"}, "spec": colocated}))  # no transfer
+
+
+def test_the_doctor_says_which_extra_this_host_lacks_for_the_specs_engines(monkeypatch):
+    from pdserve.local.doctor_checks import check_extras as doctor_extras
+
+    assert [(c.name, c.status) for c in doctor_extras(default_cluster())] == [("engine extra", "pass")]
+    without(monkeypatch, "torch", "safetensors")
+    [row] = doctor_extras(default_cluster())
+    assert (row.name, row.status, row.fix) == ("engine extra", "warn", "pip install 'pdserve[engine]'")
+    assert "no module torch, safetensors" in row.detail and "pdserve up" in row.detail
