@@ -30,15 +30,20 @@ never retried), the deadline's (504), load (``EngineFull``: the engine had no ro
 "decode full" or "prefill full"; it is healthy, the request waits or goes
 elsewhere), or the engine's failure (``LegFailure``, with the leg and the stage:
 retryable on other engines). In a PD
-attempt, a prefill failure before the decode leg's first token is the attempt's
-failure (D only waits for the KV); after it, the failure is moot.
+attempt, a prefill failure before D's first message is the attempt's failure (D only
+waits for the KV); after it, the failure is moot.
+
+The first token of a PD attempt: P samples it at the end of its prefill; D sends it
+once it has the KV and its loop finished the step it was in. It goes out with
+whichever message of it comes first (``DecodeLeg._prefill_token`` for P's), and D's
+copy is dropped; once it went out, a failure is a continuation's (``mid_stream``).
 
 Logprobs ride along the tokens: ``take_logprobs`` returns those of the tokens
 yielded since the last call, ``prompt_logprobs`` the prompt's (from the engine that
-prefilled). In a PD attempt D's first token is P's, sampled and scored on P: before
-yielding it, the decode leg waits for P's message of it (already there but for a
-race of two streams); P's stream ending without it fails the attempt like any P
-failure. Requests without logprobs wait for nothing.
+prefilled). In a PD attempt the first token is P's, sampled and scored on P: when D's
+message of it comes first, the decode leg waits for P's before yielding it (already
+there but for a race of two streams); P's stream ending without it fails the attempt
+like any P failure. Requests without logprobs wait for nothing.
 
 Load counts on each ``EngineEndpoint``: one in flight per leg from ``start`` to
 ``close``; a single or prefill leg's prompt tokens are pending prefill until the
