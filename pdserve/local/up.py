@@ -27,6 +27,7 @@ and the Coordinator all require it of each other. Every process listens on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import json
@@ -314,11 +315,21 @@ def run(args: argparse.Namespace) -> int:
     except StartError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
-    finally:
-        print("stopping ...", flush=True)
+    finally:  # whatever ended the run, its stdout closed included (a parent gone)
+        _say("stopping ...")
         launcher.stop()
         (state.run_dir / TOKEN_FILE).unlink(missing_ok=True)
-        print(f"stopped {len(launcher.procs)} processes (logs in {state.run_dir})", flush=True)
+        _say(f"stopped {len(launcher.procs)} processes (logs in {state.run_dir})")
+
+
+def _say(line: str) -> None:
+    """A line on stdout that cannot stop the stopping: stdout may be a pipe whose reader
+    is gone (``pdserve up | head``, a parent that died), where printing raises."""
+    try:
+        print(line, flush=True)
+    except OSError:  # from now on stdout goes nowhere, its buffer included (at exit too)
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def pool_sizes(cluster: PDCluster) -> dict[str, int]:

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -355,3 +356,30 @@ def test_up_runs_a_tensor_parallel_prefill_engine_feeding_a_tp1_decode_engine(tm
         assert up.popen.wait(30) == 0
     finally:
         up.stop()
+
+
+def test_a_cluster_whose_stdout_reader_is_gone_still_stops_everything(tmp_path):
+    """``pdserve up`` under a parent that died (its stdout a pipe nobody reads, as under
+    ``pdserve bench --compare`` killed): SIGTERM still stops every process it started."""
+    port, run_dir = free_port(), tmp_path / "run"
+    up = subprocess.Popen([*PDSERVE, "up", "--model", "tiny", "--kv-cache-bytes", "16Mi",
+                           "--port", str(port), "--run-dir", str(run_dir)],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in up.stdout:
+            if "pdserve is up" in line or time.monotonic() > deadline:
+                break
+        assert "pdserve is up" in line, line
+        groups = json.loads((run_dir / "processes.json").read_text())["groups"]
+        assert groups and all(is_group_alive(g) for g in groups.values())
+        up.stdout.close()  # the reader is gone: every later line up prints has nowhere to go
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    deadline = time.monotonic() + 30
+    while any(is_group_alive(g) for g in groups.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(is_group_alive(g) for g in groups.values())
