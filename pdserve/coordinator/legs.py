@@ -295,7 +295,6 @@ class PrefillLeg(Leg):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.has_first_token = asyncio.Event()
         self.first_ids: list[int] | None = None  # the first token P sampled
         self.first_arrival_s = 0.0  # when its message reached the Coordinator
         self.first_token: asyncio.Future | None = None  # done at the first token or the end
@@ -309,7 +308,6 @@ class PrefillLeg(Leg):
                 if self.first_ids is None:
                     self.first_ids, self.first_arrival_s = ids, self._call.last_arrival_s
                     first.set_result(None)
-                self.has_first_token.set()
         finally:
             if not first.done():
                 first.set_result(None)
@@ -361,14 +359,10 @@ class DecodeLeg(Leg):
         P's failure."""
         if not self._prefill.wants_logprobs:
             return
-        task, has_first = self._prefill_task, self._prefill.has_first_token
-        if not has_first.is_set():
-            waiter = self._call.loop.create_task(has_first.wait())
-            try:
-                await _either(waiter, task)
-            finally:
-                waiter.cancel()
-        if has_first.is_set():
+        task, prefill = self._prefill_task, self._prefill
+        if prefill.first_ids is None:
+            await _either(prefill.first_token, task)  # P's first token, or P's end
+        if prefill.first_ids is not None:
             return
         if not task.cancelled() and task.exception() is not None:
             raise self._prefill_failure(task.exception())
