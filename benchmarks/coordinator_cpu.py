@@ -155,7 +155,7 @@ async def measure(args) -> None:
     sessions._Link = FakeLink
     servers, addrs = [], []
     for role in ("prefill", "decode"):
-        server, address = await start_stub(StubEngine(role=role), sessions=False)
+        server, address = await start_stub(StubEngine(role=role))
         servers.append(server)
         addrs.append(address)
     settings = CoordinatorSettings(engines=tuple(addrs), local_prefill_max_tokens=0,

@@ -265,12 +265,12 @@ def legs_floor(concurrency: int, seconds: float, addrs: list[str]) -> None:
     their end; prints this process's CPU per request."""
     import uvloop
 
-    from pdserve.coordinator.sessions import EngineSession
+    from pdserve.coordinator.sessions import EmbeddedEngine
     from pdserve.runtime import gc_tuning
     from pdserve.runtime.engine_client import EngineClient
 
     async def main():
-        p, d = (EngineSession(EngineClient(a)) for a in addrs)
+        p, d = (EmbeddedEngine(EngineClient(a)) for a in addrs)
         done = 0
 
         async def one() -> None:

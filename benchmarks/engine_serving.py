@@ -40,10 +40,10 @@ def start_engine(src: Path, max_num_seqs: int) -> tuple[Proc, str]:
 async def drive(address: str, streams: int, tokens: int, seconds: float) -> tuple[int, float]:
     """``streams`` closed-loop requests of ``tokens`` output tokens on one session for
     ``seconds`` (after a warm-up); returns (output tokens, wall seconds)."""
-    from pdserve.coordinator.sessions import EngineSession
+    from pdserve.coordinator.sessions import EmbeddedEngine
     from pdserve.runtime.engine_client import EngineClient, build_generate_request
 
-    session = EngineSession(EngineClient(address))
+    session = EmbeddedEngine(EngineClient(address))
     ids = itertools.count()
     produced = 0
 

@@ -19,9 +19,8 @@ passes for every peer except those in ``probe_failures`` (KV endpoint -> reason)
 
 Like a real engine it refuses (INVALID_ARGUMENT) a request id already in flight and
 a transfer id longer than 128 characters, and Abort ends the stream of the request
-it names. Session serves this Generate per request, as the engine's does
-(``pdserve.runtime.session_server``), over gRPC and, as frames, on the session port
-that ``start_stub`` opens and Health names. ``request_ids`` lists every Generate's request
+it names. Its session port, which ``start_stub`` opens and Health names,
+serves this Generate per request, as the engine's does (``pdserve.engine.session_server``). ``request_ids`` lists every Generate's request
 id, ``aborted`` every Abort's, ``max_inflight`` the most requests it held at once.
 
 The "full" answer is the engine contract the Coordinator implements
@@ -39,12 +38,12 @@ import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
-from pdserve.runtime.session_server import FrameSessionServer, SessionServicer
+from pdserve.engine.session_server import FrameSessionServer
 
 MAX_TRANSFER_ID_CHARS = 128  # as pdserve.engine.kv_transfer.params
 
 
-class StubEngine(SessionServicer, pb_grpc.EngineServicer):
+class StubEngine(pb_grpc.EngineServicer):
     def __init__(self, role: str = "hybrid", behavior: str = "ok", num_tokens: int = 1,
                  kv_compat_hash: str = "stub", kv_endpoint: str = "127.0.0.1:1",
                  fail_after: int = 0, token_delay_s: float = 0.0,
@@ -190,16 +189,13 @@ class StubServer:
         await self.grpc_server.wait_for_termination()
 
 
-async def start_stub(stub: StubEngine, host: str = "127.0.0.1",
-                     sessions: bool = True) -> tuple[StubServer, str]:
+async def start_stub(stub: StubEngine, host: str = "127.0.0.1") -> tuple[StubServer, str]:
     """Serve ``stub`` on a free port in the running event loop, and its sessions as
-    frames on another (``sessions``; else the gRPC Session only, as an engine started
-    with ``--session-port -1``); returns (server, address)."""
+    frames on another; returns (server, address)."""
     server = grpc.aio.server()
     pb_grpc.add_EngineServicer_to_server(stub, server)
     port = server.add_insecure_port(f"{host}:0")
     await server.start()
     frame_server = FrameSessionServer(stub)
-    if sessions:
-        stub.session_port = await frame_server.start(host, 0)
+    stub.session_port = await frame_server.start(host, 0)
     return StubServer(server, frame_server), f"{host}:{port}"

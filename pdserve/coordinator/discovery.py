@@ -15,8 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
-
+from .engine_errors import DeadlinePassed, EngineCallError
 from .instances import EngineEndpoint, InstanceRegistry
 from .rounds import Rounds
 
@@ -47,13 +46,13 @@ class StaticDiscovery(Rounds):
         self.registry.replace(list(found))
 
     async def _probe(self, address: str) -> EngineEndpoint:
-        client = self.registry.client(address)
+        engine = self.registry.engine(address)
         timeout_s = max(0.2, min(2.0, self.interval_s))
         try:
             health, stats = await asyncio.gather(
-                client.health(timeout_s=timeout_s), client.stats(timeout_s=timeout_s)
+                engine.health(timeout_s=timeout_s), engine.stats(timeout_s=timeout_s)
             )
-        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+        except (TimeoutError, EngineCallError) as exc:
             old = self.registry.get(address)
             if _is_timeout(exc) and old is not None and old.healthy:
                 slow = self._num_slow[address] = self._num_slow.get(address, 0) + 1
@@ -75,12 +74,10 @@ class StaticDiscovery(Rounds):
 
 
 def _is_timeout(exc: BaseException) -> bool:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    return isinstance(exc, TimeoutError)
+    return isinstance(exc, (TimeoutError, DeadlinePassed))
 
 
 def _short(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, EngineCallError):
+        return str(exc)
     return type(exc).__name__

@@ -1,10 +1,10 @@
 """How an engine call ends other than well: pdserve's own exceptions, whatever the wire.
 
-A leg's call (``sessions.SessionCall``) rides frames on the engine's session port or
-its gRPC Session stream; either way its end arrives as a status code (gRPC's numbers,
-which the frames carry too) and details. ``from_status`` is the one place a status
-becomes one of these, so that ``legs.Leg`` and everything above it never see a
-wire's error type:
+Every call on the engine interface (``engines.Engine``) ends badly with one of these.
+The embedded engine's calls end with a status code (gRPC's numbers, which its
+session frames carry too) and details: ``from_status`` is the one place such a
+status becomes one of these, so that ``legs.Leg`` and everything above the
+interface never see a wire's error type:
 
   EngineBusy         the engine has no room for the request now (RESOURCE_EXHAUSTED
                      with details starting "decode full" or "prefill full"): load,
@@ -13,6 +13,8 @@ wire's error type:
                      error, never retried
   DeadlinePassed     the call's deadline passed (the Coordinator's own timer)
   CallCancelled      the Coordinator cancelled the call (a leg given up, shutdown)
+  Unsupported        the engine does not offer the call (UNIMPLEMENTED): a backend
+                     without KV events or peer probes
   EngineFailed       anything else: the engine is gone, the session broke, the engine
                      failed the request; retryable on other engines
 
@@ -56,6 +58,10 @@ class CallCancelled(EngineCallError):
     pass
 
 
+class Unsupported(EngineCallError):
+    pass
+
+
 class EngineFailed(EngineCallError):
     pass
 
@@ -64,6 +70,7 @@ _BY_STATUS: dict[grpc.StatusCode, type[EngineCallError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InputRefused,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlinePassed,
     grpc.StatusCode.CANCELLED: CallCancelled,
+    grpc.StatusCode.UNIMPLEMENTED: Unsupported,
 }
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 

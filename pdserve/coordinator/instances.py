@@ -3,9 +3,10 @@
 Each engine is one ``EngineEndpoint`` (the Coordinator's picture of a PDInstance).
 ``InstanceRegistry`` is written by one source (the static poller or the Controller
 watcher) through ``replace``, and read by the router on every request.
-It also owns one ``EngineClient`` per engine address, with the ``EngineSession``
-every leg on that engine rides (``sessions.py``), and the Coordinator's own count of
-legs in flight per engine (exact, unlike polled load).
+It also owns one ``engines.Engine`` per engine address (made by ``connect``:
+``sessions.EmbeddedEngine`` by default), which every call to that engine goes
+through, and the Coordinator's own count of legs in flight per engine (exact,
+unlike polled load).
 
 Invariants: only ``routable`` instances (healthy, not draining) are in pools; an
 instance that just failed a leg is ``suspect`` for ``suspect_s``, and one that just
@@ -17,13 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.runtime.aio import wait_event
 from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings
 
-from .sessions import EngineSession
+from .engines import Engine
+from .sessions import EmbeddedEngine
 
 
 @dataclass
@@ -90,12 +93,15 @@ class Pools:
 
 
 class InstanceRegistry:
-    def __init__(self, security: SecuritySettings | None = None, suspect_s: float = 5.0) -> None:
+    def __init__(self, security: SecuritySettings | None = None, suspect_s: float = 5.0,
+                 connect: Callable[[str], Engine] | None = None) -> None:
+        """``connect(address)`` makes the ``Engine`` of an address (default: the
+        embedded engine's, with ``security``)."""
         self._security = security or SecuritySettings.from_env()
         self._suspect_s = suspect_s
+        self._connect = connect or self._embedded
         self._instances: dict[str, EngineEndpoint] = {}
-        self._clients: dict[str, EngineClient] = {}
-        self._sessions: dict[str, EngineSession] = {}
+        self._engines: dict[str, Engine] = {}
         self._changed = asyncio.Event()
         self.mode = "PD"  # the Controller's view mode: "PD" | "FALLBACK"
         self.fallback_reason = ""
@@ -182,28 +188,22 @@ class InstanceRegistry:
         if inst is not None:
             inst.full_until = max(inst.full_until, time.monotonic() + seconds)
 
-    def client(self, address: str) -> EngineClient:
-        client = self._clients.get(address)
-        if client is None:
-            client = self._clients[address] = EngineClient(address, self._security)
-        return client
+    def _embedded(self, address: str) -> Engine:
+        return EmbeddedEngine(EngineClient(address, self._security))
 
-    def session(self, address: str) -> EngineSession:
-        """The engine's Session stream, for the legs sent to it (opened on first use)."""
-        session = self._sessions.get(address)
-        if session is None:
-            session = self._sessions[address] = EngineSession(self.client(address))
-        return session
+    def engine(self, address: str) -> Engine:
+        """The engine at ``address``, connected on first use (not opened: that is its own
+        business on its first call)."""
+        engine = self._engines.get(address)
+        if engine is None:
+            engine = self._engines[address] = self._connect(address)
+        return engine
 
     def session_transports(self) -> dict[str, str]:
-        """Each engine address with an open session and what it rides: "frames" (the
-        engine's session port) or "grpc" (its Session RPC); /ready?verbose=1."""
-        return {address: s.transport for address, s in self._sessions.items() if s.transport}
+        """Each engine address with an open session and what it rides; /ready?verbose=1."""
+        return {address: e.transport for address, e in self._engines.items() if e.transport}
 
     async def close(self) -> None:
-        for session in self._sessions.values():
-            await session.close()
-        self._sessions.clear()
-        for client in self._clients.values():
-            await client.close()
-        self._clients.clear()
+        for engine in self._engines.values():
+            await engine.close()
+        self._engines.clear()

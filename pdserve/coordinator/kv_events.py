@@ -15,8 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
-
+from .engine_errors import EngineCallError, Unsupported
 from .instances import InstanceRegistry
 from .metrics import CoordinatorMetrics
 from .prefix_index import PrefixIndex
@@ -70,7 +69,7 @@ class KVEventFeeds:
         while True:
             streaming = False
             try:
-                async for batch in self.registry.client(address).kv_events(epoch, seq):
+                async for batch in self.registry.engine(address).kv_events(epoch, seq):
                     if batch.block_size != self.block_size:
                         log.warning("engine %s caches %d-token blocks, this Coordinator hashes "
                                     "prompts by %d (--block-size): its prefix cache cannot be "
@@ -81,11 +80,11 @@ class KVEventFeeds:
                         self.metrics.kv_event_streams.inc()
                     self.index.apply(instance_id, batch.snapshot, batch.stored, batch.removed)
                     epoch, seq = batch.epoch, batch.seq
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                    log.info("engine %s publishes no KV events: routing on routed prefixes", address)
-                    return
-                log.debug("KV events of %s: %s", address, exc.code().name)
+            except Unsupported:
+                log.info("engine %s publishes no KV events: routing on routed prefixes", address)
+                return
+            except EngineCallError as exc:
+                log.debug("KV events of %s: %s", address, exc.status)
             finally:
                 if streaming:
                     self.metrics.kv_event_streams.dec()

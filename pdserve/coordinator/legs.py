@@ -69,15 +69,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-import grpc
-
 from pdserve.api.proto import engine_pb2 as pb
 
 from .deadlines import Deadlines
 from .engine_errors import DeadlinePassed, EngineBusy, EngineCallError, InputRefused
+from .engines import Engine
 from .errors import ServeError
 from .instances import EngineEndpoint, InstanceRegistry
-from .sessions import EngineSession
 from .timings import RequestTimings
 
 log = logging.getLogger(__name__)
@@ -126,7 +124,7 @@ class Leg:
     STREAMS = True  # its messages are the stream's: bounded by the idle gap once it began
     has_pending_report = False  # see ``PairedLegs``
 
-    def __init__(self, engine: EngineEndpoint, request: pb.GenerateRequest, client: EngineSession,
+    def __init__(self, engine: EngineEndpoint, request: pb.GenerateRequest, client: Engine,
                  timings: RequestTimings, aborter: Aborter,
                  deadlines: Deadlines | None = None) -> None:
         self.engine = engine
@@ -493,8 +491,8 @@ class Aborter:
 
     async def _abort(self, address: str, request_id: str) -> None:
         try:
-            await asyncio.wait_for(self.registry.client(address).abort(request_id), ABORT_TIMEOUT_S)
-        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            await asyncio.wait_for(self.registry.engine(address).abort(request_id), ABORT_TIMEOUT_S)
+        except (EngineCallError, TimeoutError) as exc:
             log.info("abort of %s on %s not confirmed: %s", request_id, address, type(exc).__name__)
 
     async def close(self) -> None:

@@ -307,7 +307,7 @@ class RequestRun:
                           self._leg(DecodeLeg, d, decode_request))
 
     def _leg(self, kind: type[Leg], engine: EngineEndpoint, request: pb.GenerateRequest):
-        return kind(engine, request, self.deps.registry.session(engine.address), self.timings,
+        return kind(engine, request, self.deps.registry.engine(engine.address), self.timings,
                     self.deps.aborter, self.deadlines)
 
 

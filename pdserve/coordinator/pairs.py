@@ -31,8 +31,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-import grpc
-
+from .engine_errors import EngineCallError, Unsupported
 from .instances import EngineEndpoint, InstanceRegistry
 from .rounds import Rounds
 
@@ -139,15 +138,14 @@ class PairChecks(Rounds):
             self.version += 1
 
     async def _ask(self, p: EngineEndpoint, d: EngineEndpoint) -> tuple[bool, str, float]:
-        client = self.registry.client(p.address)
+        engine = self.registry.engine(p.address)
         try:
-            answer = await client.probe_peer(d.kv_endpoint, test_transfer=False,
+            answer = await engine.probe_peer(d.kv_endpoint, test_transfer=False,
                                              timeout_s=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                return False, f"prefill engine {p.instance_id} has no ProbePeer RPC (older pdserve)", 0.0
-            return False, f"prefill engine {p.instance_id} did not answer the probe: " \
-                          f"{exc.code().name}: {exc.details()}", 0.0
+        except Unsupported:
+            return False, f"prefill engine {p.instance_id} has no ProbePeer RPC (older pdserve)", 0.0
+        except EngineCallError as exc:
+            return False, f"prefill engine {p.instance_id} did not answer the probe: {exc}", 0.0
         return answer.ok, answer.reason, answer.handshake_s
 
     @staticmethod

@@ -1,19 +1,21 @@
-"""The Coordinator's one stream per engine: every leg on that engine rides its session.
+"""The embedded engine behind the engine interface: its requests on one session.
 
-``EngineSession`` (one per engine address, held by ``InstanceRegistry.session``)
-opens a link to the engine on first use and keeps it: frames on the engine's
-session port when its Health names one (``runtime/frames.py``: a plain connection,
-the hot path), else, or when that port cannot be reached, the engine's gRPC
-Session RPC. Either way the legs' requests and cancels queued in one event-loop
-turn leave as one ``SessionRequest``, and each ``SessionResponse``'s messages and ends go to the ``SessionCall`` of their
-request id. A ``SessionCall`` is what a Generate call was to a leg: an async
-iterator of the request's ``GenerateResponse`` messages that ends as the call
-would (its end raised as one of pdserve's own ``engine_errors``, whichever the
-wire: ``legs.Leg`` never sees a wire's error type), plus ``cancel``.
+``EmbeddedEngine`` (one per engine address, held by ``InstanceRegistry.engine``)
+is ``engines.Engine`` for pdserve's own engine (and anything serving its API). Its
+requests ride one session: on first use it asks the engine's Health for its
+session port and opens a connection there (``runtime/frames.py``: length-prefixed
+frames after a hello carrying the cluster token), and keeps it. The legs' requests
+and cancels queued in one event-loop turn leave as one ``SessionRequest``, and each
+``SessionResponse``'s messages and ends go to the ``SessionCall`` of their request id.
+A ``SessionCall`` (``engines.EngineCall``) is an async iterator of the request's
+``GenerateResponse`` messages that ends as the request does (its end raised as one
+of pdserve's own ``engine_errors``), plus ``cancel``. Abort, Health, Stats,
+ProbePeer and KVEvents are the engine's gRPC calls, their errors turned into
+``engine_errors`` here too: nothing above this module sees gRPC's types.
 
 Deadlines are the Coordinator's: each call has a timer at its deadline that fails it
-with DEADLINE_EXCEEDED and cancels the request on the engine, as a call's gRPC
-deadline did (``DeadlinePassed``). A call that streams tokens has an idle bound too: each message moves
+with DEADLINE_EXCEEDED and cancels the request on the engine (``DeadlinePassed``).
+A call that streams tokens has an idle bound too: each message moves
 its deadline to the message's arrival plus ``idle_s``. Nothing is re-armed per
 message: the session stamps each message's arrival (one clock read per session
 response), and the timer, when it fires, looks at the stamp and is armed again
@@ -21,9 +23,9 @@ for the rest of the gap while messages keep coming (``deadlines.py``).
 
 Invariants: a call ends once (its end, its deadline, its cancel, or the session
 breaking), and then leaves the session's table; a link that breaks (the engine
-gone, refused, the stream failed or ended, a malformed frame) fails every call on
-it (``EngineFailed``, or what the stream's status says), and the next ``generate`` opens a new
-one; ``close`` (the app's shutdown) ends the link and its tasks.
+gone, refused, no session port, the connection lost, a malformed frame) fails every
+call on it (``EngineFailed``), and the next ``generate`` opens a new one; ``close``
+(the app's shutdown) ends the link and its tasks.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -48,23 +51,20 @@ from .engine_errors import (
     from_rpc_error,
     from_status,
 )
+from .engines import Engine, EngineCall
 
 log = logging.getLogger(__name__)
 OPEN_TIMEOUT_S = 5.0  # the engine's Health answer, then the session port's hello
 
 
-class SessionCall:
+class SessionCall(EngineCall):
     """One request on a session: iterate its messages; ``cancel`` when giving up.
 
-    With ``holds`` set (a leg whose answer is collected whole), the reader is woken for
-    the first message and then only for the last (a finished one, or the call's end):
-    the messages between wait in the call and are read in one go, not one wake each;
-    ``arrival_s`` then says when the message last read arrived (``time.monotonic``),
-    which is when its tokens reached the Coordinator however late they are read.
-    Set right after ``generate``, before any message came. ``last_arrival_s`` is when
-    the last message put arrived, read or not (0.0: none yet)."""
+    With ``holds`` set, the reader is woken for the first message and then only for
+    the last (a finished one, or the call's end): the messages between wait in the
+    call and are read in one go, not one wake each."""
 
-    def __init__(self, session: EngineSession, request_id: str) -> None:
+    def __init__(self, session: EmbeddedEngine, request_id: str) -> None:
         self.request_id = request_id
         self._session = session
         self.loop = session.loop  # the event loop's, held (each look-up costs a getpid)
@@ -80,9 +80,6 @@ class SessionCall:
         self._arrivals: deque[float] = deque()  # of the messages in ``_items``, when holding
         self.arrival_s = 0.0
         self.last_arrival_s = 0.0
-
-    def __aiter__(self) -> SessionCall:
-        return self
 
     async def __anext__(self) -> pb.GenerateResponse:
         while not self._items:
@@ -118,8 +115,6 @@ class SessionCall:
         return self._items.popleft()
 
     def cancel(self) -> bool:
-        """Called by ``Leg.close`` for a leg that did not finish: the engine is told to
-        cancel the request; reading on raises ``CallCancelled``. False if it had ended."""
         if self._end is not None:
             return False
         self._session.cancel(self.request_id)
@@ -150,7 +145,7 @@ class SessionCall:
             self._wake()
 
     def arm(self, timeout_s: float, idle_s: float | None, end_s: float) -> None:
-        """Called by ``EngineSession.generate``: the first message is due within
+        """Called by ``EmbeddedEngine.generate``: the first message is due within
         ``timeout_s``; with ``idle_s``, each later one within ``idle_s`` of the one
         before, never after ``end_s``; without, ``timeout_s`` bounds the whole call."""
         self._first_s = time.monotonic() + timeout_s
@@ -192,8 +187,9 @@ class SessionCall:
             waiter.set_result(None)
 
 
-class EngineSession:
-    """The session to one engine, shared by every leg sent to it."""
+class EmbeddedEngine(Engine):
+    """pdserve's engine at one address: its session, shared by every leg sent to it,
+    and its gRPC client for the rest."""
 
     def __init__(self, client: EngineClient) -> None:
         self.address = client.address
@@ -210,15 +206,12 @@ class EngineSession:
 
     @property
     def transport(self) -> str:
-        """"frames", "grpc", or "" while not open or still opening (status, tests)."""
-        return self._link.transport if self._link is not None else ""
+        """"frames" once the session is open, "" before."""
+        return "frames" if self._link is not None and self._link.is_open else ""
 
     def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None,
                  idle_s: float | None = None, end_s: float = math.inf) -> SessionCall:
-        """Called by ``Leg.start``: sends ``request`` on the session (opened if it is
-        not), failing it with ``DeadlinePassed`` when no message came within
-        ``timeout_s``, or, with ``idle_s``, none within ``idle_s`` of the last one, or
-        at ``end_s`` (monotonic); without ``idle_s``, after ``timeout_s`` whatever came."""
+        """Sends ``request`` on the session (opened if it is not)."""
         link = self._link
         if link is None:
             self.loop = asyncio.get_running_loop()
@@ -241,11 +234,33 @@ class EngineSession:
         self._calls.pop(request_id, None)
 
     async def close(self) -> None:
-        """Called by ``InstanceRegistry.close`` at the app's shutdown."""
         link = self._link
         if link is not None:
             self.broken(link, CallCancelled("CANCELLED", "the Coordinator is closing"))
             await link.closed()
+        await self._client.close()
+
+    # -- the engine's other calls: gRPC, their errors as ``engine_errors`` --
+
+    async def abort(self, request_id: str) -> bool:
+        return await _rpc(self._client.abort(request_id))
+
+    async def health(self, timeout_s: float = 2.0) -> pb.HealthResponse:
+        return await _rpc(self._client.health(timeout_s))
+
+    async def stats(self, timeout_s: float = 2.0) -> pb.StatsResponse:
+        return await _rpc(self._client.stats(timeout_s))
+
+    async def probe_peer(self, endpoint: str, test_transfer: bool = False,
+                         timeout_s: float = 5.0) -> pb.ProbePeerResponse:
+        return await _rpc(self._client.probe_peer(endpoint, test_transfer, timeout_s))
+
+    async def kv_events(self, epoch: str = "", since_seq: int = 0) -> AsyncIterator[pb.KVEventBatch]:
+        try:
+            async for batch in self._client.kv_events(epoch, since_seq):
+                yield batch
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
 
     # -- called by the link --
 
@@ -275,17 +290,15 @@ class EngineSession:
             target.ended(from_status(end.code, end.details) if end.code else StopAsyncIteration())
 
     def broken(self, link: _Link, exc: BaseException) -> None:
-        """Fails every call of ``link`` with what ``exc`` says (an ``EngineCallError``, a
-        gRPC stream's status, else ``EngineFailed`` saying what happened); the next
-        generate opens a new link. First one wins."""
+        """Fails every call of ``link`` with what ``exc`` says (an ``EngineCallError``,
+        else ``EngineFailed`` saying what happened); the next generate opens a new
+        link. First one wins."""
         if self._link is not link:
             return
         log.info("session to engine %s broke: %s", self.address, _describe(exc))
         self._link = None
         self._generate, self._cancel = [], []
         calls, self._calls = self._calls, {}
-        if isinstance(exc, grpc.aio.AioRpcError):
-            exc = from_rpc_error(exc)
         if not isinstance(exc, EngineCallError):
             exc = EngineFailed("UNAVAILABLE", _describe(exc))
         kind, status, details = type(exc), exc.status, exc.details
@@ -296,33 +309,27 @@ class EngineSession:
 
 class _Link:
     """One opened session to the engine: asks its Health for the session port, then
-    runs frames on it (``_FrameProtocol``) or, without one, the gRPC Session stream.
-    Requests queued before it is up leave once it is."""
+    runs frames on it (``_FrameProtocol``). Requests queued before it is up leave
+    once it is."""
 
-    def __init__(self, session: EngineSession) -> None:
+    def __init__(self, session: EmbeddedEngine) -> None:
         self._session = session
         self._loop = session.loop
-        self.transport = ""
+        self.is_open = False
         self._frames: _FrameProtocol | None = None
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._has_outgoing = asyncio.Event()  # for the gRPC stream's writer
         self._flush_scheduled = False
         self._task = self._loop.create_task(self._run())
 
     def wake(self) -> None:
-        """Something is queued to send: frames leave at the end of this loop turn."""
-        if self._frames is None:
-            self._has_outgoing.set()
-        elif not self._flush_scheduled:
+        """Something is queued to send: it leaves at the end of this loop turn."""
+        if self.is_open and not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
     def shut(self) -> None:
-        """Called by ``EngineSession.broken``: the connection or stream is ended."""
+        """Called by ``EmbeddedEngine.broken``: the connection is ended."""
         if self._frames is not None:
             self._frames.close()
-        if self._call is not None:
-            self._call.cancel()
         if self._task is not asyncio.current_task(self._loop):
             self._task.cancel()
 
@@ -340,24 +347,18 @@ class _Link:
         try:
             try:
                 health = await session._client.health(timeout_s=OPEN_TIMEOUT_S)
-                protocol = None
-                if health.session_port:
-                    try:
-                        protocol = await self._connect(health.session_port)
-                    except (OSError, TimeoutError) as exc:  # e.g. a firewall: gRPC serves too
-                        log.warning("session port %d of engine %s unreachable (%s): its legs "
-                                    "ride its gRPC Session", health.session_port, session.address,
-                                    _describe(exc))
-            except grpc.aio.AioRpcError as exc:  # Health failed, or the session was refused
-                raise EngineFailed("UNAVAILABLE",
-                                   f"cannot open a session: {_describe(exc)}") from None
-            if protocol is not None:
-                self.transport, self._frames = "frames", protocol
-                self._flush()
-                await protocol.lost
-            else:
-                self.transport = "grpc"
-                await self._grpc()
+            except grpc.aio.AioRpcError as exc:
+                raise EngineFailed("UNAVAILABLE", f"cannot open a session: {_describe(exc)}") from None
+            if not health.session_port:
+                raise EngineFailed("UNAVAILABLE", "the engine names no session port")
+            try:
+                protocol = await self._connect(health.session_port)
+            except (OSError, TimeoutError) as exc:  # e.g. a firewall between them
+                raise EngineFailed("UNAVAILABLE", f"session port {health.session_port} "
+                                   f"unreachable: {_describe(exc)}") from None
+            self._frames, self.is_open = protocol, True
+            self._flush()
+            await protocol.lost
             raise EngineFailed("UNAVAILABLE", "the engine ended the session")
         except asyncio.CancelledError:
             raise
@@ -381,33 +382,12 @@ class _Link:
             raise
         return protocol
 
-    async def _grpc(self) -> None:
-        call = self._call = self._session._client.session()
-        writer = self._loop.create_task(self._grpc_write(call))
-        try:
-            async for response in call:
-                self._session.deliver(response)
-        finally:
-            writer.cancel()
-
-    async def _grpc_write(self, call: grpc.aio.StreamStreamCall) -> None:
-        has_outgoing = self._has_outgoing
-        try:
-            while True:
-                await has_outgoing.wait()
-                has_outgoing.clear()
-                request = self._session.take_outgoing()
-                if request is not None:
-                    await call.write(request)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            self._session.broken(self, exc)  # the reader sees the call's status too
-
 
 class _FrameProtocol(asyncio.Protocol):
     """The Coordinator's end of a session port connection: the hello's answer, then
     ``SessionResponse`` frames handed to the session."""
 
-    def __init__(self, session: EngineSession, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, session: EmbeddedEngine, loop: asyncio.AbstractEventLoop) -> None:
         self._session = session
         self._reader = frames.FrameReader()
         self._transport: asyncio.Transport | None = None
@@ -463,3 +443,11 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, EngineCallError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+async def _rpc(call):
+    """The answer of one of the engine's gRPC calls, its error as an ``engine_errors`` one."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        raise from_rpc_error(exc) from None

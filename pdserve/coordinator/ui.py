@@ -27,7 +27,6 @@ import time
 from collections import deque
 from pathlib import Path
 
-import grpc
 from fastapi import FastAPI
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse
 
@@ -35,6 +34,7 @@ from pdserve import __version__
 from pdserve.runtime.model_source import resolve_dtype
 from pdserve.runtime.security import SecuritySettings
 
+from .engine_errors import EngineCallError
 from .lifecycle import Deps
 
 STATIC_DIR = Path(__file__).with_name("ui")
@@ -132,8 +132,8 @@ class StatusBoard:
 
             async def stats(inst):
                 try:
-                    return inst.instance_id, await registry.client(inst.address).stats(READ_TIMEOUT_S)
-                except grpc.RpcError:
+                    return inst.instance_id, await registry.engine(inst.address).stats(READ_TIMEOUT_S)
+                except EngineCallError:
                     return inst.instance_id, None
 
             results = await asyncio.gather(*(stats(i) for i in instances))

@@ -25,9 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to serve gRPC (and metrics) on")
     parser.add_argument("--port", type=int, default=50051, help="0 picks a free port")
-    parser.add_argument("--session-port", type=int, default=0,
+    parser.add_argument("--session-port", type=_port, default=0,
                         help="serve the Coordinator's sessions as frames on this port "
-                             "(0: a free one; -1: only over gRPC)")
+                             "(0: a free one); the engine's Health names it")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus /metrics over HTTP on this port (0: a free one)")
     parser.add_argument("--shutdown-grace-s", type=float, default=10.0,
@@ -76,9 +76,16 @@ def _run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(engine, args.host, args.port, ready, security,
                           args.metrics_port, metrics_ready, args.shutdown_grace_s,
-                          None if args.session_port < 0 else args.session_port))
+                          args.session_port))
     except OSError as exc:  # serve closed the engine
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print("pdserve engine stopped", flush=True)
     return 0
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 (a free one) to 65535, not {value}")
+    return port

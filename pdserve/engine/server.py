@@ -10,8 +10,9 @@ to the event loop together, one wake-up for the step rather than one per request
 call that ends early (client gone, RPC cancelled, even during admission) aborts its
 own request and no other, so its KV
 blocks are freed at once. The Abort RPC ends a request's stream with a last message
-(``finish_reason`` "abort"). Session (the Coordinator's one stream per engine) runs
-this same Generate for each request it carries (``runtime/session_server.py``).
+(``finish_reason`` "abort"). A session (the Coordinator's one connection per engine,
+on the session port) runs this same Generate for each request it carries
+(``session_server.py``).
 
 How a stream ends is decided in one place, ``end_status``: a request the engine had
 no room for (``finish_reason`` "full": D found no KV blocks within its reserve wait,
@@ -53,8 +54,8 @@ from pdserve.engine.loop import EngineLoop
 from pdserve.engine.metrics import attach_metrics, start_metrics_server
 from pdserve.engine.output import RequestOutput
 from pdserve.engine.request import RequestStatus, TokenLogprob
+from pdserve.engine.session_server import FrameSessionServer
 from pdserve.runtime.security import SecuritySettings, add_port, server_interceptors
-from pdserve.runtime.session_server import FrameSessionServer, SessionServicer
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +132,8 @@ class Handoff:
             outputs.put_nowait(out)
 
 
-class EngineService(SessionServicer, pb_grpc.EngineServicer):
-    """The Engine service; ``Session`` runs ``Generate`` per request (runtime/session_server.py)."""
+class EngineService(pb_grpc.EngineServicer):
+    """The Engine service; the session port runs its ``Generate`` per request (session_server.py)."""
 
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
@@ -273,13 +274,13 @@ class EngineService(SessionServicer, pb_grpc.EngineServicer):
 async def serve(
     engine: LLMEngine, host: str, port: int, ready=None, security: SecuritySettings | None = None,
     metrics_port: int | None = None, metrics_ready=None, shutdown_grace_s: float = 10.0,
-    session_port: int | None = 0,
+    session_port: int = 0,
 ) -> None:
     """Run the server until SIGTERM or SIGINT, then shut down in order (module docstring);
     cancelled, it skips the grace. ``ready(bound_port)`` is called once listening; with
     ``metrics_port`` (0: a free one) Prometheus metrics are served over HTTP on ``host``
-    and ``metrics_ready(bound_port)`` is called first. Sessions are also served as
-    frames on ``session_port`` (0: a free one; None: not) on ``host``, which Health
+    and ``metrics_ready(bound_port)`` is called first. The Coordinator's sessions are
+    served as frames on ``session_port`` (0: a free one) on ``host``, which Health
     names. Main thread only (signals)."""
     security = security or SecuritySettings()
     metrics = attach_metrics(engine)
@@ -304,12 +305,11 @@ async def serve(
         loop.stop()
         raise OSError(f"cannot listen on {host}:{port}")
     sessions = FrameSessionServer(service, security)
-    if session_port is not None:
-        try:
-            service.session_port = await sessions.start(host, session_port)
-        except OSError:
-            loop.stop()
-            raise
+    try:
+        service.session_port = await sessions.start(host, session_port)
+    except OSError:
+        loop.stop()
+        raise
     stop, hurry = asyncio.Event(), asyncio.Event()
     aio_loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

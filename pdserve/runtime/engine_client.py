@@ -1,14 +1,14 @@
 """A small asyncio client of the engine's gRPC service, shared by every component.
 
-Callers: the CLI (``pdserve generate --server``), the Coordinator and the NodeAgent.
+Callers: the CLI (``pdserve generate --server``), the doctor, the NodeAgent, and the
+Coordinator's embedded-engine backend (``coordinator/sessions.py``, for everything
+but the requests, which ride its session port).
 Errors come back as ``grpc.aio.AioRpcError`` with the engine's status and message.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-
-import grpc
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
@@ -37,11 +37,6 @@ class EngineClient:
         self, request: pb.GenerateRequest, timeout_s: float | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
         return self._stub.Generate(request, timeout=timeout_s, metadata=self._md)
-
-    def session(self) -> grpc.aio.StreamStreamCall:
-        """A Session call (many requests on one stream; the Coordinator's
-        ``sessions.EngineSession`` owns it): ``write`` SessionRequests, iterate SessionResponses."""
-        return self._stub.Session(metadata=self._md)
 
     async def abort(self, request_id: str) -> bool:
         return (await self._stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self._md)).aborted

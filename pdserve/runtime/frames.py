@@ -1,14 +1,13 @@
 """The session wire: length-prefixed protobuf frames on one TCP (or TLS) connection.
 
-The Coordinator's legs ride one Session per engine. Over gRPC every session write
-and every response read is a completion that crosses gRPC's poller thread into the
-event loop and an HTTP/2 frame of its own: the two legs of a PD request cost the
-Coordinator 100-570 µs of CPU that way (docs/benchmarks.md, Coordinator overhead).
-The same ``SessionRequest`` and ``SessionResponse`` messages as frames on a plain
-asyncio connection cost a few µs each. The engine serves both: its gRPC Session
-(``runtime.session_server.SessionServicer``) and this wire on its session port
-(``runtime.session_server.FrameSessionServer``), which its Health answer names
-(``HealthResponse.session_port``, 0: none).
+The Coordinator's legs ride one session per engine, on the engine's session port
+(``engine.session_server.FrameSessionServer``), which its Health answer names
+(``HealthResponse.session_port``). Why not gRPC: over a gRPC stream every session
+write and every response read is a completion that crosses gRPC's poller thread
+into the event loop and an HTTP/2 frame of its own: the two legs of a PD request
+cost the Coordinator 100-570 µs of CPU that way (docs/benchmarks.md, Coordinator
+overhead). The same ``SessionRequest`` and ``SessionResponse`` messages as frames on
+a plain asyncio connection cost a few µs each.
 
 A frame is a 4-byte big-endian length and that many bytes. A connection:
 

@@ -168,7 +168,7 @@ def test_minimal_pdcluster_becomes_ready_serves_a_completion_and_is_deleted(clus
     out = subprocess.run([sys.executable, "-c", COMPLETION, f"http://{address}:8000/v1/completions"],
                          capture_output=True, text=True, timeout=90)
     assert out.returncode == 0 and json.loads(out.stdout)["choices"][0]["text"], out.stderr
-    # the legs rode the engines' session ports, Pod to Pod, not their gRPC Session
+    # the legs rode the engines' session ports, Pod to Pod
     with urllib.request.urlopen(f"http://{address}:8000/ready?verbose=1", timeout=10) as r:
         sessions = json.load(r)["sessions"]
     assert sessions and set(sessions.values()) == {"frames"}, sessions

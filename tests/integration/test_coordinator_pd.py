@@ -109,7 +109,7 @@ def test_pd_output_equals_hybrid_greedy(engines, loop, mode):
             model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0)
         assert chat.choices[0].message.content == TOK.decode(reference(
             addrs, f"<|user|>\n{prompt}\n<|assistant|>\n", 8))
-        # The legs rode the engines' session ports, not their gRPC Session.
+        # The legs rode the engines' session ports.
         sessions = httpx.get(app.url + "/ready?verbose=1").json()["sessions"]
         assert addrs["P1"] in sessions and set(sessions.values()) == {"frames"}
     # Request ids reach both engines' logs.

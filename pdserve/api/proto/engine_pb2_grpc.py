@@ -39,11 +39,6 @@ class EngineStub:
                 request_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
-        self.Session = channel.stream_stream(
-                '/pdserve.engine.v1.Engine/Session',
-                request_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SessionRequest.SerializeToString,
-                response_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SessionResponse.FromString,
-                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.engine.v1.Engine/Abort',
                 request_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -87,19 +82,6 @@ class EngineServicer:
     def Generate(self, request, context):
         """Runs one request; streams new tokens as they are produced. The last message
         has finished=true. Bad input fails with INVALID_ARGUMENT before any token.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Session(self, request_iterator, context):
-        """Many requests on one long-lived stream (the Coordinator keeps one per engine):
-        each request runs as a Generate call would, its messages and its end tagged by
-        its request id, the messages ready at once batched into one response. A request
-        that fails ends alone (its RequestEnd carries the status Generate would end
-        with); the session goes on. The session ending (the client gone, its call
-        cancelled) aborts every request still running on it. The client closing its
-        side lets the running requests finish, then the session ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,11 +150,6 @@ def add_EngineServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.GenerateResponse.SerializeToString,
             ),
-            'Session': grpc.stream_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SessionRequest.FromString,
-                    response_serializer=pdserve_dot_api_dot_proto_dot_engine__pb2.SessionResponse.SerializeToString,
-            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=pdserve_dot_api_dot_proto_dot_engine__pb2.AbortRequest.FromString,
@@ -236,33 +213,6 @@ class Engine:
             '/pdserve.engine.v1.Engine/Generate',
             pdserve_dot_api_dot_proto_dot_engine__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_api_dot_proto_dot_engine__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Session(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/pdserve.engine.v1.Engine/Session',
-            pdserve_dot_api_dot_proto_dot_engine__pb2.SessionRequest.SerializeToString,
-            pdserve_dot_api_dot_proto_dot_engine__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

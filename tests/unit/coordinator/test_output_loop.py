@@ -14,7 +14,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from pdserve.coordinator.metrics import LATENCY_BUCKETS, LoopHistogram
-from pdserve.coordinator.sessions import EngineSession
+from pdserve.coordinator.sessions import EmbeddedEngine
 from pdserve.runtime.engine_client import EngineClient, build_generate_request
 from tests.unit.coordinator.harness import metric, serve
 
@@ -95,7 +95,7 @@ def test_a_held_call_wakes_its_reader_for_the_first_and_the_last_message(loop, s
 
     async def scenario():
         client = EngineClient(address)
-        session = EngineSession(client)
+        session = EmbeddedEngine(client)
         try:
             call = session.generate(build_generate_request("held", prompt_token_ids=[1, 2],
                                                            max_tokens=5), 10.0)

@@ -1,4 +1,4 @@
-"""The session port (runtime/frames.py, runtime/session_server.FrameSessionServer) and
+"""The session port (runtime/frames.py, engine/session_server.FrameSessionServer) and
 the Coordinator's end of it, against stub engines: the frames themselves, the engine
 side driven by a raw connection (hello, batching, a malformed request ended alone),
 peers that break the rules (no hello, a wrong token, a frame too long, garbage after
@@ -17,11 +17,11 @@ import pytest
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.proto import engine_pb2_grpc as pb_grpc
 from pdserve.coordinator.engine_errors import EngineFailed
-from pdserve.coordinator.sessions import EngineSession
+from pdserve.coordinator.sessions import EmbeddedEngine
+from pdserve.engine.session_server import FrameSessionServer
 from pdserve.runtime import frames
 from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings, add_port
-from pdserve.runtime.session_server import FrameSessionServer
 from tests.pki import make_pki
 from tests.stub_engine import StubEngine, start_stub
 from tests.unit.coordinator.test_sessions import (
@@ -197,11 +197,11 @@ def test_garbage_after_the_hello_ends_that_session_alone():
 def test_a_session_the_engine_refuses_fails_its_requests_as_unavailable():
     async def scenario():
         stub = StubEngine(num_tokens=2)
-        server, address = await start_stub(stub, sessions=False)
+        server, address = await start_stub(stub)
         async with session_port(stub) as (_, port):
             stub.session_port = port  # Health names a session port that wants TOKEN
             async with EngineClient(address, SecuritySettings(token="guess")) as client:
-                session = EngineSession(client)
+                session = EmbeddedEngine(client)
                 with pytest.raises(EngineFailed) as info:
                     await read_all(session.generate(request("a"), 5.0))
                 assert info.value.status == "UNAVAILABLE"
@@ -214,23 +214,46 @@ def test_a_session_the_engine_refuses_fails_its_requests_as_unavailable():
     run(scenario)
 
 
-def test_a_session_port_out_of_reach_leaves_the_legs_on_grpc(caplog):
+def test_a_session_port_out_of_reach_fails_the_calls_and_the_next_request_reopens():
     async def scenario():
         stub = StubEngine(num_tokens=3)
-        server, address = await start_stub(stub, sessions=False)
+        server, address = await start_stub(stub)
+        good_port = stub.session_port
         closed = await asyncio.get_running_loop().create_server(asyncio.Protocol, "127.0.0.1", 0)
         stub.session_port = closed.sockets[0].getsockname()[1]
         closed.close()
         await closed.wait_closed()  # nothing listens there now
         async with EngineClient(address) as client:
-            session = EngineSession(client)
-            assert len(await read_all(session.generate(request("a", 3), 5.0))) == 3
-            assert session.transport == "grpc"
+            session = EmbeddedEngine(client)
+            with pytest.raises(EngineFailed) as info:
+                await read_all(session.generate(request("a", 3), 5.0))
+            assert info.value.status == "UNAVAILABLE" and "unreachable" in info.value.details
+            assert session.num_calls == 0 and session.transport == ""
+            stub.session_port = good_port  # reachable again: the next request opens a session
+            assert len(await read_all(session.generate(request("b", 3), 5.0))) == 3
+            assert session.transport == "frames"
             await session.close()
         await server.stop(None)
+        assert stub.request_ids == ["b"]
 
     run(scenario)
-    assert "unreachable" in caplog.text and "gRPC Session" in caplog.text
+
+
+def test_an_engine_without_a_session_port_fails_the_calls_as_unavailable():
+    async def scenario():
+        stub = StubEngine(num_tokens=3)
+        server, address = await start_stub(stub)
+        stub.session_port = 0  # an engine that names none
+        async with EngineClient(address) as client:
+            session = EmbeddedEngine(client)
+            with pytest.raises(EngineFailed) as info:
+                await read_all(session.generate(request("a", 3), 5.0))
+            assert "no session port" in info.value.details and session.num_calls == 0
+            await session.close()
+        await server.stop(None)
+        assert not stub.request_ids
+
+    run(scenario)
 
 
 class GarbageEngine(asyncio.Protocol):
@@ -251,7 +274,7 @@ def test_an_engine_sending_garbage_fails_the_calls_and_the_next_request_reopens(
         garbage = await asyncio.get_running_loop().create_server(GarbageEngine, "127.0.0.1", 0)
         stub.session_port = garbage.sockets[0].getsockname()[1]
         async with EngineClient(address) as client:
-            session = EngineSession(client)
+            session = EmbeddedEngine(client)
             with pytest.raises(EngineFailed) as info:
                 await read_all(session.generate(request("a"), 5.0))
             assert info.value.status == "UNAVAILABLE"
@@ -283,7 +306,7 @@ def test_sessions_over_mutual_tls(pki):
         sessions = FrameSessionServer(stub, pki["engine"])
         stub.session_port = await sessions.start("127.0.0.1")
         async with EngineClient(address, pki["coordinator"]) as client:
-            session = EngineSession(client)
+            session = EmbeddedEngine(client)
             assert len(await read_all(session.generate(request("a", 3), 5.0))) == 3
             assert session.transport == "frames"
             await session.close()

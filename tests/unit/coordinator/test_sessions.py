@@ -1,8 +1,7 @@
-"""The Coordinator's session to an engine, against stub engines, on both of its links
-(frames on the session port, and the gRPC Session of an engine without one): requests on
-one stream kept apart by id, one request's error, cancel or deadline leaving the
+"""The Coordinator's session to an engine (frames on its session port), against stub
+engines: requests on one connection kept apart by id, one request's error, cancel or deadline leaving the
 others running, an engine gone failing every request on it and a new session
-opened for the next, and the engine side (runtime/session_server.py) batching
+opened for the next, and the engine side (engine/session_server.py) batching
 messages and ending a malformed request alone. Each script ends with a leak check:
 no call left in the session, no request left on the stub."""
 
@@ -24,9 +23,9 @@ from pdserve.coordinator.engine_errors import (
     EngineFailed,
     InputRefused,
 )
-from pdserve.coordinator.sessions import EngineSession
+from pdserve.coordinator.sessions import EmbeddedEngine
+from pdserve.engine.session_server import FrameSessionServer
 from pdserve.runtime.engine_client import EngineClient, build_generate_request
-from pdserve.runtime.session_server import FrameSessionServer
 from tests.stub_engine import StubEngine, start_stub
 
 
@@ -45,27 +44,20 @@ async def until(predicate, timeout_s: float = 2.0) -> None:
     await asyncio.wait_for(poll(), timeout_s)
 
 
-@pytest.fixture(params=[True, False], ids=["frames", "grpc"])
-def frames(request) -> bool:
-    """Whether the stub serves the session port (else its sessions ride gRPC)."""
-    return request.param
-
-
 def run(scenario) -> None:
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
 @contextlib.asynccontextmanager
-async def session_on(stub: StubEngine, frames: bool):
-    """A session to ``stub`` served on a free port (with its session port if
-    ``frames``); at the end, the leak check: no call left in the session, no request
+async def session_on(stub: StubEngine):
+    """A session to ``stub`` served on a free port; at the end, the leak check: no call left in the session, no request
     left on the stub."""
-    server, address = await start_stub(stub, sessions=frames)
+    server, address = await start_stub(stub)
     client = EngineClient(address)
-    session = EngineSession(client)
+    session = EmbeddedEngine(client)
     try:
         yield session
-        assert session.transport in ("", "frames" if frames else "grpc")
+        assert session.transport in ("", "frames")
         await until(lambda: not stub._inflight)
         assert session.num_calls == 0
     finally:
@@ -80,10 +72,10 @@ async def error_of(call) -> EngineCallError:
     return info.value
 
 
-def test_two_requests_on_one_session_get_their_own_messages(frames):
+def test_two_requests_on_one_session_get_their_own_messages():
     async def scenario():
         stub = StubEngine(num_tokens=6, token_delay_s=0.01)
-        async with session_on(stub, frames) as session:
+        async with session_on(stub) as session:
             a, b = session.generate(request("a", 3), 10.0), session.generate(request("b", 5), 10.0)
             got_a, got_b = await asyncio.gather(read_all(a), read_all(b))
             assert [m.request_id for m in got_a] == ["a"] * 3 and got_a[-1].finished
@@ -96,9 +88,9 @@ def test_two_requests_on_one_session_get_their_own_messages(frames):
     run(scenario)
 
 
-def test_one_requests_error_ends_it_alone(frames):
+def test_one_requests_error_ends_it_alone():
     async def scenario():
-        async with session_on(StubEngine(num_tokens=4, token_delay_s=0.02), frames) as session:
+        async with session_on(StubEngine(num_tokens=4, token_delay_s=0.02)) as session:
             good = session.generate(request("good"), 10.0)
             bad = session.generate(request("bad", kv_transfer={  # the stub refuses its long id
                 "role": "decode", "mode": "push", "transfer_id": "x" * 200, "peer": "p:1"}), 10.0)
@@ -110,9 +102,9 @@ def test_one_requests_error_ends_it_alone(frames):
     run(scenario)
 
 
-def test_a_full_engine_answers_full_on_the_session(frames):
+def test_a_full_engine_answers_full_on_the_session():
     async def scenario():
-        async with session_on(StubEngine(behavior="full", num_full=1), frames) as session:
+        async with session_on(StubEngine(behavior="full", num_full=1)) as session:
             error = await error_of(session.generate(request("first"), 10.0))
             assert isinstance(error, EngineBusy) and error.status == "RESOURCE_EXHAUSTED"
             assert error.details.startswith("prefill full")
@@ -121,10 +113,10 @@ def test_a_full_engine_answers_full_on_the_session(frames):
     run(scenario)
 
 
-def test_cancel_of_one_request_leaves_the_other_running(frames):
+def test_cancel_of_one_request_leaves_the_other_running():
     async def scenario():
         stub = StubEngine(num_tokens=500, token_delay_s=0.02)  # "a" alone would take 10 s
-        async with session_on(stub, frames) as session:
+        async with session_on(stub) as session:
             a, b = session.generate(request("a", 500), 10.0), session.generate(request("b", 5), 10.0)
             assert (await a.__anext__()).request_id == "a"
             assert a.cancel() and not a.cancel()
@@ -135,9 +127,9 @@ def test_cancel_of_one_request_leaves_the_other_running(frames):
     run(scenario)
 
 
-def test_a_deadline_fails_its_request_and_cancels_it_on_the_engine(frames):
+def test_a_deadline_fails_its_request_and_cancels_it_on_the_engine():
     async def scenario():
-        async with session_on(StubEngine(num_tokens=500, token_delay_s=0.05), frames) as session:
+        async with session_on(StubEngine(num_tokens=500, token_delay_s=0.05)) as session:
             slow = session.generate(request("slow", 500), 0.2)  # 25 s left alone
             quick = session.generate(request("quick", 2), 10.0)
             assert isinstance(await error_of(slow), DeadlinePassed)
@@ -146,12 +138,12 @@ def test_a_deadline_fails_its_request_and_cancels_it_on_the_engine(frames):
     run(scenario)
 
 
-def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens(frames):
+def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens():
     async def scenario():
         stub = StubEngine(num_tokens=50, token_delay_s=0.05)
-        server, address = await start_stub(stub, sessions=frames)
+        server, address = await start_stub(stub)
         async with EngineClient(address) as client:
-            session = EngineSession(client)
+            session = EmbeddedEngine(client)
             calls = [session.generate(request(rid, 50), 10.0) for rid in ("a", "b")]
             for call in calls:
                 await call.__anext__()
@@ -169,8 +161,7 @@ def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens(frames):
             assert server.add_insecure_port(f"127.0.0.1:{port}") == port
             await server.start()
             sessions = FrameSessionServer(back)
-            if frames:
-                back.session_port = await sessions.start("127.0.0.1")
+            back.session_port = await sessions.start("127.0.0.1")
             got = []
             for attempt in range(20):  # the channel reconnects with backoff
                 try:
@@ -179,7 +170,7 @@ def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens(frames):
                 except EngineFailed:
                     await asyncio.sleep(0.1)
             assert len(got) == 3 and session.num_calls == 0
-            assert session.transport == ("frames" if frames else "grpc")
+            assert session.transport == "frames"
             await session.close()
         await sessions.close()
         await server.stop(grace=None)
@@ -187,10 +178,10 @@ def test_an_engine_gone_fails_its_requests_and_the_next_request_reopens(frames):
     run(scenario)
 
 
-def test_a_session_closed_by_the_coordinator_aborts_its_requests_on_the_engine(frames):
+def test_a_session_closed_by_the_coordinator_aborts_its_requests_on_the_engine():
     async def scenario():
         stub = StubEngine(num_tokens=500, token_delay_s=0.05)  # 25 s left alone
-        async with session_on(stub, frames) as session:
+        async with session_on(stub) as session:
             calls = [session.generate(request(rid, 500), 10.0) for rid in ("a", "b")]
             for call in calls:
                 await call.__anext__()
@@ -230,26 +221,3 @@ async def check_mixed_batch(read_response) -> None:
     assert ends["a"] == ends["b"] == (0, "")
     assert [m.request_id for m in messages].count("a") == 4
     assert num_responses < len(messages)  # the messages ready at once share a response
-
-
-def test_the_engine_side_batches_and_ends_a_malformed_request_alone():
-    async def scenario():
-        stub = RaisingStub(num_tokens=4)
-        server, address = await start_stub(stub)
-        async with EngineClient(address) as client:
-            call = client.session()
-            await call.write(MIXED_BATCH)
-            await check_mixed_batch(call.read)
-            await call.write(pb.SessionRequest(generate=[request("a"), request("a")]))
-            seen = []
-            while len(seen) < 2:
-                seen += [(e.request_id, e.code) for e in (await call.read()).ends]
-            assert ("a", grpc.StatusCode.INVALID_ARGUMENT.value[0]) in seen  # a second "a" at once
-            assert ("a", 0) in seen  # the first ran
-            await call.done_writing()  # the client's side ends: the session ends after its requests
-            assert await call.read() is grpc.aio.EOF
-            assert await call.code() == grpc.StatusCode.OK
-        assert not stub._inflight
-        await server.stop(grace=None)
-
-    run(scenario)

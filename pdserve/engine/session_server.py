@@ -1,12 +1,13 @@
-"""The engine side of a session: many requests on one stream, each run by the
-servicer's own Generate; served as the gRPC Session RPC and on the session port.
+"""The engine side of a session: many requests on one connection, each run by the
+servicer's own Generate, served on the engine's session port.
 
-``SessionServicer`` is a mixin of an Engine servicer (the engine's ``EngineService``,
-the tests' ``StubEngine``): its ``Session`` runs ``self.Generate(request, context)``
-for every request the session carries, so a request's behaviour, errors and aborts
-are Generate's, one piece of code. ``FrameSessionServer`` serves the same sessions
-on the session port (``runtime/frames.py``: length-prefixed frames on a plain
-connection, the Coordinator's hot path). Each request gets a ``RequestContext``
+``FrameSessionServer`` listens on the session port (``runtime/frames.py``:
+length-prefixed frames on a plain or mTLS connection, the Coordinator's one wire
+to an engine's requests) and runs ``servicer.Generate(request, context)`` for every
+request a session carries (the engine's ``EngineService``, the tests'
+``StubEngine``), so a request's behaviour, errors and aborts are Generate's, one
+piece of code, whether it came as a gRPC call (the CLI, the doctor) or on a
+session. Each request gets a ``RequestContext``
 whose ``abort`` ends that request alone with the status Generate would have ended
 its call with (a ``RequestEnd`` on the stream); an exception out of Generate ends
 the request with UNKNOWN, as gRPC ends a call, and is logged. A session request's
@@ -14,13 +15,13 @@ cancel cancels that request's Generate, as a cancelled call does (the engine abo
 
 Batching: the requests' messages and ends queue in the session's outbox; the
 session sends everything queued as one ``SessionResponse`` whenever it is free
-(gRPC: its writer; frames: once per event-loop turn), so the messages of one
+(once per event-loop turn), so the messages of one
 engine step (one per running request) share a write.
 
 Invariants: a request id runs at most once at a time per session (a second is
 refused with INVALID_ARGUMENT); every request started ends with exactly one
 ``RequestEnd`` unless it was cancelled or the session ended; the session ending
-(the client gone: the call cancelled, the connection lost) cancels every request
+(the client gone, the connection lost) cancels every request
 still running, so each Generate's own clean-up frees its KV; the client closing
 its side lets running requests finish, then the session ends. On the session port
 nothing is allocated for a peer before its hello passed (``frames``).
@@ -67,39 +68,6 @@ class RequestContext:
 
     def peer(self) -> str:
         return self._peer
-
-
-class SessionServicer:
-    """Mixin: ``Session`` over the class's ``Generate`` (module docstring)."""
-
-    async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
-        has_news = asyncio.Event()
-        run = SessionRun(self.Generate, RequestContext(context.invocation_metadata(),
-                                                       context.peer()), has_news.set)
-        reader = asyncio.ensure_future(_read(request_iterator, run))
-        try:
-            while True:
-                has_news.clear()
-                response = run.take()
-                if response is not None:
-                    yield response
-                elif run.is_over:
-                    return
-                else:
-                    await has_news.wait()
-        finally:
-            reader.cancel()
-            run.cancel_all()
-
-
-async def _read(request_iterator, run: SessionRun) -> None:
-    try:
-        async for request in request_iterator:
-            run.handle(request)
-    except Exception as exc:  # the client's side broke: the call is ending
-        log.debug("session read ended: %s", exc)
-    finally:
-        run.end_of_requests()
 
 
 class SessionRun:
