@@ -26,7 +26,7 @@ from pdserve.api.common import (
     StatusModel,
     Toleration,
 )
-from pdserve.api.conditions import Condition
+from pdserve.api.conditions import Conditions
 
 TransferMode = Literal["pull", "push", "layerwise"]
 Transport = Literal["mooncake", "nixl", "tcp", "shm"]
@@ -411,14 +411,7 @@ class PDClusterStatus(StatusModel):
     mode: Literal["PD", "Fallback", "Colocated"] | None = None
     """PD when both pools serve; Fallback while requests run hybrid; Colocated when the
     spec has no prefill or decode replicas (only the hybrid pool)."""
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        max_length=16,
-        json_schema_extra={
-            "x-kubernetes-list-type": "map",
-            "x-kubernetes-list-map-keys": ["type"],
-        },
-    )
+    conditions: Conditions = Field(default_factory=list)
     desired_prefill: int = Field(default=0, ge=0)
     desired_decode: int = Field(default=0, ge=0)
     desired_hybrid: int = Field(default=0, ge=0)

@@ -1,6 +1,7 @@
 """Status conditions: the model and the one pure helper that sets them.
 
-Owns ``Condition`` (the fields of Kubernetes ``metav1.Condition``) and
+Owns ``Condition`` (the fields of Kubernetes ``metav1.Condition``), ``Conditions``
+(a status's list of them, as every status model declares it) and
 ``set_condition``. Invariants: a condition list holds at most one entry per type;
 ``lastTransitionTime`` moves only when ``status`` changes; helpers never mutate
 their input (they return new lists), so reconcile code can compare old and new.
@@ -9,7 +10,7 @@ their input (they return new lists), so reconcile code can compare old and new.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -38,6 +39,13 @@ class Condition(StatusModel):
     """When ``status`` last changed."""
     observed_generation: int | None = Field(default=None, ge=0)
     """``metadata.generation`` the condition was computed from."""
+
+
+# A status's conditions, at most one per type: Kubernetes merges the list by ``type``.
+Conditions = Annotated[list[Condition], Field(max_length=16, json_schema_extra={
+    "x-kubernetes-list-type": "map",
+    "x-kubernetes-list-map-keys": ["type"],
+})]
 
 
 def get_condition(conditions: list[Condition], type: str) -> Condition | None:

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field
 
 from pdserve.api.common import API_VERSION, ApiModel, ObjectMeta, StatusModel
-from pdserve.api.conditions import Condition
+from pdserve.api.conditions import Conditions
 
 Role = Literal["prefill", "decode", "hybrid"]
 Pool = Literal["prefill", "decode", "hybrid"]
@@ -51,14 +51,7 @@ class PDInstanceStatus(StatusModel):
     last_heartbeat: datetime | None = None
     role: Role | None = None
     """Role the engine last reported (differs from spec.role during a switch)."""
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        max_length=16,
-        json_schema_extra={
-            "x-kubernetes-list-type": "map",
-            "x-kubernetes-list-map-keys": ["type"],
-        },
-    )
+    conditions: Conditions = Field(default_factory=list)
 
 
 class PDInstance(ApiModel):

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.runtime.queues import items_until_none
+
 log = logging.getLogger(__name__)
 
 MAX_PENDING_PUTS = 4096
@@ -146,7 +148,9 @@ class PoolCache:
     def _check(self) -> None:
         """The put thread, when idle for ``RECHECK_S``: down as soon as the master stops
         accepting connections (before a request's lookup finds out slowly); back once it
-        accepts them and answers a lookup."""
+        accepts them and answers a lookup. Without a master address, nothing to check."""
+        if not self.master:
+            return
         if self.is_up:
             if not _reachable(self.master):
                 self._went_down("no connection")
@@ -176,16 +180,7 @@ class PoolCache:
             self._known.discard(block_hash)
 
     def _put_loop(self) -> None:
-        while True:
-            try:
-                item = self._puts.get(timeout=RECHECK_S)
-            except queue.Empty:
-                if self.master:
-                    self._check()
-                continue
-            if item is None:
-                return
-            block_hash, data = item
+        for block_hash, data in items_until_none(self._puts, RECHECK_S, self._check):
             if not self.is_up:  # dropped: no call while the pool is down
                 self.stats.num_put_drops += 1
                 self._known.discard(block_hash)

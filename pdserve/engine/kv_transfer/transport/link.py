@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.kv_transfer.transport import wire
 from pdserve.engine.kv_transfer.transport.base import BatchHandle
+from pdserve.runtime.queues import items_until_none
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_transfer.transport.channel import Channel
@@ -123,15 +124,7 @@ class PeerLink:
         self._jobs.put(None)
 
     def _send_loop(self) -> None:
-        while True:
-            try:
-                entry = self._jobs.get(timeout=_SWEEP_S)
-            except queue.Empty:
-                self._sweep()
-                continue
-            if entry is None:
-                break
-            handle, job = entry
+        for handle, job in items_until_none(self._jobs, _SWEEP_S, self._sweep):
             if handle is not None and not handle.status().is_pending:
                 continue  # timed out while queued
             self._last_job_s = time.monotonic()
