@@ -1,11 +1,12 @@
 """The legs of a request: one engine stream each, and the PD pair of two.
 
-A leg is one request on its engine's Session stream (``sessions.SessionCall``: to a
-leg, what a Generate call would be). ``Leg`` runs a whole request on one
-engine (conditional disaggregation on D, or a hybrid engine); ``PrefillLeg`` and
-``DecodeLeg`` are the halves of a PD attempt, which ``PairedLegs`` runs together:
-the decode leg streamed, the prefill leg awaited beside it in a task. Both shapes
-answer the same calls, made by ``RequestRun`` on the event loop:
+A leg is one request on one engine (an ``engines.EngineCall``), and knows only that
+engine. ``Leg`` runs a whole request on one engine (conditional disaggregation on
+D, or a hybrid engine); ``PrefillLeg`` and ``DecodeLeg`` are the halves of a PD
+attempt, which ``PairedLegs`` runs together and owns the race of: the prefill leg
+in a task of its own, the decode leg streamed, and until D's first message both
+awaited with ``asyncio.wait``. Both shapes answer the same calls, made by
+``RequestRun`` on the event loop:
 
   start(timeout_s, collects)
                      send the request(s), the first token due within ``timeout_s``;
@@ -35,8 +36,8 @@ waits for the KV); after it, the failure is moot.
 
 The first token of a PD attempt: P samples it at the end of its prefill; D sends it
 once it has the KV and its loop finished the step it was in. It goes out with
-whichever message of it comes first (``DecodeLeg._prefill_token`` for P's), and D's
-copy is dropped; once it went out, a failure is a continuation's (``mid_stream``).
+whichever message of it comes first (``PairedLegs.tokens``), and D's copy is
+dropped; once it went out, a failure is a continuation's (``mid_stream``).
 
 Logprobs ride along the tokens: ``take_logprobs`` returns those of the tokens
 yielded since the last call, ``prompt_logprobs`` the prompt's (from the engine that
@@ -129,7 +130,7 @@ class Leg:
                  deadlines: Deadlines | None = None) -> None:
         self.engine = engine
         self.request = request
-        self.has_token = False
+        self.has_token = False  # a token of the attempt went out (a pair's: maybe P's)
         self.finished = False
         self.finish_reason: str | None = None
         self._client = client
@@ -140,8 +141,6 @@ class Leg:
         self._is_open = False
         self._has_timings = False
         self._num_pending = 0
-        self._prefill_task: asyncio.Future | None = None  # a pair's decode leg: its P's task
-        self.awaits_kv = True  # a pair's decode leg: no message from D yet (D waits for P's KV)
         sampling = request.sampling
         self.wants_logprobs = sampling.logprobs or sampling.prompt_logprobs
         self.logprobs: list[pb.TokenLogprob] = []  # of the tokens yielded, not yet taken
@@ -165,27 +164,11 @@ class Leg:
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """The token ids of each message, until a finish in ``END_REASONS``; raises the
-        leg's failure classified. The one loop over the engine's messages: a decode leg
-        of a pair (``DecodeLeg.follow``) also watches its prefill leg here, until its
-        first token."""
-        stream = self._call.__aiter__()
-        prefill = self._prefill_task
+        leg's failure classified. The one loop over the engine's messages."""
+        stream = self._call
         while True:
-            watching = prefill is not None and self.awaits_kv
-            if watching:
-                if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
-                    raise self._prefill_failure(prefill.exception())  # P failed before D's KV
-                if not self.has_token and self._prefill.first_ids is not None:
-                    yield self._prefill_token()  # P's first token, before D exposed the KV
-                    continue
             try:
-                if not watching or prefill.done():
-                    msg = await stream.__anext__()
-                else:
-                    first = self._prefill.first_token
-                    msg = await stream.next_unless(prefill if first.done() else first)
-                    if msg is None:  # P moved on (its first token, or its end): look again
-                        continue
+                msg = await stream.__anext__()
             except StopAsyncIteration:
                 raise self._failure("ended_early", self.ENDED_EARLY) from None
             except EngineCallError as exc:
@@ -201,15 +184,8 @@ class Leg:
                     self._timings.report.setdefault("cached_tokens", msg.num_cached_tokens)
                     self._timings.observe_cached(msg.num_cached_tokens)
             ids = msg.token_ids[:]  # a list; one read of the field (upb builds a view per read)
-            if watching:
-                self.awaits_kv = self._from_prefill = False
-                if self.has_token:  # P's first token went out already: D's first is it
-                    del ids[:1]
             if ids:
-                if not self.has_token:
-                    self.has_token = True
-                    if prefill is not None:
-                        await self._prefill_first_token()
+                self.has_token = True
                 if self.wants_logprobs:
                     self.logprobs.extend(msg.logprobs)
                     if self.prompt_logprobs is None and msg.prompt_logprobs:
@@ -321,68 +297,25 @@ class DecodeLeg(Leg):
     kind = "decode"
     PREFILLS_PROMPT = False
 
-    _from_prefill = False  # the ids last yielded were P's first token (D had sent nothing)
-
-    def follow(self, prefill: PrefillLeg, task: asyncio.Future) -> None:
-        """Called by ``PairedLegs.start``: ``task`` runs ``prefill`` to its handoff. Until
-        D's first message P's failure is the attempt's; P's first token is handed on
-        when P's message of it comes before D's; else D's is, after P's message of it
-        when that carries logprobs."""
-        self._prefill, self._prefill_task = prefill, task
-
     def _record_first(self, t: pb.Timings) -> None:
         """The decode engine's first token: how long it waited for the KV, then for a step."""
         self._timings.observe("decode_wait", t.kv_wait_s)
         self._timings.observe("decode_queue", t.decode_queue_s)
 
-    def _prefill_token(self) -> list[int]:
-        """P's first token, handed on as soon as P's message of it is in: D's message of
-        it comes only once D has the KV and its loop finished the step it was in."""
-        self.has_token = self._from_prefill = True  # its logprobs: P's (``take_logprobs``)
-        return self._prefill.first_ids
-
-    @property
-    def arrival_s(self) -> float:
-        if self._from_prefill:
-            return self._prefill.first_arrival_s
-        return self._call.arrival_s
-
-    @property
-    def last_arrival_s(self) -> float:
-        return self._call.last_arrival_s or self._prefill.first_arrival_s
-
-    async def _prefill_first_token(self) -> None:
-        """Called before the first token is handed on: until P's message of it (its
-        logprobs) is in, when P was asked for logprobs; P's stream ending without it is
-        P's failure."""
-        if not self._prefill.wants_logprobs:
-            return
-        task, prefill = self._prefill_task, self._prefill
-        if prefill.first_ids is None:
-            await _either(prefill.first_token, task)  # P's first token, or P's end
-        if prefill.first_ids is not None:
-            return
-        if not task.cancelled() and task.exception() is not None:
-            raise self._prefill_failure(task.exception())
-        raise self._prefill._failure("no_first_token", "stream ended without the first token")
-
-    def _prefill_failure(self, exc: BaseException) -> BaseException:
-        """P relays D's "decode full" when D gave up reserving blocks for the transfer:
-        that is D's load, so it is reported as D's (without D's address)."""
-        if isinstance(exc, EngineFull) and exc.leg == "prefill" \
-                and exc.details.startswith("decode full"):
-            return EngineFull(self.engine, "decode", "decode full")
-        return exc
-
 
 class PairedLegs:
-    """A PD attempt: D is streamed, P runs in a task beside it (D's first token needs
-    P's KV, so P's failure before it ends the attempt: ``DecodeLeg.follow``)."""
+    """A PD attempt: P runs in a task to its handoff; D is streamed. Until D's first
+    message (D waits for P's KV) the pair watches both: P's failure then is the
+    attempt's; P's first token is handed on as soon as P's message of it is in, and
+    D's copy dropped; D's first token, when D's message comes first, is handed on
+    after P's message of it when P was asked for logprobs (they are P's)."""
 
     def __init__(self, prefill: PrefillLeg, decode: DecodeLeg) -> None:
         self.prefill = prefill
         self.decode = decode
-        self._prefill_task: asyncio.Future | None = None
+        self._prefill_task: asyncio.Task | None = None
+        self._decode_first: asyncio.Future | None = None  # D's first ids, while awaited
+        self._from_prefill = False  # the ids last handed on were P's first token
 
     @property
     def finish_reason(self) -> str | None:
@@ -398,11 +331,13 @@ class PairedLegs:
 
     @property
     def arrival_s(self) -> float:
+        if self._from_prefill:
+            return self.prefill.first_arrival_s
         return self.decode.arrival_s
 
     @property
     def last_arrival_s(self) -> float:
-        return self.decode.last_arrival_s
+        return self.decode.last_arrival_s or self.prefill.first_arrival_s
 
     @property
     def has_token(self) -> bool:
@@ -421,26 +356,76 @@ class PairedLegs:
         await asyncio.wait((self._prefill_task,), timeout=REPORT_WAIT_S)
 
     def start(self, timeout_s: float, collects: bool = False) -> None:
-        self.decode.start(timeout_s, collects)  # P's messages drive D's first token: never held
+        self.decode.start(timeout_s, collects)
         self.prefill.start(timeout_s)
-        loop = self.decode._call.loop
+        loop = self._loop = asyncio.get_running_loop()
         self.prefill.first_token = loop.create_future()
         self._prefill_task = loop.create_task(self.prefill.until_handoff())
-        self.decode.follow(self.prefill, self._prefill_task)
 
-    def tokens(self) -> AsyncIterator[list[int]]:
-        """D's tokens: D's own stream, which watches P until its first token (no
-        generator of the pair's own around it, per token)."""
-        return self.decode.tokens()
+    async def tokens(self) -> AsyncIterator[list[int]]:
+        """D's tokens, P's first one among them when P's message of it came first."""
+        decode, prefill, task = self.decode, self.prefill, self._prefill_task
+        stream = decode.tokens()
+        first = self._decode_first = self._loop.create_task(_next(stream))
+        news = asyncio.Event()  # D's first ids, P's first token, or P's end
+        for future in (first, prefill.first_token, task):
+            future.add_done_callback(lambda _: news.set())
+        while not first.done():  # D waits for P's KV: watch P too
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise self._prefill_failure(task.exception())  # before D's KV: the attempt's
+            if not decode.has_token and prefill.first_ids is not None:
+                decode.has_token = self._from_prefill = True  # a failure now is mid-stream
+                yield prefill.first_ids
+                continue
+            news.clear()
+            await news.wait()
+        self._decode_first = None
+        ids = first.result()  # D's failure, raised; None: D ended without a token
+        if ids is None:
+            return
+        if self._from_prefill:  # P's first token went out: D's first is it
+            del ids[:1]
+            self._from_prefill = False
+        elif prefill.wants_logprobs:
+            await self._prefill_first_token()
+        if ids:
+            yield ids
+        async for ids in stream:
+            yield ids
+
+    async def _prefill_first_token(self) -> None:
+        """D's first token came first and P was asked for logprobs: until P's message of
+        it (its logprobs) is in; P's stream ending without it is P's failure."""
+        prefill, task = self.prefill, self._prefill_task
+        if prefill.first_ids is None:
+            await asyncio.wait((prefill.first_token, task), return_when=asyncio.FIRST_COMPLETED)
+        if prefill.first_ids is not None:
+            return
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise self._prefill_failure(task.exception())
+        raise prefill._failure("no_first_token", "stream ended without the first token")
+
+    def _prefill_failure(self, exc: BaseException) -> BaseException:
+        """P relays D's "decode full" when D gave up reserving blocks for the transfer:
+        that is D's load, so it is reported as D's (without D's address)."""
+        if isinstance(exc, EngineFull) and exc.leg == "prefill" \
+                and exc.details.startswith("decode full"):
+            return EngineFull(self.decode.engine, "decode", "decode full")
+        return exc
 
     def close(self) -> None:
+        first = self._decode_first
+        if first is not None:  # the attempt ended before D's first message
+            if first.done():
+                _retrieve(first)
+            else:
+                first.cancel()
         self.decode.close()
         task = self._prefill_task
         if task is None:
             self.prefill.close()
         elif task.done():
-            if not task.cancelled():
-                task.exception()  # retrieved: a P failure after D's first token is moot
+            _retrieve(task)  # a P failure after D's first token is moot
             self.prefill.release()
         elif self.decode.finished:
             self.prefill.release()
@@ -450,24 +435,12 @@ class PairedLegs:
             self.prefill.close()
 
 
-async def _either(a: asyncio.Future, b: asyncio.Future) -> None:
-    """Until ``a`` or ``b`` is done (``asyncio.wait``'s FIRST_COMPLETED for two, without
-    its sets and look-ups of the running loop)."""
-    if a.done() or b.done():
-        return
-    waiter = a.get_loop().create_future()
-
-    def wake(_) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    a.add_done_callback(wake)
-    b.add_done_callback(wake)
+async def _next(stream: AsyncIterator[list[int]]) -> list[int] | None:
+    """The next ids of ``stream``, None at its end (a task's result)."""
     try:
-        await waiter
-    finally:
-        a.remove_done_callback(wake)
-        b.remove_done_callback(wake)
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
 
 
 def _retrieve(task: asyncio.Future) -> None:

@@ -94,26 +94,6 @@ class SessionCall(EngineCall):
             self.arrival_s = self._arrivals.popleft()
         return self._items.popleft()
 
-    async def next_unless(self, other: asyncio.Future) -> pb.GenerateResponse | None:
-        """The next message, or None when ``other`` is done while none is in: the
-        decode leg's wait for its first token, raced with its prefill leg's task
-        (no task of its own per request)."""
-        while not self._items:
-            if self._end is not None:
-                raise self._end
-            if other.done():
-                return None
-            self._waiter = self.loop.create_future()
-            other.add_done_callback(self._wake_by)
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-                other.remove_done_callback(self._wake_by)
-        if self.holds:
-            self.arrival_s = self._arrivals.popleft()
-        return self._items.popleft()
-
     def cancel(self) -> bool:
         if self._end is not None:
             return False
@@ -177,9 +157,6 @@ class SessionCall(EngineCall):
         if self._end is None:
             self._session.cancel(self.request_id)
             self.ended(DeadlinePassed("DEADLINE_EXCEEDED", "Deadline Exceeded"))
-
-    def _wake_by(self, _: asyncio.Future) -> None:
-        self._wake()
 
     def _wake(self) -> None:
         waiter = self._waiter

@@ -43,15 +43,6 @@ class ScriptedCall:
             raise item
         return item
 
-    async def next_unless(self, other: asyncio.Future):
-        """``SessionCall.next_unless``: the next item, or None if ``other`` ends first."""
-        get = asyncio.ensure_future(self.__anext__())
-        await asyncio.wait({get, other}, return_when=asyncio.FIRST_COMPLETED)
-        if get.done():
-            return get.result()
-        get.cancel()
-        return None
-
     def send(self, **fields) -> None:
         self.queue.put_nowait(pb.GenerateResponse(**fields))
         self.last_arrival_s = time.monotonic()
