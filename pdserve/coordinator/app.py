@@ -4,9 +4,8 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON or SSE), GET /v1/mod
 (with the engines' ``max_model_len``), POST /tokenize and /detokenize (``tokenize.py``),
 /health (the process serves), /ready (some route exists: a PD pair whose KV path
 passed its probe (``pairs.py``) or, under the hybrid fallback, a hybrid engine;
-``?verbose=1`` lists every P/D pair, usable or why not, and what each engine session
-rides: "frames" on its session port or "grpc", and where the chat template comes
-from), /metrics (Prometheus text from this
+``?verbose=1`` lists every P/D pair, usable or why not, the engine sessions open
+(on the engines' session ports), and where the chat template comes from), /metrics (Prometheus text from this
 app's own registry). Every error body is OpenAI's error JSON; pydantic validation
 failures are 400 (OpenAI's code for them), not FastAPI's 422. Every error answer,
 refusals before routing included (auth, body size, validation, unknown model or
@@ -15,13 +14,13 @@ path), is logged on one line with its status and reason and counted once in
 timeouts are the guard's (``guard.py``); connection limits the HTTP server's
 (``http_server.py``).
 
-The two completion routes' POSTs are served by ``hot_routes.CompletionRoutes``
-(``CoordinatorApp`` hands them over before FastAPI's layers), with the same guard,
-validation errors, error bodies and access line; FastAPI declares them for the
-OpenAPI document and serves every other route.
+Every request takes one path (``front.CoordinatorApp``): the guard, its route, the
+error answers and the access line, in that one place. The routes are declared here
+with FastAPI, which writes the OpenAPI document; the two completion routes' POSTs are
+served by the front itself (``Completions.handle``), the others by FastAPI's router.
 
 The app owns, through its lifespan, the instance view source (static poller or
-Controller watcher), the pair checks, the engine clients and the background aborts.
+Controller watcher), the pair checks, the engines (``engines.Engine``, one per address) and the background aborts.
 """
 
 from __future__ import annotations
@@ -31,21 +30,18 @@ import logging
 import time
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException
+from fastapi import FastAPI
 from starlette.responses import JSONResponse, Response
 
 from pdserve import __version__
-from pdserve.runtime.logs import RequestLogMiddleware
 from pdserve.runtime.model_source import resolve_dtype
 from pdserve.runtime.security import SecuritySettings
 
 from .admission import Admission
 from .discovery import StaticDiscovery
-from .errors import ServeError, validation_error
-from .guard import Guard, GuardMiddleware
-from .hot_routes import CompletionRoutes
+from .errors import ServeError
+from .front import COMPLETIONS, CoordinatorApp
+from .guard import Guard
 from .instances import InstanceRegistry
 from .kv_events import KVEventFeeds
 from .legs import Aborter
@@ -80,19 +76,15 @@ def _completion_responses(model) -> dict:
             **_ERRORS}
 
 
-def _error_response(err: ServeError) -> Response:
-    return Response(err.json_bytes(), status_code=err.status, headers=err.headers,
-                    media_type="application/json")
-
-
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+ENDPOINTS = {path: endpoint for path, (endpoint, _) in COMPLETIONS.items()}
 """The ``endpoint`` label of a path; every other path counts as ``other``."""
 
 
 class Rejections:
     """Logs each error answer on one line (INFO for 4xx, WARNING for 5xx, never a
-    traceback) and counts those not counted yet by status. Called by the app's error
-    handlers and by ``GuardMiddleware``, on the event loop, before the answer is sent."""
+    traceback) and counts those not counted yet by status. Called by the front
+    (``front.CoordinatorApp``) and the guard's refusals, on the event loop, before the
+    answer is sent."""
 
     def __init__(self, metrics: CoordinatorMetrics) -> None:
         self.metrics = metrics
@@ -112,20 +104,6 @@ class Rejections:
 
     def on_guard_refusal(self, scope: dict, err: ServeError) -> None:
         self.record(scope["method"], scope["path"], err)
-
-
-class CoordinatorApp(FastAPI):
-    """The app: FastAPI, whose routes and middlewares serve every request but the
-    completion routes' POSTs, which go to ``hot`` (``hot_routes.CompletionRoutes``)."""
-
-    hot: CompletionRoutes | None = None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and self.hot is not None:
-            endpoint = ENDPOINTS.get(scope["path"])
-            if endpoint is not None:
-                return await self.hot(scope, receive, send, endpoint)
-        await super().__call__(scope, receive, send)
 
 
 def read_api_key(path: str | None, what: str = "API key") -> str | None:
@@ -185,48 +163,26 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
             await deps.aborter.close()
             await registry.close()
 
-    app = CoordinatorApp(title="pdserve Coordinator", version=__version__, lifespan=lifespan,
-                         docs_url=None, redoc_url=None)
-    app.state.deps = deps
-    app.state.admission = admission
     guard = Guard(settings.max_body_bytes, read_api_key(settings.api_key_file),
                   rejections.on_guard_refusal,
                   admin_key=read_api_key(settings.admin_key_file, "admin key"),
                   body_timeout_s=settings.http_body_timeout_s)
-    app.hot = CompletionRoutes(completions, guard, rejections)
-    app.add_middleware(RequestLogMiddleware)  # one line per request, with its request id
-    app.add_middleware(GuardMiddleware, guard=guard)
+    app = CoordinatorApp(guard, rejections, completions, title="pdserve Coordinator",
+                         version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.deps = deps
+    app.state.admission = admission
 
-    def answer(request: Request, err: ServeError) -> Response:
-        rejections.record(request.method, request.url.path, err)
-        return _error_response(err)
-
-    @app.exception_handler(ServeError)
-    async def serve_error(request: Request, exc: ServeError):
-        return answer(request, exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        return answer(request, validation_error(exc.errors(), 1))  # after "body"
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        return answer(request, ServeError(exc.status_code, str(exc.detail), headers=exc.headers))
-
-    @app.exception_handler(Exception)
-    async def crash(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)  # a bug: its traceback is wanted
-        return answer(request, ServeError(500, "internal error", code="internal_error"))
-
+    # Declared for the OpenAPI document: their POSTs are served by the front
+    # (``front.COMPLETIONS``) and never reach these functions.
     @app.post("/v1/completions", response_model=None,
               responses=_completion_responses(CompletionResponse))
-    async def v1_completions(body: CompletionRequest, request: Request) -> Response:
-        return await completions.handle(request, body, "completions")
+    async def v1_completions(body: CompletionRequest) -> None:
+        raise AssertionError("served by front.CoordinatorApp")
 
     @app.post("/v1/chat/completions", response_model=None,
               responses=_completion_responses(ChatCompletionResponse))
-    async def v1_chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await completions.handle(request, body, "chat")
+    async def v1_chat(body: ChatCompletionRequest) -> None:
+        raise AssertionError("served by front.CoordinatorApp")
 
     @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
     async def v1_models() -> dict:

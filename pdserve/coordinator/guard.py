@@ -1,10 +1,11 @@
-"""An ASGI middleware in front of every route: body-size limit, body timeout and auth.
+"""The checks every HTTP request passes first: body-size limit, body timeout and auth.
+
+``front.CoordinatorApp`` applies them to every route, before routing.
 
 Body: a request whose ``Content-Length`` or streamed body exceeds ``max_body_bytes``
 gets 413 before any parsing, one whose body has not all arrived ``body_timeout_s``
 after its headers gets 408 (and the connection closes: a half-sent request holds no
-slot). The body is buffered (it is small by then) and replayed to the app, whose
-later ``receive`` calls reach the server again (so disconnects are still seen).
+slot). The body is read whole (it is small by then) and handed to the route.
 
 Auth, with keys compared in constant time:
 
@@ -52,8 +53,7 @@ def _presents(authorization: bytes, key: bytes | None, allow_basic: bool) -> boo
 
 
 class Guard:
-    """The checks themselves; ``GuardMiddleware`` applies them to every route, and the
-    completion routes' hot path (``hot_routes``) calls them directly."""
+    """The checks; ``front.CoordinatorApp`` calls them for every request."""
 
     def __init__(self, max_body_bytes: int, api_key: str | None,
                  on_refuse: Callable[[dict, ServeError], None] | None = None, *,
@@ -142,37 +142,6 @@ class Guard:
     def _too_large(self) -> ServeError:
         return ServeError(413, f"request body larger than {self.max_body_bytes} bytes",
                           code="body_too_large")
-
-
-class GuardMiddleware:
-    """``Guard``'s checks in front of every route of the app it wraps; the body is
-    buffered and replayed to the app."""
-
-    def __init__(self, app, guard: Guard) -> None:
-        self.app = app
-        self.guard = guard
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        refusal = self.guard.authorize(scope)
-        if refusal is not None:
-            return await self.guard.refuse(scope, send, refusal)
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        body = await self.guard.read_body(scope, receive, send)
-        if body is None:
-            return
-        replay = {"type": "http.request", "body": body, "more_body": False}
-
-        async def replay_receive():
-            nonlocal replay
-            if replay is not None:
-                message, replay = replay, None
-                return message
-            return await receive()
-
-        await self.app(scope, replay_receive, send)
 
 
 async def send_error(send, err: ServeError) -> None:

@@ -1,9 +1,12 @@
-"""The Coordinator's HTTP server: uvicorn (httptools) with the limits a public endpoint needs.
+"""The Coordinator's HTTP server, and the few places where its HTTP path departs from
+what uvicorn and Starlette would do by themselves: each measured, each kept because it
+paid (the figures: docs/benchmarks.md, Coordinator overhead, "Changes measured").
 
-uvicorn closes an idle keep-alive connection ``timeout_keep_alive`` after its last
-response, but arms that timer only after a response and disarms it at the first
-byte: a connection that never sends a request, or stops halfway through its
-headers, stays open for good. ``build_config`` adds what is missing:
+The server is uvicorn (httptools) with the limits a public endpoint needs. uvicorn
+closes an idle keep-alive connection ``timeout_keep_alive`` after its last response,
+but arms that timer only after a response and disarms it at the first byte: a
+connection that never sends a request, or stops halfway through its headers, stays
+open for good. ``build_config`` adds what is missing:
 
   keep-alive      an idle connection closes ``http_keep_alive_s`` after its last response
   header timeout  a request's headers must be complete ``http_header_timeout_s`` after
@@ -14,16 +17,28 @@ headers, stays open for good. ``build_config`` adds what is missing:
                   uvicorn answers 503
   body timeout    the guard's (``guard.py``), which reads the body: 408
 
-It also tells a request's handler at once when its client goes away: each
-request's scope holds a ``ClientHook`` (``CLIENT_HOOK``) that the connection's
-loss fires, so ``serving.DisconnectWatch`` needs no task waiting on ``receive``
-per request.
+The departures, all on the completion routes' path (``front.py``):
+
+  _LimitedHttpToolsProtocol  uvicorn's httptools protocol, subclassed: the header
+                  timeout and size above, which uvicorn has no setting for, and a
+                  ``ClientHook`` in each request's scope (``CLIENT_HOOK``) that the
+                  connection's loss fires, so that ``serving.DisconnectWatch`` learns
+                  that a client went away without a task per request waiting on
+                  ``receive`` (that task, its waits and its cancellation were the cost)
+  write_stream    a stream's events that are ready together go out in one ``send``
+                  (one socket write), where Starlette's ``StreamingResponse`` sends
+                  each event alone: the stubs' and a busy Coordinator's tokens come
+                  several at once, and a socket write per event was most of
+                  uvicorn's share of a stream
+  JSONAnswer      a completion's JSON answer as Starlette's ``Response`` with its three
+                  headers written out, not built by ``Response.__init__`` (which
+                  lowercases, copies and encodes each)
 
 Called by ``pdserve coordinator`` (``cli.run``) and by the tests' server harness, so
 both serve with the same limits. The protocol runs on the event loop; its timers
 are the loop's. ``Server.run`` (the CLI) runs it on uvloop, which costs the
-Coordinator less CPU per request than asyncio's own loop (docs/benchmarks.md,
-Coordinator overhead); the harness serves on its own asyncio loop.
+Coordinator less CPU per request than asyncio's own loop; the harness serves on its
+own asyncio loop.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ from __future__ import annotations
 import asyncio
 
 import uvicorn
+from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .settings import CoordinatorSettings
@@ -143,3 +159,85 @@ def build_config(app, settings: CoordinatorSettings, log_level: str = "info") ->
                           http=protocol, lifespan="on", proxy_headers=False,
                           timeout_keep_alive=settings.http_keep_alive_s,
                           limit_concurrency=settings.max_connections)
+
+
+class JSONAnswer(Response):
+    """A completion's JSON answer (``serving.Completions.handle``): Starlette's
+    ``Response`` with its three headers written out at once; ``label`` is its
+    ``x-request-id``."""
+
+    media_type = "application/json"
+
+    def __init__(self, body: bytes, label: str) -> None:
+        self.status_code = 200
+        self.body = body
+        self.background = None
+        self.label = label
+        self.raw_headers = [(b"x-request-id", label.encode()),
+                            (b"content-length", b"%d" % len(body)),
+                            (b"content-type", b"application/json")]
+
+
+async def write_stream(events, send) -> None:
+    """Sends the async iterator ``events`` (bytes) as the rest of a response body, the
+    ones ready at once in one ``send``; closes ``events`` if it ends early.
+
+    Each step of ``events`` is run by hand (``send(None)`` on ``__anext__()``): a step
+    that finishes without waiting adds to what is ready; one that must wait has what
+    is ready sent first and is then awaited (``_Rest``) as ``await`` would have."""
+    ready: list[bytes] = []
+    try:
+        while True:
+            step = events.__anext__()
+            try:
+                waits_on = step.send(None)
+            except StopIteration as got:
+                ready.append(got.value)
+                continue
+            except StopAsyncIteration:
+                break
+            if ready:
+                chunk = b"".join(ready)
+                ready.clear()
+                try:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except BaseException as exc:
+                    # The step waits inside ``events``: it gets the error there (its
+                    # clean-up runs), then the error goes on.
+                    await _Rest(step, None, exc)
+                    raise
+            try:
+                ready.append(await _Rest(step, waits_on))
+            except StopAsyncIteration:
+                break
+    except BaseException:
+        await events.aclose()
+        raise
+    await send({"type": "http.response.body", "body": b"".join(ready), "more_body": False})
+
+
+class _Rest:
+    """The rest of a coroutine step that already ran up to its first wait, which
+    yielded ``waits_on`` (what the task must wait for): awaiting it passes that and
+    everything after it to the task, and the task's answers (a value, a cancellation)
+    back into the step, until the step returns or raises. With ``throw`` the step
+    first gets that exception where it waits."""
+
+    __slots__ = ("step", "waits_on", "throw")
+
+    def __init__(self, step, waits_on, throw: BaseException | None = None) -> None:
+        self.step, self.waits_on, self.throw = step, waits_on, throw
+
+    def __await__(self):
+        step = self.step
+        try:
+            signal = self.waits_on if self.throw is None else step.throw(self.throw)
+            while True:
+                try:
+                    sent = yield signal
+                except BaseException as exc:  # e.g. the task was cancelled while waiting
+                    signal = step.throw(exc)
+                else:
+                    signal = step.send(sent)
+        except StopIteration as done:
+            return done.value

@@ -1,8 +1,9 @@
 """The completion endpoints' work: prompt to tokens, run the request, shape OpenAI output.
 
-``Completions.handle`` is called by the app's two routes. It validates what pydantic
-cannot (model name, prompt length, the client's ``x-request-id``), takes an
-admission slot, and returns a JSON response or an SSE stream. A stream's first
+``Completions.handle`` is called for the two completion routes (``front.py``). It
+validates what pydantic cannot (model name, prompt length, the client's
+``x-request-id``), takes an admission slot, and returns a JSON response or an SSE
+stream. A stream's first
 token is awaited before the response starts, so errors before it (no route, bad
 prompt) get their real HTTP status; errors after it end the stream with an OpenAI
 error event and ``data: [DONE]``.
@@ -23,8 +24,8 @@ The answer itself (JSON or SSE, one choice or several) is built in ``output.py``
 
 Invariants: the admission slot is released and the request counted exactly once,
 whatever ends the request (a refusal before it was admitted, a ``ServeError`` not
-``is_counted``, is counted by the app's error handler); a client that goes away
-(stream or not) closes the run, which cancels and aborts both legs, is counted
+``is_counted``, is counted where it is answered, ``app.Rejections``); a client that
+goes away (stream or not) closes the run, which cancels and aborts both legs, is counted
 (``pdserve_coordinator_aborts_total{reason="client_gone"}``, and 499 in the requests)
 and logged at DEBUG: it is the client's doing, not an error of the server.
 """
@@ -49,7 +50,7 @@ from .admission import Admission
 from .deadlines import TIMEOUT_HEADER, Deadlines, client_total_s
 from .errors import ServeError
 from .guard import ADMIN_SCOPE_KEY
-from .http_server import CLIENT_HOOK
+from .http_server import CLIENT_HOOK, JSONAnswer
 from .lifecycle import Deps, RequestRun, new_request_id
 from .logprobs import OutputLogprobs, TokenTexts
 from .output import Choices, Output, sse_event
@@ -223,21 +224,6 @@ def _watch(request: Request, loop, watch: bool):
     return DisconnectWatch(request.scope, request.receive, loop) if watch else contextlib.nullcontext()
 
 
-class JSONAnswer(Response):
-    """A completion's JSON answer: Starlette's ``Response`` with its three headers
-    written out at once (``Response.__init__`` lowercases, copies and encodes each)."""
-
-    media_type = "application/json"
-
-    def __init__(self, body: bytes, label: str) -> None:
-        self.status_code = 200
-        self.body = body
-        self.background = None
-        self.label = label
-        self.raw_headers = [(_REQUEST_ID, label.encode()), (b"content-length", b"%d" % len(body)),
-                            (b"content-type", b"application/json")]
-
-
 class Completions:
     def __init__(self, deps: Deps, prompts: PromptBuilder, admission: Admission) -> None:
         self.deps = deps
@@ -260,7 +246,7 @@ class Completions:
 
     async def handle(self, request: Request, body, endpoint: str,
                      loop: asyncio.AbstractEventLoop | None = None, watch: bool = True) -> Response:
-        """Called by the app for /v1/completions and /v1/chat/completions; ``loop``: the
+        """Called by the front for /v1/completions and /v1/chat/completions; ``loop``: the
         running loop, when the caller has it. ``watch``: this call watches for the
         client's going away (a batch's prompts are watched by the batch)."""
         if endpoint == "completions" and (prompts := body.batch()) is not None:

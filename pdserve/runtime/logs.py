@@ -7,9 +7,9 @@ through ``extra``), which log pipelines index without parsing; anything else kee
 the readable text format. The request id a Coordinator assigns is the engines'
 request id too, so one grep of it finds the Coordinator's, P's and D's lines.
 
-``RequestLogMiddleware`` (ASGI) logs one line per finished HTTP request with its
-``x-request-id`` response header, method, path, status and duration
-(``log_request``, which a route serving itself calls directly).
+``log_request`` writes the access line of a finished HTTP request: its
+``x-request-id`` response header, method, path, status and duration (the
+Coordinator's front calls it once per request).
 """
 
 from __future__ import annotations
@@ -46,32 +46,6 @@ def configure_logging(level: str = "INFO") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if is_json() else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-
-
-class RequestLogMiddleware:
-    """ASGI middleware: one INFO line per HTTP request, after its last body byte."""
-
-    def __init__(self, app, logger_name: str = "pdserve.access") -> None:
-        self.app = app
-        self.log = logging.getLogger(logger_name)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start = time.monotonic()
-        seen = {"status": 0, "request_id": None}
-
-        async def send_logged(message):
-            if message["type"] == "http.response.start":
-                seen["status"] = message["status"]
-                for name, value in message.get("headers", ()):
-                    if name.lower() == b"x-request-id":
-                        seen["request_id"] = value.decode("latin-1")
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                log_request(self.log, scope, seen["status"], seen["request_id"], start)
-
-        await self.app(scope, receive, send_logged)
 
 
 def log_request(logger: logging.Logger, scope, status: int, request_id: str | None,

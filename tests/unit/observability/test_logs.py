@@ -1,13 +1,12 @@
-"""``pdserve.runtime.logs``: JSON or text lines chosen by PDSERVE_LOG_FORMAT, and the access
-log middleware that puts the request id on the Coordinator's line."""
+"""``pdserve.runtime.logs``: JSON or text lines chosen by PDSERVE_LOG_FORMAT. (The
+Coordinator's access line and its request id: tests/unit/coordinator/test_front.py.)"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 
-from pdserve.runtime.logs import JsonFormatter, RequestLogMiddleware, configure_logging
+from pdserve.runtime.logs import JsonFormatter, configure_logging
 
 
 def test_json_lines_carry_request_id(monkeypatch, capsys):
@@ -44,24 +43,3 @@ def test_exceptions_are_one_json_line():
         record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
     text = JsonFormatter().format(record)
     assert "\n" not in text and "ValueError: boom" in json.loads(text)["exc"]
-
-
-def test_access_line_has_the_request_id(caplog):
-    async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"x-request-id", b"cmpl-42")]})
-        await send({"type": "http.response.body", "body": b"a", "more_body": True})
-        await send({"type": "http.response.body", "body": b"b"})
-
-    sent = []
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions"}
-    with caplog.at_level(logging.INFO, "pdserve.access"):
-        asyncio.run(RequestLogMiddleware(app)(scope, None, send))
-    assert len(sent) == 3
-    [rec] = caplog.records
-    assert rec.request_id == "cmpl-42"
-    assert "cmpl-42 POST /v1/completions 200" in rec.getMessage()
