@@ -362,10 +362,15 @@ class PairedLegs:
         self.prefill.first_token = loop.create_future()
         self._prefill_task = loop.create_task(self.prefill.until_handoff())
 
-    async def tokens(self) -> AsyncIterator[list[int]]:
-        """D's tokens, P's first one among them when P's message of it came first."""
+    def tokens(self) -> AsyncIterator[list[int]]:
+        """D's tokens, P's first one among them when P's message of it came first: the
+        race until D's first message (``_first_tokens``), then D's own stream, whose
+        tokens are handed out as they come (no generator of the pair's around each)."""
+        stream = self.decode.tokens()
+        return _Chain(self._first_tokens(stream), stream)
+
+    async def _first_tokens(self, stream: AsyncIterator[list[int]]) -> AsyncIterator[list[int]]:
         decode, prefill, task = self.decode, self.prefill, self._prefill_task
-        stream = decode.tokens()
         first = self._decode_first = self._loop.create_task(_next(stream))
         news = asyncio.Event()  # D's first ids, P's first token, or P's end
         for future in (first, prefill.first_token, task):
@@ -389,8 +394,6 @@ class PairedLegs:
         elif prefill.wants_logprobs:
             await self._prefill_first_token()
         if ids:
-            yield ids
-        async for ids in stream:
             yield ids
 
     async def _prefill_first_token(self) -> None:
@@ -433,6 +436,31 @@ class PairedLegs:
         else:
             task.cancel()
             self.prefill.close()
+
+
+class _Chain:
+    """``head``'s items, then ``tail``'s, as one async iterator; once ``head`` is done,
+    each step is ``tail``'s own (one call, no coroutine of its own per item)."""
+
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self, head: AsyncIterator, tail: AsyncIterator) -> None:
+        self._head, self._tail = head, tail
+
+    def __aiter__(self) -> _Chain:
+        return self
+
+    def __anext__(self):
+        if self._head is None:
+            return self._tail.__anext__()
+        return self._from_head()
+
+    async def _from_head(self):
+        try:
+            return await self._head.__anext__()
+        except StopAsyncIteration:
+            self._head = None
+            return await self._tail.__anext__()
 
 
 async def _next(stream: AsyncIterator[list[int]]) -> list[int] | None:
