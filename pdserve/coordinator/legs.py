@@ -372,9 +372,15 @@ class PairedLegs:
     async def _first_tokens(self, stream: AsyncIterator[list[int]]) -> AsyncIterator[list[int]]:
         decode, prefill, task = self.decode, self.prefill, self._prefill_task
         first = self._decode_first = self._loop.create_task(_next(stream))
-        news = asyncio.Event()  # D's first ids, P's first token, or P's end
+        news: asyncio.Future | None = None  # awaited: done by D's first ids, P's first
+        # token or P's end (a future, not an Event: an Event's first wait takes a lock)
+
+        def wake(_: asyncio.Future) -> None:
+            if news is not None and not news.done():
+                news.set_result(None)
+
         for future in (first, prefill.first_token, task):
-            future.add_done_callback(lambda _: news.set())
+            future.add_done_callback(wake)
         while not first.done():  # D waits for P's KV: watch P too
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise self._prefill_failure(task.exception())  # before D's KV: the attempt's
@@ -382,8 +388,8 @@ class PairedLegs:
                 decode.has_token = self._from_prefill = True  # a failure now is mid-stream
                 yield prefill.first_ids
                 continue
-            news.clear()
-            await news.wait()
+            news = self._loop.create_future()
+            await news
         self._decode_first = None
         ids = first.result()  # D's failure, raised; None: D ended without a token
         if ids is None:
