@@ -3,8 +3,9 @@
 Each engine is one ``EngineEndpoint`` (the Coordinator's picture of a PDInstance).
 ``InstanceRegistry`` is written by one source (the static poller or the Controller
 watcher) through ``replace``, and read by the router on every request.
-It also owns one ``engines.Engine`` per engine address (made by ``connect``:
-``sessions.EmbeddedEngine`` by default), which every call to that engine goes
+It also owns one ``engines.Engine`` per engine address (made by ``connect``: by
+default ``vllm_engine.VllmEngine`` for a ``vllm://`` address, else
+``sessions.EmbeddedEngine``), which every call to that engine goes
 through, and the Coordinator's own count of legs in flight per engine (exact,
 unlike polled load).
 
@@ -24,9 +25,11 @@ from dataclasses import dataclass, field
 from pdserve.runtime.aio import wait_event
 from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings
+from pdserve.runtime.vllm_server import is_vllm_address
 
 from .engines import Engine
 from .sessions import EmbeddedEngine
+from .vllm_engine import VllmBackend
 
 
 @dataclass
@@ -95,11 +98,12 @@ class Pools:
 class InstanceRegistry:
     def __init__(self, security: SecuritySettings | None = None, suspect_s: float = 5.0,
                  connect: Callable[[str], Engine] | None = None) -> None:
-        """``connect(address)`` makes the ``Engine`` of an address (default: the
-        embedded engine's, with ``security``)."""
+        """``connect(address)`` makes the ``Engine`` of an address (default: a vLLM
+        server's for a ``vllm://`` address, else the embedded engine's, with ``security``)."""
         self._security = security or SecuritySettings.from_env()
         self._suspect_s = suspect_s
-        self._connect = connect or self._embedded
+        self._connect = connect or self._by_address
+        self._vllm: VllmBackend | None = None
         self._instances: dict[str, EngineEndpoint] = {}
         self._engines: dict[str, Engine] = {}
         self._changed = asyncio.Event()
@@ -188,7 +192,11 @@ class InstanceRegistry:
         if inst is not None:
             inst.full_until = max(inst.full_until, time.monotonic() + seconds)
 
-    def _embedded(self, address: str) -> Engine:
+    def _by_address(self, address: str) -> Engine:
+        if is_vllm_address(address):
+            if self._vllm is None:
+                self._vllm = VllmBackend()
+            return self._vllm.connect(address)
         return EmbeddedEngine(EngineClient(address, self._security))
 
     def engine(self, address: str) -> Engine:

@@ -1,0 +1,160 @@
+"""A vLLM OpenAI server's health, model and load, read over HTTP as the engine API's messages.
+
+Read by the NodeAgent's probes of the vLLM engines it supervises (its heartbeat's
+load) and by the Coordinator's ``vllm_engine.VllmEngine`` (static discovery, the
+dashboard). ``VllmServer.health`` is ``GET /health`` (200 while the engine serves;
+503 once it died) and ``GET /v1/models`` (the served model, ``max_model_len``);
+``VllmServer.stats`` is ``GET /metrics`` (docs/vllm.md lists the series). vLLM does
+not serve its role, its KV connector's endpoint or its dtype: the caller passes what
+it knows (``VllmIdentity``), and ``compat_hash`` joins what a P/D pair must agree on
+(model, block size, KV cache dtype, connector) from what vLLM does report.
+
+Errors: an unreachable server, a timeout or a malformed answer raise
+``VllmUnavailable`` (``is_timeout`` tells a slow server from a gone one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from urllib.parse import parse_qs, urlsplit
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.api.proto import engine_pb2 as pb
+
+CONFIG_INFO = "vllm:cache_config_info"
+
+
+class VllmUnavailable(Exception):
+    def __init__(self, message: str, is_timeout: bool = False) -> None:
+        super().__init__(message)
+        self.is_timeout = is_timeout
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmIdentity:
+    """What the supervisor of a vLLM server knows of it and vLLM does not serve."""
+
+    role: str = "hybrid"          # pdserve's role: prefill (kv_producer), decode (kv_consumer), hybrid
+    kv_endpoint: str = ""         # the KV connector's side channel, host:port ("" without one)
+    kv_connector: str = ""        # e.g. NixlConnector ("" without one)
+
+
+def kv_transport_of(connector: str) -> str:
+    """The transport name pdserve shows for a vLLM KV connector."""
+    return {"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}.get(connector,
+                                                                          connector.lower() or "none")
+
+
+def cache_config(text: str) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info`` (block_size, cache_dtype, num_gpu_blocks, ...)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == CONFIG_INFO:
+                return dict(sample.labels)
+    return {}
+
+
+def compat_hash(model: str, config: dict[str, str], connector: str) -> str:
+    """What a vLLM P and D must share to move KV: the model, block size, KV dtype, connector."""
+    return (f"vllm:{model}:block={config.get('block_size', '?')}:"
+            f"kv_dtype={config.get('cache_dtype', '?')}:{connector or 'none'}")
+
+
+def stats_from_metrics(text: str, identity: VllmIdentity) -> pb.StatsResponse:
+    """vLLM's Prometheus text as the engine API's load report (one engine: samples summed)."""
+    values: dict[str, float] = {}
+    blocks = block_size = 0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == CONFIG_INFO:
+                blocks = int(sample.labels.get("num_gpu_blocks") or 0)
+                block_size = int(sample.labels.get("block_size") or 0)
+            else:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    used = round(values.get("vllm:kv_cache_usage_perc", 0.0) * blocks)
+    return pb.StatsResponse(
+        num_running=int(values.get("vllm:num_requests_running", 0)),
+        num_waiting=int(values.get("vllm:num_requests_waiting", 0)),
+        num_kv_blocks_total=blocks, num_kv_blocks_used=used, num_kv_blocks_free=blocks - used,
+        block_size=block_size,
+        prefix_cache_query_tokens=int(values.get("vllm:prefix_cache_queries_total", 0)),
+        prefix_cache_hit_tokens=int(values.get("vllm:prefix_cache_hits_total", 0)),
+        num_preemptions=int(values.get("vllm:num_preemptions_total", 0)),
+        num_prompt_tokens_total=int(values.get("vllm:prompt_tokens_total", 0)),
+        num_generation_tokens_total=int(values.get("vllm:generation_tokens_total", 0)),
+        role=identity.role, kv_transport=kv_transport_of(identity.kv_connector),
+        kv_endpoint=identity.kv_endpoint)
+
+
+class VllmServer:
+    """GETs of one vLLM server (``address``: host:port), on a session the caller owns
+    (``session()`` is called per request, so an owner may make it lazily)."""
+
+    def __init__(self, address: str, identity: VllmIdentity, session) -> None:
+        self.address = address
+        self.identity = identity
+        self._session = session
+
+    async def get(self, path: str, timeout_s: float, ok_statuses=(200,)) -> tuple[int, bytes]:
+        try:
+            async with self._session().get(f"http://{self.address}{path}",
+                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                body = await response.read()
+        except TimeoutError:
+            raise VllmUnavailable(f"GET {path}: no answer in {timeout_s:g} s", is_timeout=True) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise VllmUnavailable(f"GET {path}: {type(exc).__name__}: {exc}") from None
+        if response.status not in ok_statuses:
+            raise VllmUnavailable(f"GET {path}: HTTP {response.status}")
+        return response.status, body
+
+    async def health(self, timeout_s: float = 2.0) -> pb.HealthResponse:
+        status, _ = await self.get("/health", timeout_s, ok_statuses=(200, 503))
+        _, body = await self.get("/v1/models", timeout_s)
+        _, metrics = await self.get("/metrics", timeout_s)
+        try:
+            model = orjson.loads(body)["data"][0]
+            name, max_len = str(model["id"]), int(model.get("max_model_len") or 0)
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
+            raise VllmUnavailable(f"GET /v1/models: not a model list: {body[:100]!r}") from None
+        ident = self.identity
+        return pb.HealthResponse(
+            serving=status == 200, role=ident.role, model=name, device="vllm",
+            kv_transport=kv_transport_of(ident.kv_connector), kv_endpoint=ident.kv_endpoint,
+            kv_compat_hash=compat_hash(name, cache_config(metrics.decode(errors="replace")),
+                                       ident.kv_connector),
+            time_unix_s=time.time(), max_model_len=max_len)
+
+    async def stats(self, timeout_s: float = 2.0) -> pb.StatsResponse:
+        _, text = await self.get("/metrics", timeout_s)
+        try:
+            return stats_from_metrics(text.decode(errors="replace"), self.identity)
+        except ValueError as exc:  # the parser's word for malformed text
+            raise VllmUnavailable(f"GET /metrics: {exc}") from None
+
+
+SCHEME = "vllm://"
+
+
+def is_vllm_address(address: str) -> bool:
+    """An engine address names a vLLM server as ``vllm://HOST:PORT[?role=R&kv=HOST:PORT&connector=C]``
+    (the NodeAgent reports its vLLM engines so; a static Coordinator takes it in
+    ``--engine``); a bare ``HOST:PORT`` is the embedded engine's gRPC address."""
+    return address.startswith(SCHEME)
+
+
+def parse_vllm_address(address: str) -> tuple[str, VllmIdentity]:
+    """``vllm://HOST:PORT?...`` as its HTTP host:port and what the query says of it."""
+    parts = urlsplit(address)
+    if parts.scheme != "vllm" or not parts.hostname or parts.port is None:
+        raise ValueError(f"{address!r}: expected vllm://HOST:PORT")
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    role = query.get("role", "hybrid")
+    if role not in ("prefill", "decode", "hybrid"):
+        raise ValueError(f"{address!r}: role must be prefill, decode or hybrid")
+    return parts.netloc, VllmIdentity(role=role, kv_endpoint=query.get("kv", ""),
+                                      kv_connector=query.get("connector", ""))
