@@ -79,12 +79,41 @@ SPEC_RULES = [
         ".prefill.parallelism.tensorParallelSize",
     ),
     *(_rule(
-        f"self.{pool}.replicas == 0 || self.{pool}.gpus == 0",
-        f"spec.{pool}.gpus must be 0 while spec.{pool}.replicas > 0: the KV transports (tcp, "
-        f"shm, mooncake, nixl) move host memory only, so prefill and decode engines run on CPU; "
-        f"GPU engines serve in the hybrid pool",
+        f"self.engine.backend == 'vllm' || self.{pool}.replicas == 0 || self.{pool}.gpus == 0",
+        f"spec.{pool}.gpus must be 0 while spec.{pool}.replicas > 0: the embedded engine's KV "
+        f"transports (tcp, shm, mooncake, nixl) move host memory only, so its prefill and decode "
+        f"engines run on CPU; GPU engines serve in the hybrid pool, or disaggregate with "
+        f"spec.engine.backend vllm (its KV connector moves GPU memory)",
         f".{pool}.gpus",
     ) for pool in ("prefill", "decode")),
+]
+VLLM_RULES = [
+    _rule(
+        "self.engine.backend != 'vllm' || !has(self.model.preset)",
+        "spec.model.preset: the vllm backend loads a Hugging Face checkpoint; set "
+        "spec.model.path, pvc or image",
+        ".model",
+    ),
+    _rule(
+        "self.engine.backend != 'vllm' || (self.prefill.replicas == 0 && self.decode.replicas == 0)"
+        " || (self.kvTransfer.mode == 'pull' && self.kvTransfer.transport == 'nixl')",
+        "spec.kvTransfer: with the vllm backend the KV moves by vLLM's KV connector, which pulls "
+        "over NIXL (decode reads prefill's blocks); set kvTransfer.mode: pull and "
+        "kvTransfer.transport: nixl",
+        ".kvTransfer",
+    ),
+    _rule(
+        "self.engine.backend != 'vllm' || !has(self.kvPool) || !self.kvPool.enabled",
+        "spec.kvPool: the shared KV pool serves the embedded engine only; disable it with the "
+        "vllm backend",
+        ".kvPool",
+    ),
+    _rule(
+        "self.engine.backend != 'vllm' || !has(self.engine.prefillChunkTokens)",
+        "spec.engine.prefillChunkTokens applies to the embedded engine; vLLM chunks prompts by "
+        "spec.engine.maxNumBatchedTokens",
+        ".engine.prefillChunkTokens",
+    ),
 ]
 KV_POOL_RULE = _rule(
     "!has(self.kvPool) || !self.kvPool.enabled || ("
@@ -137,8 +166,33 @@ class ModelSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": MODEL_R
         return self
 
 
+class VllmSpec(ApiModel):
+    """How NodeAgents run vLLM (``spec.engine.backend: vllm``): pdserve adds ``--model``,
+    ``--served-model-name``, ``--host``, ``--port``, the engine settings vLLM has
+    (dtype, max model length, sequences and batched tokens, prefix caching, tensor
+    parallelism, KV blocks) and, in the prefill and decode pools, its
+    ``--kv-transfer-config`` (producer and consumer of ``kvConnector``)."""
+
+    command: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["vllm", "serve"], min_length=1, max_length=16)
+    """The command that starts vLLM's OpenAI server, e.g. ``[python, -m,
+    vllm.entrypoints.openai.api_server]``."""
+    kv_connector: str = Field(default="NixlConnector", pattern=r"^[A-Za-z][A-Za-z0-9_]*$")
+    """vLLM's KV connector between the prefill and decode pools."""
+    extra_args: list[str] = Field(default_factory=list, max_length=64)
+    """More vLLM flags, last (so they win), e.g. ``[--enforce-eager]``."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment of every vLLM process, e.g. ``VLLM_CPU_OMP_THREADS_BIND``."""
+
+
 class EngineSpec(ApiModel):
     """Engine settings shared by every instance of the cluster."""
+
+    backend: Literal["embedded", "vllm"] = "embedded"
+    """The engine the NodeAgents run: pdserve's own (``embedded``), or vLLM's OpenAI
+    server (``vllm``, set up by ``vllm``), driven by the same Controller and Coordinator."""
+    vllm: VllmSpec = Field(default_factory=VllmSpec)
+    """With backend vllm: its command, KV connector, flags and environment."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and KV cache dtype; ``auto``: the checkpoint's own (its config.json's
@@ -366,8 +420,8 @@ class KVPoolSpec(ApiModel):
     """The master's port (its Service's, on Kubernetes)."""
 
 
-class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": [*SPEC_RULES,
-                                                                               KV_POOL_RULE]}):
+class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": [
+        *SPEC_RULES, KV_POOL_RULE, *VLLM_RULES]}):
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)
     prefill: PoolSpec = Field(default_factory=PoolSpec)
@@ -395,15 +449,28 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": [*S
         if tp_prefill % self.decode.parallelism.tensor_parallel_size:
             raise ValueError(SPEC_RULES[1]["message"])
         pd_pools = (self.prefill, self.decode)
+        is_vllm = self.engine.backend == "vllm"
         for pool, rule in zip(pd_pools, PD_POOL_RULES, strict=True):
-            if pool.replicas and pool.gpus:
+            if pool.replicas and pool.gpus and not is_vllm:
                 raise ValueError(rule["message"])
+        if is_vllm:
+            self._vllm_rules()
         hybrid = self.hybrid
         sharded = [pool for pool in (hybrid, *pd_pools)
                    if pool.replicas and pool.parallelism.tensor_parallel_size != 1]
         if self.kv_pool.enabled and (sharded or (hybrid.replicas and hybrid.gpus)):
             raise ValueError(KV_POOL_RULE["message"])
         return self
+
+    def _vllm_rules(self) -> None:
+        kv, has_pd = self.kv_transfer, bool(self.prefill.replicas or self.decode.replicas)
+        broken = [self.model.preset is not None,
+                  has_pd and (kv.mode, kv.transport) != ("pull", "nixl"),
+                  self.kv_pool.enabled,
+                  self.engine.prefill_chunk_tokens is not None]
+        for rule, is_broken in zip(VLLM_RULES, broken, strict=True):
+            if is_broken:
+                raise ValueError(rule["message"])
 
 
 class PDClusterStatus(StatusModel):

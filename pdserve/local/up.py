@@ -367,7 +367,9 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     launcher.state.write_addresses(controller=controller)
     # Every engine serves its Prometheus metrics on a free port (its line in the
     # NodeAgent's log says which), as the operator's engine Pods do on theirs.
-    instances, engine_args = instance_args(cluster), ["--engine-arg=--metrics-port=0"]
+    instances, engine_args = instance_args(cluster), []
+    if spec.engine.backend == "embedded":
+        engine_args.append("--engine-arg=--metrics-port=0")
     if spec.kv_pool.enabled:
         if (pool := start_kv_pool(launcher)) is None:
             return 0

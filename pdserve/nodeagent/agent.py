@@ -29,7 +29,7 @@ import grpc
 
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.nodeagent.engine_args import with_role
+from pdserve.nodeagent.launch import EmbeddedLaunch, ProbeFailed, VllmLaunch
 from pdserve.nodeagent.process import Backoff, EngineProcess
 from pdserve.runtime.aio import wait_event
 from pdserve.runtime.engine_client import EngineClient
@@ -46,8 +46,9 @@ class SupervisedEngine:
     instance_id: str
     pool: str
     role: str
-    argv: list[str]
+    argv: list[str]                    # the embedded engine's (unless ``launch`` says otherwise)
     cpus: tuple[int, ...] = ()         # cores the engine is pinned to; () = not pinned
+    launch: EmbeddedLaunch | VllmLaunch | None = None  # None: EmbeddedLaunch(argv)
     process: EngineProcess | None = None
     health: object | None = None       # last engine HealthResponse
     load: pb.InstanceLoad = field(default_factory=pb.InstanceLoad)
@@ -101,9 +102,12 @@ class Agent:
         self.num_heartbeats_failed = 0
         self.last_heartbeat_ok_s: float | None = None
         for inst in instances:
-            inst.process = EngineProcess(inst.instance_id, lambda i=inst: with_role(i.argv, i.role),
+            if inst.launch is None:
+                inst.launch = EmbeddedLaunch(inst.argv)
+            inst.process = EngineProcess(inst.instance_id, lambda i=inst: i.launch.command(i.role),
                                          settings.backoff, self._on_process_change,
-                                         echo=settings.echo_engine_output, cpus=inst.cpus)
+                                         echo=settings.echo_engine_output, cpus=inst.cpus,
+                                         serving_address=inst.launch.serving_address)
 
     def _on_process_change(self) -> None:
         for inst in self.instances.values():
@@ -131,22 +135,22 @@ class Agent:
 
     # --- probes ---------------------------------------------------------------
     async def _probe_loop(self, inst: SupervisedEngine) -> None:
-        client: EngineClient | None = None
+        prober, address = None, ""
         while True:
             await asyncio.sleep(self.settings.interval_s)
             p = inst.process
             if p.state != "running" or not p.address:
                 continue
-            if client is None or client.address != p.address:
-                if client is not None:
-                    await client.close()
-                client = EngineClient(p.address, self.security)
+            if prober is None or address != p.address:
+                if prober is not None:
+                    await prober.close()
+                prober, address = inst.launch.prober(p.address, self.security), p.address
             try:
-                inst.health = await client.health(self.settings.probe_timeout_s)
-                stats = await client.stats(self.settings.probe_timeout_s)
-            except grpc.aio.AioRpcError as exc:
+                inst.health = await prober.health(self.settings.probe_timeout_s)
+                stats = await prober.stats(self.settings.probe_timeout_s)
+            except ProbeFailed as exc:
                 inst.num_probe_failed += 1
-                inst.last_error = f"probe failed: {exc.code().name}"
+                inst.last_error = f"probe failed: {exc}"
                 if inst.num_probe_failed == 2:
                     self._wake.set()
                 continue
@@ -227,6 +231,8 @@ class Agent:
         try:
             if cmd.kind == "restart":
                 inst.process.kill()
+            elif not inst.launch.has_control:
+                self._without_control(inst, cmd)
             elif inst.process.address:
                 async with EngineClient(inst.process.address, self.security) as client:
                     if cmd.kind == "drain":
@@ -239,6 +245,14 @@ class Agent:
         finally:
             inst.is_busy = False
             self._wake.set()
+
+    def _without_control(self, inst: SupervisedEngine, cmd: pb.Command) -> None:
+        """An engine with no drain or role RPCs (vLLM): a role switch relaunches it in the
+        new role; a drain only stops its routing (the Controller's view already does)."""
+        if cmd.kind == "switch_role":
+            log.info("%s: relaunching as %s (the engine cannot switch in place)", inst.instance_id, cmd.role)
+            inst.role = cmd.role
+            inst.process.kill()
 
     async def _switch_role(self, inst: SupervisedEngine, client: EngineClient, role: str, deadline_s: float) -> None:
         self._wake.set()  # report "draining" now: the Controller takes it out of the view

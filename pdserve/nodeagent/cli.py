@@ -2,7 +2,9 @@
 
 One agent supervises one instance per Pod on Kubernetes, several in local mode
 (``--instance ID=ROLE`` repeated). Engine settings come from the PDCluster spec
-(``-f``, default: the built-in cluster); ``--engine-arg`` appends raw engine flags.
+(``-f``, default: the built-in cluster), and so does the engine: pdserve's own, or
+vLLM's OpenAI server (``spec.engine.backend``, ``launch.py``); ``--engine-arg``
+appends raw engine flags.
 The ROLE of ``--instance`` is the pool the instance belongs to (its settings apply)
 and the role it starts in. ``--pin-cpus`` (local mode: ``pdserve up``) pins each
 engine to its cores under the pool's ``cpuAffinity`` rule, which needs instance
@@ -21,11 +23,12 @@ import socket
 
 from pdserve.api import PDCluster
 from pdserve.api.common import bytes_arg
-from pdserve.api.instance import instance_ordinal
+from pdserve.api.instance import Pool, instance_ordinal
 from pdserve.api.manifest import default_cluster
 from pdserve.nodeagent.agent import Agent, AgentSettings, SupervisedEngine
 from pdserve.nodeagent.engine_args import build_engine_argv
 from pdserve.nodeagent.http import create_http_app
+from pdserve.nodeagent.launch import VllmLaunch
 from pdserve.nodeagent.process import Backoff
 from pdserve.runtime.http import run_component
 from pdserve.runtime.logs import configure_logging
@@ -46,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(spec.engine.numKvBlocks still wins when set)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                    help="extra engine flag, e.g. --engine-arg=--num-kv-blocks=64; repeatable; last, so it wins")
+    p.add_argument("--engine-host", default="127.0.0.1",
+                   help="address vLLM engines (spec.engine.backend vllm) listen on and are reached "
+                        "at, their KV side channel too; the embedded engine takes --engine-arg=--host")
     p.add_argument("--agent-id", default=socket.gethostname(), help="name in heartbeats")
     p.add_argument("--heartbeat-interval", type=float, help="overrides spec.heartbeat.intervalSeconds")
     p.add_argument("--probe-timeout", type=float, default=1.0, help="seconds")
@@ -86,6 +92,20 @@ def engine_cpus(cluster: PDCluster, instance_id: str, pool: str) -> tuple[int, .
     return cpus
 
 
+def instance(cluster: PDCluster, instance_id: str, pool: Pool, args: argparse.Namespace) -> SupervisedEngine:
+    """One instance of ``pool``, its engine launched as the spec's backend says."""
+    cpus = engine_cpus(cluster, instance_id, pool) if args.pin_cpus else ()
+    if cluster.spec.engine.backend == "vllm":
+        if args.kv_cache_bytes is not None:
+            engine = cluster.spec.engine.model_copy(update={"kv_cache_bytes": args.kv_cache_bytes})
+            cluster = cluster.model_copy(update={"spec": cluster.spec.model_copy(update={"engine": engine})})
+        launch = VllmLaunch(cluster, pool, args.engine_host, cpus, args.engine_arg)
+        return SupervisedEngine(instance_id, pool, pool, [], cpus=cpus, launch=launch)
+    extra = [f"--kv-cache-bytes={args.kv_cache_bytes}"] if args.kv_cache_bytes is not None else []
+    return SupervisedEngine(instance_id, pool, pool, build_engine_argv(cluster, pool, extra + args.engine_arg),
+                            cpus=cpus)
+
+
 async def serve(args: argparse.Namespace) -> int:
     cluster = PDCluster.from_file(args.cluster_file) if args.cluster_file else default_cluster()
     settings = AgentSettings(
@@ -93,11 +113,7 @@ async def serve(args: argparse.Namespace) -> int:
         interval_s=args.heartbeat_interval or cluster.spec.heartbeat.interval_seconds,
         probe_timeout_s=args.probe_timeout, echo_engine_output=not args.quiet_engines,
         backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after))
-    extra = [f"--kv-cache-bytes={args.kv_cache_bytes}"] if args.kv_cache_bytes is not None else []
-    extra += args.engine_arg
-    instances = [SupervisedEngine(iid, pool, pool, build_engine_argv(cluster, pool, extra),
-                                  cpus=engine_cpus(cluster, iid, pool) if args.pin_cpus else ())
-                 for iid, pool in map(parse_instance, args.instance)]
+    instances = [instance(cluster, iid, pool, args) for iid, pool in map(parse_instance, args.instance)]
     agent = Agent(settings, instances, SecuritySettings.from_env())
     return await run_component(
         agent, create_http_app(agent), args.host, args.http_port,

@@ -34,10 +34,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.nodeagent.launch import EmbeddedLaunch
 from pdserve.runtime.aio import wait_event
 
 log = logging.getLogger(__name__)
-ADDRESS_RE = re.compile(r"serving model .* on (\S+:\d+)")
 ERROR_RE = re.compile(r"error|exception|fatal|killed|abort|denied|not found|no such|cannot", re.I)
 NUM_TAIL_LINES = 200      # output lines of the current run kept for the error excerpt
 NUM_ERROR_LINES = 12      # most lines an excerpt holds
@@ -107,11 +107,15 @@ def remove_shm_segments(pid: int) -> list[str]:
 
 
 class EngineProcess:
-    def __init__(self, instance_id: str, argv: Callable[[], list[str]], backoff: Backoff,
-                 on_change: Callable[[], None], echo: bool = True,
-                 cpus: tuple[int, ...] = ()) -> None:
-        """``argv()`` is called at each launch (the role may have changed)."""
-        self.instance_id, self._argv, self.backoff = instance_id, argv, backoff
+    def __init__(self, instance_id: str, command: Callable[[], tuple[list[str], dict[str, str]]],
+                 backoff: Backoff, on_change: Callable[[], None], echo: bool = True,
+                 cpus: tuple[int, ...] = (),
+                 serving_address: Callable[[str], str | None] = EmbeddedLaunch.serving_address) -> None:
+        """``command()`` is called at each launch (the role may have changed): the argv,
+        and what the engine's environment adds to the agent's. ``serving_address(line)``
+        reads each output line: the engine's address once it serves, else None."""
+        self.instance_id, self._command, self.backoff = instance_id, command, backoff
+        self._serving_address = serving_address
         self.cpus = tuple(cpus)
         self._on_change, self._echo = on_change, echo
         self.state = "starting"
@@ -145,9 +149,10 @@ class EngineProcess:
             self.address = ""
             self._tail.clear()
             self._set("starting")
+            argv, env = self._command()
             self._proc = await asyncio.create_subprocess_exec(
-                *self._argv(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=_child_setup(self.cpus))
+                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **env} if env else None, preexec_fn=_child_setup(self.cpus))
             self.pid = self._proc.pid
             log.info("%s: engine started (pid %d%s)", self.instance_id, self.pid,
                      f", cores {','.join(map(str, self.cpus))}" if self.cpus else "")
@@ -192,9 +197,8 @@ class EngineProcess:
             self._tail.append(line)
             if self._echo:
                 print(f"[{self.instance_id}] {line}", flush=True)
-            m = ADDRESS_RE.search(line)
-            if m and not self.address:
-                self.address = m.group(1)
+            if not self.address and (address := self._serving_address(line)):
+                self.address = address
                 self.num_same_start_failures, self._failure_key = 0, None
                 self._set("running")
 

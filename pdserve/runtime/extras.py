@@ -52,8 +52,10 @@ def explain(what: str, extra: str, module: str | None = None) -> str:
 def needed_by(cluster) -> list[str]:
     """The extras a host needs to run ``cluster``'s engines (a ``PDCluster``: what
     ``pdserve up`` starts): the engine, the KV transport of its PD pools, and Mooncake
-    for its shared KV pool."""
+    for its shared KV pool; none for vLLM engines."""
     spec = cluster.spec
+    if spec.engine.backend == "vllm":  # vLLM's own environment brings its engine and connector
+        return []
     needed = ["engine"]
     if (spec.prefill.replicas or spec.decode.replicas) and spec.kv_transfer.transport in EXTRAS:
         needed.append(spec.kv_transfer.transport)

@@ -231,3 +231,45 @@ def test_the_kv_pool_refuses_sharded_prefill_and_decode_engines_in_both(tp_prefi
             PDCluster.model_validate(manifest)
     else:
         assert errors == [] and PDCluster.model_validate(manifest).spec.kv_pool.enabled
+
+
+VLLM_CASES = [
+    # (spec changes, refused field of the message or None)
+    ({}, None),
+    ({"model": {"preset": "smollm2"}}, "spec.model.preset"),
+    ({"kvTransfer": {"mode": "layerwise", "transport": "nixl"}}, "spec.kvTransfer"),
+    ({"kvTransfer": {"mode": "pull", "transport": "tcp"}}, "spec.kvTransfer"),
+    ({"kvTransfer": None}, "spec.kvTransfer"),  # the defaults: layerwise over tcp
+    ({"kvTransfer": None, "prefill": {"replicas": 0}, "decode": {"replicas": 0},
+      "hybrid": {"replicas": 1}}, None),  # no PD pools: no KV moves
+    ({"kvPool": {"enabled": True}}, "spec.kvPool"),
+    ({"engine": {"backend": "vllm", "prefillChunkTokens": 256}}, "spec.engine.prefillChunkTokens"),
+    ({"prefill": {"replicas": 1, "gpus": 1}, "decode": {"replicas": 1, "gpus": 1}}, None),
+    ({"engine": {"backend": "embedded"}, "kvTransfer": None,
+      "prefill": {"replicas": 1, "gpus": 1}}, "spec.prefill.gpus"),
+]
+
+
+@pytest.mark.parametrize(("changes", "refused"), VLLM_CASES)
+def test_the_vllm_backend_rules_agree_between_the_crd_and_the_models(changes, refused):
+    """With backend vllm: a Hugging Face checkpoint, KV pulled over NIXL between PD pools,
+    no shared KV pool or embedded-engine chunking; GPUs allowed in the PD pools."""
+    schema = build_crd("PDCluster")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = {"model": {"path": "/models/smollm2"}, "engine": {"backend": "vllm"},
+            "kvTransfer": {"mode": "pull", "transport": "nixl"},
+            "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    for key, value in changes.items():
+        if value is None:
+            spec.pop(key)
+        else:
+            spec[key] = value
+    manifest = {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                "metadata": {"name": "x"}, "spec": spec}
+    _, errors = admit(schema, manifest)
+    if refused is None:
+        assert errors == [], errors
+        assert PDCluster.model_validate(manifest).spec.engine.backend == spec["engine"]["backend"]
+        return
+    assert any(refused in e for e in errors), errors
+    with pytest.raises(ValueError, match=refused.replace(".", r"\.")):
+        PDCluster.model_validate(manifest)

@@ -77,7 +77,7 @@ async def test_a_pinned_engine_process_runs_on_its_cores_only(tmp_path):
     out = tmp_path / "cores"
     script = (f"import os, time; open({str(out)!r}, 'w').write(repr(sorted(os.sched_getaffinity(0)))); "
               "print('serving model x on 127.0.0.1:1', flush=True); time.sleep(30)")
-    proc = EngineProcess("e", lambda: [sys.executable, "-c", script], Backoff(), lambda: None,
+    proc = EngineProcess("e", lambda: ([sys.executable, "-c", script], {}), Backoff(), lambda: None,
                          echo=False, cpus=(core,))
     task = asyncio.create_task(proc.supervise())
     for _ in range(200):

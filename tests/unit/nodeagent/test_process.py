@@ -26,7 +26,7 @@ SERVE = "print('serving model x on 127.0.0.1:1', flush=True)"
 
 
 def engine(script: str) -> EngineProcess:
-    return EngineProcess("e0", lambda: [sys.executable, "-c", script], FAST, lambda: None, echo=False)
+    return EngineProcess("e0", lambda: ([sys.executable, "-c", script], {}), FAST, lambda: None, echo=False)
 
 
 async def until(predicate, timeout_s: float = 20.0, proc: EngineProcess | None = None) -> None:

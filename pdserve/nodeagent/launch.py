@@ -1,0 +1,148 @@
+"""How the NodeAgent starts, recognises and probes one engine, per backend.
+
+``EngineProcess`` calls ``command(role)`` at each launch (argv, and what the engine's
+environment adds to the agent's) and ``serving_address(line)`` on each output line
+until one says the engine serves; the agent's probe loop reads health and load
+through ``prober(address)``; its commands (drain, switch role) run through the
+embedded engine's control RPCs where ``has_control``, else a role switch relaunches.
+
+- ``EmbeddedLaunch``: ``pdserve engine`` on a free port (``--port 0``); it prints
+  "serving model ... on HOST:PORT", its gRPC address; probes and commands are gRPC.
+- ``VllmLaunch``: vLLM's OpenAI server (``vllm_args``) on ports the agent picks at
+  each launch (HTTP and the KV connector's side channel); it serves once uvicorn
+  says so; its address is ``vllm://HOST:PORT?role=...&kv=...&connector=...``
+  (``runtime.vllm_server``), so the Controller and Coordinators know it for what it
+  is; probes are HTTP (``/health``, ``/v1/models``, ``/metrics``). vLLM cannot drain
+  or switch role in place.
+
+Probe errors of either backend are ``ProbeFailed``.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from urllib.parse import quote
+
+import aiohttp
+import grpc
+
+from pdserve.api import PDCluster
+from pdserve.api.instance import Pool
+from pdserve.nodeagent.engine_args import with_role
+from pdserve.nodeagent.vllm_args import READY_LINE, build_vllm_argv, kv_transfer_config, vllm_env
+from pdserve.runtime.engine_client import EngineClient
+from pdserve.runtime.security import SecuritySettings
+from pdserve.runtime.vllm_server import SCHEME, VllmServer, VllmUnavailable, parse_vllm_address
+
+ADDRESS_RE = re.compile(r"serving model .* on (\S+:\d+)")
+
+
+class ProbeFailed(Exception):
+    """A probe of an engine got no answer, or a bad one; the message says which."""
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedProber:
+    def __init__(self, address: str, security: SecuritySettings) -> None:
+        self.client = EngineClient(address, security)
+
+    async def health(self, timeout_s: float):
+        return await self._call(self.client.health, timeout_s)
+
+    async def stats(self, timeout_s: float):
+        return await self._call(self.client.stats, timeout_s)
+
+    @staticmethod
+    async def _call(read, timeout_s: float):
+        try:
+            return await read(timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise ProbeFailed(exc.code().name) from None
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class EmbeddedLaunch:
+    has_control = True
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+
+    def command(self, role: str) -> tuple[list[str], dict[str, str]]:
+        return with_role(self.argv, role), {}
+
+    @staticmethod
+    def serving_address(line: str) -> str | None:
+        m = ADDRESS_RE.search(line)
+        return m.group(1) if m else None
+
+    @staticmethod
+    def prober(address: str, security: SecuritySettings) -> EmbeddedProber:
+        return EmbeddedProber(address, security)
+
+
+class VllmProber:
+    def __init__(self, address: str) -> None:
+        http_address, identity = parse_vllm_address(address)
+        self._http: aiohttp.ClientSession | None = None
+        self.server = VllmServer(http_address, identity, self._session)
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        return self._http
+
+    async def health(self, timeout_s: float):
+        return await self._call(self.server.health, timeout_s)
+
+    async def stats(self, timeout_s: float):
+        return await self._call(self.server.stats, timeout_s)
+
+    @staticmethod
+    async def _call(read, timeout_s: float):
+        try:
+            return await read(timeout_s)
+        except VllmUnavailable as exc:
+            raise ProbeFailed(str(exc)) from None
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+
+class VllmLaunch:
+    """vLLM for one instance of ``pool``, listening on ``host`` (HTTP and side channel),
+    pinned to ``cpus``."""
+
+    has_control = False
+
+    def __init__(self, cluster: PDCluster, pool: Pool, host: str, cpus: tuple[int, ...] = (),
+                 extra: list[str] | None = None) -> None:
+        """``extra``: vLLM flags after the spec's (the agent's ``--engine-arg``)."""
+        self.cluster, self.pool, self.host, self.cpus = cluster, pool, host, cpus
+        self.extra = list(extra or [])
+        self._address = ""
+
+    def command(self, role: str) -> tuple[list[str], dict[str, str]]:
+        port, side_port = free_port(self.host), free_port(self.host)
+        config = kv_transfer_config(self.cluster, self.pool, role)
+        query = f"role={role}"
+        if config is not None:
+            query += f"&kv={self.host}:{side_port}&connector={quote(config['kv_connector'])}"
+        self._address = f"{SCHEME}{self.host}:{port}?{query}"
+        return (build_vllm_argv(self.cluster, self.pool, role, self.host, port) + self.extra,
+                vllm_env(self.cluster, self.pool, (self.host, side_port), self.cpus))
+
+    def serving_address(self, line: str) -> str | None:
+        return self._address if READY_LINE in line else None
+
+    @staticmethod
+    def prober(address: str, security: SecuritySettings) -> VllmProber:
+        return VllmProber(address)
