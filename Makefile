@@ -9,7 +9,7 @@ RUN_STAMP := $(VENV)/.installed-run
 # wrk is the load generator of benchmarks/coordinator_overhead.py.
 SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium gcc libc6-dev util-linux openssl wrk
 
-.PHONY: install system-deps k8s-tools lint test run proto clean
+.PHONY: install system-deps k8s-tools vllm-env lint test run proto clean
 
 # `make run` installs what running needs: the control plane and every extra (the
 # engine, the Mooncake and NIXL transports, bench plots); `make test` adds the test
@@ -39,6 +39,12 @@ system-deps:
 k8s-tools: install
 	@$(BIN)/python -m tests.kube_tools $(BIN)
 
+# vLLM's CPU build in a venv of its own (.venv-vllm: it pins its own torch and
+# transformers) and SmolLM2 as a Hugging Face checkpoint, for the vLLM backend's tests
+# (scripts/vllm-env.sh says how; idempotent).
+vllm-env:
+	scripts/vllm-env.sh
+
 lint: install
 	$(BIN)/ruff check pdserve tests benchmarks
 	$(BIN)/lint-imports
@@ -46,11 +52,11 @@ lint: install
 proto: install
 	$(BIN)/python -m pdserve.api.proto.build
 
-test: install system-deps k8s-tools lint
+test: install system-deps k8s-tools vllm-env lint
 	$(BIN)/python -m pytest -q tests
 
 run: $(RUN_STAMP)
 	$(BIN)/pdserve up
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-vllm build *.egg-info

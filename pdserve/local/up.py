@@ -122,8 +122,12 @@ def why_cannot_listen(host: str, port: int) -> str | None:
 
 def with_overrides(cluster: PDCluster, model: str | None, kv_cache_bytes: int | None,
                    dtype: str | None = None) -> PDCluster:
-    """``cluster`` with ``--model``, ``--kv-cache-bytes`` and ``--dtype`` applied (validated)."""
+    """``cluster`` with ``--model``, ``--kv-cache-bytes`` and ``--dtype`` applied (validated),
+    and a model path under ``~`` expanded."""
     spec = cluster.spec
+    if spec.model.path and spec.model.path.startswith("~"):  # the user's home, here
+        spec = spec.model_copy(update={"model": spec.model.model_copy(
+            update={"path": str(Path(spec.model.path).expanduser())})})
     if dtype is not None:
         spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"dtype": dtype})})
     if model is not None:

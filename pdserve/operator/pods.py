@@ -92,10 +92,14 @@ def agent_args(cluster: PDCluster, instance: str, pool: Pool) -> list[str]:
     args = ["nodeagent", "--controller", b.controller_address(cluster),
             "--instance", f"{instance}={pool}",
             "-f", b.CONFIG_FILE, "--agent-id", instance, "--host", "$(POD_IP)",
-            "--http-port", str(b.AGENT_HTTP_PORT),
-            # peers reach the engine and its KV transport on the Pod's address
-            f"--engine-arg=--host={engine_host(cluster, instance)}", "--engine-arg=--kv-host=$(POD_IP)",
-            f"--engine-arg=--metrics-port={b.ENGINE_METRICS_PORT}"]
+            "--http-port", str(b.AGENT_HTTP_PORT)]
+    if cluster.spec.engine.backend == "vllm":
+        # vLLM's flags come from the spec (nodeagent/vllm_args.py); it listens, and its
+        # KV side channel too, on the Pod's address
+        return args + ["--engine-host", "$(POD_IP)"]
+    # peers reach the engine and its KV transport on the Pod's address
+    args += [f"--engine-arg=--host={engine_host(cluster, instance)}", "--engine-arg=--kv-host=$(POD_IP)",
+             f"--engine-arg=--metrics-port={b.ENGINE_METRICS_PORT}"]
     if getattr(cluster.spec, pool).gpus:
         args.append("--engine-arg=--device=cuda")
     if cluster.spec.kv_pool.enabled:

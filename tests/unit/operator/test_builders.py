@@ -81,6 +81,19 @@ def test_engine_pod_runs_the_agent_with_probes_gpus_and_placement():
         "spec"]["containers"][0]["image"] == "mine:2"
 
 
+def test_a_vllm_engine_pod_runs_the_agent_on_the_pods_address_with_gpus_in_pd_pools():
+    c = cluster(model={"pvc": {"claimName": "weights", "subPath": "qwen"}},
+                engine={"backend": "vllm", "vllm": {"command": ["vllm", "serve"]}},
+                kvTransfer={"mode": "pull", "transport": "nixl"},
+                prefill={"replicas": 1, "gpus": 1}, decode={"replicas": 1, "gpus": 1})
+    container = build_engine_pod(c, "c-prefill-0", "prefill", "u", "vllm-img:1")["spec"]["containers"][0]
+    args = container["args"]
+    assert args[:5] == ["nodeagent", "--controller", "c-controller:50050", "--instance", "c-prefill-0=prefill"]
+    assert args[args.index("--engine-host") + 1] == "$(POD_IP)"
+    assert not [a for a in args if a.startswith("--engine-arg")]  # the embedded engine's flags
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+
+
 def test_pvc_weights_are_mounted_read_only():
     """Engines and the Coordinator (its tokenizer) mount the claim read-only at /models,
     and the Coordinator's ``--model`` points inside that mount."""
