@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name clients send as model (default: --model)")
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--engine", action="append", default=[], metavar="HOST:PORT",
-                     help="static engine address (repeat); roles are read from each engine")
+                     help="static engine address (repeat); roles are read from each engine; "
+                          "a vLLM server as vllm://HOST:PORT?role=prefill|decode|hybrid"
+                          "[&kv=SIDE_CHANNEL_HOST:PORT&connector=NixlConnector] (docs/vllm.md)")
     src.add_argument("--controller", default=None, metavar="HOST:PORT[,HOST:PORT]",
                      help="the Controller's gRPC address; several replicas comma-separated")
     parser.add_argument("--coordinator-id", default=socket.gethostname(),
