@@ -11,6 +11,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.api.cluster import FallbackPolicy, RoutingPolicy, TransferMode
+from pdserve.runtime.vllm_server import is_vllm_address, parse_vllm_address
 
 
 class CoordinatorSettings(BaseModel):
@@ -96,6 +97,8 @@ class CoordinatorSettings(BaseModel):
     def _one_source(self) -> CoordinatorSettings:
         if self.controller and self.engines:
             raise ValueError("give either a Controller address or static engines, not both")
+        for address in filter(is_vllm_address, self.engines):
+            parse_vllm_address(address)  # its ValueError says what a vLLM address looks like
         return self
 
     @property

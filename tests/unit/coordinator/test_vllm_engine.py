@@ -444,3 +444,11 @@ def test_the_probe_of_a_vllm_pair_is_ps_side_channel_accepting_a_connection():
         assert not none.ok and "no KV side channel" in none.reason
 
     asyncio.run(scenario())
+
+
+def test_a_static_coordinator_refuses_a_malformed_vllm_address():
+    from pdserve.coordinator.settings import CoordinatorSettings
+
+    assert CoordinatorSettings(engines=("vllm://h:1?role=prefill", "h:2")).engines[0].startswith("vllm")
+    with pytest.raises(ValueError, match="expected vllm://HOST:PORT"):
+        CoordinatorSettings(engines=("vllm://h",))
