@@ -247,12 +247,19 @@ class Agent:
             self._wake.set()
 
     def _without_control(self, inst: SupervisedEngine, cmd: pb.Command) -> None:
-        """An engine with no drain or role RPCs (vLLM): a role switch relaunches it in the
-        new role; a drain only stops its routing (the Controller's view already does)."""
-        if cmd.kind == "switch_role":
+        """An engine with no drain or role RPCs (vLLM): a role switch is a new address
+        where the engine takes the role as it runs (``address_in_role``), else a relaunch
+        in the new role; a drain only stops its routing (the Controller's view does)."""
+        if cmd.kind != "switch_role":
+            return
+        inst.role = cmd.role
+        address = inst.launch.address_in_role(cmd.role) if inst.process.address else None
+        if address is None:
             log.info("%s: relaunching as %s (the engine cannot switch in place)", inst.instance_id, cmd.role)
-            inst.role = cmd.role
             inst.process.kill()
+            return
+        inst.process.address = address  # the next probe reads the engine at it
+        log.info("%s: now %s", inst.instance_id, cmd.role)
 
     async def _switch_role(self, inst: SupervisedEngine, client: EngineClient, role: str, deadline_s: float) -> None:
         self._wake.set()  # report "draining" now: the Controller takes it out of the view

@@ -12,8 +12,10 @@ embedded engine's control RPCs where ``has_control``, else a role switch relaunc
   each launch (HTTP and the KV connector's side channel); it serves once uvicorn
   says so; its address is ``vllm://HOST:PORT?role=...&kv=...&connector=...``
   (``runtime.vllm_server``), so the Controller and Coordinators know it for what it
-  is; probes are HTTP (``/health``, ``/v1/models``, ``/metrics``). vLLM cannot drain
-  or switch role in place.
+  is; probes are HTTP (``/health``, ``/v1/models``, ``/metrics``). vLLM cannot drain;
+  it takes the hybrid role, and goes back to the one it was launched in, in place
+  (only its address's role changes), but switches between prefill and decode by a
+  relaunch.
 
 Probe errors of either backend are ``ProbeFailed``.
 """
@@ -128,7 +130,8 @@ class VllmLaunch:
         """``extra``: vLLM flags after the spec's (the agent's ``--engine-arg``)."""
         self.cluster, self.pool, self.host, self.cpus = cluster, pool, host, cpus
         self.extra = list(extra or [])
-        self._address = ""
+        self.launched_role = ""
+        self._http = self._address = ""
 
     def command(self, role: str) -> tuple[list[str], dict[str, str]]:
         port, side_port = free_port(self.host), free_port(self.host)
@@ -136,12 +139,26 @@ class VllmLaunch:
         query = f"role={role}"
         if config is not None:
             query += f"&kv={self.host}:{side_port}&connector={quote(config['kv_connector'])}"
-        self._address = f"{SCHEME}{self.host}:{port}?{query}"
+        self.launched_role = role
+        self._http = f"{self.host}:{port}"
+        self._address = f"{SCHEME}{self._http}?{query}"
         return (build_vllm_argv(self.cluster, self.pool, role, self.host, port) + self.extra,
                 vllm_env(self.cluster, self.pool, (self.host, side_port), self.cpus))
 
     def serving_address(self, line: str) -> str | None:
         return self._address if READY_LINE in line else None
+
+    def address_in_role(self, role: str) -> str | None:
+        """The address of the running vLLM taking ``role`` in place, or None when it
+        must be relaunched: any vLLM serves whole requests (hybrid), and goes back to the
+        role it was launched in; a producer cannot consume, nor a consumer produce."""
+        if not self._address:
+            return None
+        if role == self.launched_role:
+            return self._address
+        if role == "hybrid":
+            return f"{SCHEME}{self._http}?role=hybrid"
+        return None
 
     @staticmethod
     def prober(address: str, security: SecuritySettings) -> VllmProber:

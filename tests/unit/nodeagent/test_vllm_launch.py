@@ -105,3 +105,15 @@ def test_the_process_runs_vllms_command_with_its_env_and_serves_at_the_ready_lin
 
     asyncio.run(main())
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ
+
+
+def test_vllm_takes_hybrid_and_its_launched_role_in_place_but_not_the_other_pd_role():
+    launch = VllmLaunch(vllm_cluster(), "prefill", "127.0.0.1")
+    assert launch.address_in_role("hybrid") is None  # nothing launched yet
+    launch.command("prefill")
+    launched = launch.serving_address("Application startup complete")
+    hybrid = launch.address_in_role("hybrid")
+    assert parse_vllm_address(hybrid)[0] == parse_vllm_address(launched)[0]  # the same server
+    assert parse_vllm_address(hybrid)[1].role == "hybrid"
+    assert launch.address_in_role("prefill") == launched
+    assert launch.address_in_role("decode") is None  # a producer does not consume: relaunch
