@@ -1,4 +1,4 @@
-"""vLLM under pdserve's control plane, the user's way: ``pdserve up -f examples/vllm-pd.yaml``
+"""vLLM under pdserve's control plane, the user's way: ``pdserve up -f examples/vllm-pd-cpu.yaml``
 starts the Controller, a NodeAgent that launches a prefill and a decode vLLM (the CPU
 build, ``.venv-vllm``, with its NixlConnector) and the Coordinator; a client talks to
 the Coordinator's OpenAI endpoint on the real model (SmolLM2-135M-Instruct, float32).
@@ -6,7 +6,9 @@ the Coordinator's OpenAI endpoint on the real model (SmolLM2-135M-Instruct, floa
 What it shows: the chat template, tokenizer and greedy tokens through pdserve's PD are
 what vLLM alone answers to the same messages; the decode engine loaded the prompt's KV
 from the prefill engine over NIXL (its external prefix-cache hits); a stream carries
-the same text and its usage; Ctrl-C leaves no vLLM process behind. And a vLLM that
+the same text and its usage; a decode vLLM killed mid-stream is continued on the
+prefill vLLM (fallen back to whole requests) with the tokens one vLLM would have
+given; Ctrl-C leaves no vLLM process behind. And a vLLM that
 cannot start stops ``pdserve up`` with vLLM's own error line.
 
 Needs ``.venv-vllm`` and the model (``scripts/vllm-env.sh``, which ``make test`` runs).
@@ -30,7 +32,7 @@ from tests.procs import PDSERVE, REPO, Proc
 
 VENV = REPO / ".venv-vllm"
 MODEL_DIR = Path(os.environ.get("PDSERVE_VLLM_MODEL_DIR", Path.home() / ".cache/pdserve/vllm/smollm2-f32"))
-EXAMPLE = REPO / "examples" / "vllm-pd.yaml"
+EXAMPLE = REPO / "examples" / "vllm-pd-cpu.yaml"
 START_S = 480.0
 LONG = ("Prefill and decode run on two engines here: the first reads the whole prompt and "
         "hands its KV cache to the second, which writes the answer token by token. In one "
@@ -49,7 +51,7 @@ def spec_file(tmp_path: Path, **vllm_changes) -> Path:
     manifest = yaml.safe_load(EXAMPLE.read_text())
     manifest["spec"]["model"]["path"] = str(MODEL_DIR)
     manifest["spec"]["engine"]["vllm"].update(vllm_changes)
-    path = tmp_path / "vllm-pd.yaml"
+    path = tmp_path / "vllm-pd-cpu.yaml"
     path.write_text(yaml.safe_dump(manifest))
     return path
 
@@ -66,9 +68,9 @@ def group_pids(group: int) -> list[int]:
     return pids
 
 
-def vllm_ports(nodeagent_group: int) -> dict[str, int]:
-    """The HTTP port of each vLLM server the NodeAgent started, by its KV role."""
-    ports = {}
+def vllm_servers(nodeagent_group: int) -> dict[str, tuple[int, int]]:
+    """The pid and HTTP port of each vLLM server the NodeAgent started, by its KV role."""
+    servers = {}
     for pid in group_pids(nodeagent_group):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
@@ -76,8 +78,28 @@ def vllm_ports(nodeagent_group: int) -> dict[str, int]:
             continue
         if "vllm.entrypoints.openai.api_server" in argv and "--kv-transfer-config" in argv:
             role = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_role"]
-            ports[role] = int(argv[argv.index("--port") + 1])
-    return ports
+            servers[role] = (pid, int(argv[argv.index("--port") + 1]))
+    return servers
+
+
+def stream_chat(url: str, content: str, max_tokens: int, on_chunk=lambda n: None) -> tuple[str, list]:
+    """A streamed chat answer's text and events; ``on_chunk(n)`` after the n-th content chunk."""
+    chunks, events = [], []
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=300, json={
+            "model": "smollm2", "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as s:
+        assert s.status_code == 200, s.read()
+        for line in s.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            assert "error" not in events[-1], events[-1]
+            for choice in events[-1]["choices"]:
+                if choice["delta"].get("content"):
+                    chunks.append(choice["delta"]["content"])
+                    on_chunk(len(chunks))
+    return "".join(chunks), events
 
 
 def metric(port: int, name: str) -> float:
@@ -100,9 +122,9 @@ def test_up_runs_vllm_prefill_and_decode_behind_the_coordinator(tmp_path):
         up.wait_for(r"pdserve is up", timeout_s=START_S)
         url = f"http://127.0.0.1:{port}"
         group = json.loads((run_dir / "processes.json").read_text())["groups"]["nodeagent"]
-        ports = vllm_ports(group)
-        assert sorted(ports) == ["kv_consumer", "kv_producer"], ports
-        decode, prefill = ports["kv_consumer"], ports["kv_producer"]
+        servers = vllm_servers(group)
+        assert sorted(servers) == ["kv_consumer", "kv_producer"], servers
+        (decode_pid, decode), (_, prefill) = servers["kv_consumer"], servers["kv_producer"]
 
         # a long prompt goes through both engines: D pulls its KV from P
         hits = metric(decode, "vllm:external_prefix_cache_hits_total")
@@ -119,17 +141,27 @@ def test_up_runs_vllm_prefill_and_decode_behind_the_coordinator(tmp_path):
 
         # a short one, streamed with its usage (D may prefill it itself: conditional disaggregation)
         short = "What is the capital of France?"
-        with httpx.stream("POST", url + "/v1/chat/completions", timeout=180, json={
-                "model": "smollm2", "messages": [{"role": "user", "content": short}],
-                "max_tokens": 16, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}) as s:
-            assert s.status_code == 200
-            events = [json.loads(line[6:]) for line in s.iter_lines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]
-        text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
-        alone = chat(f"http://127.0.0.1:{decode}", short, max_tokens=16).json()
+        text, events = stream_chat(url, short, 16)
+        alone = chat(f"http://127.0.0.1:{decode}", short, max_tokens=16, ignore_eos=True).json()
         assert text == alone["choices"][0]["message"]["content"], (text, alone)
-        assert events[-1]["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
+        assert events[-1]["usage"]["completion_tokens"] == 16
+
+        # D killed mid-stream: the Controller falls back to P as a whole-request engine
+        # (in place), and the stream goes on there from the tokens already sent
+        story = "Tell me a long story about a lighthouse keeper and his cat."
+        expected = chat(f"http://127.0.0.1:{prefill}", story, max_tokens=96, ignore_eos=True).json()
+
+        def kill_decode(num_chunks: int) -> None:
+            if num_chunks == 12:
+                os.kill(decode_pid, signal.SIGKILL)
+        text, events = stream_chat(url, story, 96, kill_decode)
+        assert not Path(f"/proc/{decode_pid}/cmdline").exists() or \
+            not Path(f"/proc/{decode_pid}/cmdline").read_bytes(), "D was not killed"
+        assert text == expected["choices"][0]["message"]["content"], (text, expected)
+        assert events[-1]["usage"]["completion_tokens"] == 96
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert any(line.startswith("pdserve_coordinator_continuations_total") and float(line.split()[-1]) >= 1
+                   for line in metrics.splitlines()), "no continuation counted"
 
         engines = group_pids(group)
         up.signal(signal.SIGINT)
