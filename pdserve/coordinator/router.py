@@ -20,6 +20,11 @@ by design: view mode COLOCATED) is no fallback: its engines serve under every
 policy and nothing is counted as a fallback. Never silent: each fallback is counted
 (``pdserve_coordinator_fallbacks_total``) and the reason is in the error text.
 
+A retry whose pools hold only engines that already failed the request waits (with a
+Controller, up to ``suspect_s``) for the view to change before it tries them again: the
+Controller takes a dead engine out of the view within a heartbeat and, with the
+``hybrid`` policy, switches the other pool's engines to serve whole requests.
+
 Cost: which engines can pair (``compatible``: every P × D) is worked out once per
 set of pools and kept while the registry's ``version``, the pair checks' ``version``
 and the pools' members stay the same (the only inputs of ``can_pair``: compat
@@ -91,8 +96,17 @@ class Router:
             self._predict(prefer.prefill or prefer.single, ctx)  # its hits are counted too
             return Plan(prefer.kind, prefer.prefill, prefer.decode, prefer.single, prefer.fallback)
         counted = False
+        stale_until = time.monotonic() + self.settings.suspect_s
         while True:
             pools = self.registry.pools(exclude)
+            if self._only_failed(pools, exclude) and self.settings.controller:
+                # The engines this request failed on are all its pools have: the
+                # Controller hears of a dead engine within a heartbeat and falls back
+                # to hybrid engines; wait for that (bounded) before trying them again.
+                left = min(deadline, stale_until) - time.monotonic()
+                if left > 0:
+                    await self.registry.wait_changed(left)
+                    continue
             plan, reason = self.plan_now(pools, ctx)
             if plan is not None:
                 return plan
@@ -137,6 +151,19 @@ class Router:
         blocks = min(self.index.match(prefilling.instance_id, ctx.hashes),
                      (ctx.num_tokens - 1) // ctx.block_size)
         self.metrics.prefix_predicted.inc(blocks * ctx.block_size)
+
+    @staticmethod
+    def _only_failed(pools: Pools, exclude: set[str]) -> bool:
+        """Every route left goes through an engine this request already failed on
+        (``pools`` hands those out only when nothing else is left): no prefill and decode
+        pair, and no hybrid engine, without one."""
+        if not exclude:
+            return False
+        fresh = {role: [i for i in getattr(pools, role) if i.instance_id not in exclude]
+                 for role in ("prefill", "decode", "hybrid")}
+        has_failed = any(i.instance_id in exclude
+                         for role in ("prefill", "decode", "hybrid") for i in getattr(pools, role))
+        return has_failed and not ((fresh["prefill"] and fresh["decode"]) or fresh["hybrid"])
 
     def _may_change(self, exclude: set[str], reason: str) -> bool:
         """Whether waiting may give the request a route: a Controller may switch engines

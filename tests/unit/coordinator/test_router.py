@@ -106,6 +106,33 @@ def test_failed_and_excluded_instances_only_as_last_resort():
     assert plan(router).prefill.instance_id == "p1"
 
 
+def test_with_a_controller_a_retry_waits_for_the_view_before_an_engine_that_failed_it():
+    """The only decode engine failed the request: with a Controller, the retry waits for
+    the view to change (it falls back to hybrid) rather than calling the dead engine
+    again; with nothing changing it does, once ``suspect_s`` has passed."""
+    router, registry, _ = make_router([inst("p1", "prefill"), inst("d1", "decode")],
+                                      controller="c:1", suspect_s=0.3)
+
+    async def fallback():
+        task = asyncio.ensure_future(router.plan(RouteContext(list(range(32)), 8), {"d1"},
+                                                 time.monotonic() + 5))
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        registry.replace([inst("p1", "hybrid")], mode="FALLBACK")  # d1 gone, p1 hybrid
+        return await asyncio.wait_for(task, 1)
+
+    p = asyncio.run(fallback())
+    assert (p.kind, p.single.instance_id) == ("single", "p1")
+    registry.replace([inst("p1", "prefill"), inst("d1", "decode")])
+    t0 = time.monotonic()
+    p = plan(router, exclude={"d1"})
+    assert (p.kind, p.decode.instance_id) == ("pd", "d1") and 0.25 < time.monotonic() - t0 < 1.0
+    router, _, _ = make_router([inst("p1", "prefill"), inst("d1", "decode")], suspect_s=5)
+    t0 = time.monotonic()
+    assert plan(router, exclude={"d1"}).decode.instance_id == "d1"  # static: no one to wait for
+    assert time.monotonic() - t0 < 0.2
+
+
 def decisions(metrics, where, reason) -> float:
     return metrics.registry.get_sample_value(
         "pdserve_coordinator_prefill_decisions_total", {"where": where, "reason": reason}) or 0.0
