@@ -34,6 +34,7 @@ VENV = REPO / ".venv-vllm"
 MODEL_DIR = Path(os.environ.get("PDSERVE_VLLM_MODEL_DIR", Path.home() / ".cache/pdserve/vllm/smollm2-f32"))
 EXAMPLE = REPO / "examples" / "vllm-pd-cpu.yaml"
 START_S = 480.0
+STOP_S = 90.0  # up stops its components one by one; the NodeAgent gives vLLM 15 s
 LONG = ("Prefill and decode run on two engines here: the first reads the whole prompt and "
         "hands its KV cache to the second, which writes the answer token by token. In one "
         "short sentence, why would anyone split the work that way?")
@@ -66,6 +67,14 @@ def group_pids(group: int) -> list[int]:
         if int(stat[2]) == group:
             pids.append(int(entry))
     return pids
+
+
+def is_running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for its reaper."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
 
 
 def vllm_servers(nodeagent_group: int) -> dict[str, tuple[int, int]]:
@@ -166,10 +175,12 @@ def test_up_runs_vllm_prefill_and_decode_behind_the_coordinator(tmp_path):
         engines = group_pids(group)
         up.signal(signal.SIGINT)
         assert up.popen.wait(90) == 0, up.output[-3000:]
-        time.sleep(0.5)
-        assert [p for p in engines if Path(f"/proc/{p}").exists()] == []
+        deadline = time.monotonic() + 10
+        while (left := [p for p in engines if is_running(p)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
     finally:
-        up.stop()
+        up.stop(STOP_S)
 
 
 def test_a_vllm_that_cannot_start_stops_up_with_vllms_error(tmp_path):
@@ -179,6 +190,6 @@ def test_a_vllm_that_cannot_start_stops_up_with_vllms_error(tmp_path):
     try:
         assert up.popen.wait(240) == 1, up.output[-3000:]
     finally:
-        up.stop()
+        up.stop(STOP_S)
     assert "cannot start: it exited twice in a row with code 2" in up.output, up.output[-3000:]
     assert "argument --max-num-seqs: invalid" in up.output, up.output[-3000:]
