@@ -34,6 +34,18 @@ from pdserve.runtime.security import SecuritySettings
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
+STARTUP_GRACE_S = 60.0
+VLLM_STARTUP_GRACE_S = 300.0
+
+
+def startup_grace_s(flag: float | None, spec) -> float:
+    """How long a cluster that never was complete stays out of fallback: the flag, else
+    long enough for its engines to start (vLLM's compile takes minutes)."""
+    if flag is not None:
+        return flag
+    return VLLM_STARTUP_GRACE_S if spec.engine.backend == "vllm" else STARTUP_GRACE_S
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--cluster-file", help="PDCluster YAML (default: the built-in cluster)")
     p.add_argument("--store", default="memory://",
@@ -59,8 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suspect-after", type=int, help="missed heartbeats before SUSPECT")
     p.add_argument("--failed-after", type=int, help="missed heartbeats before FAILED")
     p.add_argument("--hysteresis", type=float, help="overrides spec.fallback.hysteresisSeconds")
-    p.add_argument("--startup-grace", type=float, default=60.0,
-                   help="seconds before an incomplete cluster may enter fallback")
+    p.add_argument("--startup-grace", type=float,
+                   help="seconds before an incomplete cluster may enter fallback (default: 60, "
+                        f"{VLLM_STARTUP_GRACE_S:g} with spec.engine.backend vllm, which loads and "
+                        "compiles for minutes)")
     p.add_argument("--replace-after-failures", type=int, default=3,
                    help="failures within --replace-window before the operator replaces an instance's Pod")
     p.add_argument("--replace-window", type=float, default=600.0, help="seconds")
@@ -79,7 +93,8 @@ def build_settings(args: argparse.Namespace, cluster: PDCluster, identity: str) 
         failed_after_missed=args.failed_after or hb.failed_after_missed)
     configured = tuple(r for r in POOL_ROLES if getattr(spec, r).replicas > 0)
     fb = FallbackSettings(
-        policy=spec.fallback.policy, startup_grace_s=args.startup_grace, configured_roles=configured,
+        policy=spec.fallback.policy, startup_grace_s=startup_grace_s(args.startup_grace, spec),
+        configured_roles=configured,
         hysteresis_s=spec.fallback.hysteresis_seconds if args.hysteresis is None else args.hysteresis)
     rebalance = RebalanceSettings(window_s=args.rebalance_window,
                                   min_interval_s=args.rebalance_min_interval,

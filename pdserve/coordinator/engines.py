@@ -96,9 +96,11 @@ class Engine(ABC):
                          timeout_s: float = 5.0) -> pb.ProbePeerResponse: ...
 
     @abstractmethod
-    def kv_events(self, epoch: str = "", since_seq: int = 0) -> AsyncIterator[pb.KVEventBatch]:
+    def kv_events(self, epoch: str = "", since_seq: int = 0,
+                  block_size: int = 0) -> AsyncIterator[pb.KVEventBatch]:
         """The engine's prefix-cache events, resuming after (``epoch``, ``since_seq``)
-        when it can (a fresh snapshot when not)."""
+        when it can (a fresh snapshot when not); ``block_size``: the caller's, for an
+        engine whose own block hashes it must translate."""
 
     @property
     def transport(self) -> str:

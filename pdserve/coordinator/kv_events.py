@@ -69,7 +69,7 @@ class KVEventFeeds:
         while True:
             streaming = False
             try:
-                async for batch in self.registry.engine(address).kv_events(epoch, seq):
+                async for batch in self.registry.engine(address).kv_events(epoch, seq, self.block_size):
                     if batch.block_size != self.block_size:
                         log.warning("engine %s caches %d-token blocks, this Coordinator hashes "
                                     "prompts by %d (--block-size): its prefix cache cannot be "

@@ -232,7 +232,8 @@ class EmbeddedEngine(Engine):
                          timeout_s: float = 5.0) -> pb.ProbePeerResponse:
         return await _rpc(self._client.probe_peer(endpoint, test_transfer, timeout_s))
 
-    async def kv_events(self, epoch: str = "", since_seq: int = 0) -> AsyncIterator[pb.KVEventBatch]:
+    async def kv_events(self, epoch: str = "", since_seq: int = 0,
+                        block_size: int = 0) -> AsyncIterator[pb.KVEventBatch]:
         try:
             async for batch in self._client.kv_events(epoch, since_seq):
                 yield batch

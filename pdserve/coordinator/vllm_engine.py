@@ -41,8 +41,8 @@ Health and load (``runtime.vllm_server.VllmServer``): ``health`` is ``GET /healt
 ``GET /metrics``. vLLM does not say which pdserve role it has, its KV side channel or
 connector: the address says (``vllm://HOST:PORT?role=...&kv=...&connector=...``, as
 the NodeAgent reports it). ``probe_peer`` checks that P's side channel accepts a
-connection (NIXL handshakes on a pair's first transfer); ``kv_events`` raises
-``Unsupported`` (vLLM publishes them over ZMQ, not read yet). The request's
+connection (NIXL handshakes on a pair's first transfer); ``kv_events`` follows vLLM's
+ZMQ publisher of prefix-cache events (the address's ``events``) into pdserve's hashes. The request's
 ``kv_transfer.mode`` is not read: NixlConnector pulls.
 
 Invariants: a call ends once (its end, its deadline, its cancel, the engine's close);
@@ -60,7 +60,10 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 import aiohttp
+import msgpack
 import orjson
+import zmq
+import zmq.asyncio
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.runtime.vllm_server import VllmServer, VllmUnavailable, parse_vllm_address
@@ -74,6 +77,7 @@ from .engine_errors import (
 )
 from .engines import Engine, EngineCall
 from .vllm_wire import (
+    BlockMap,
     answer_messages,
     completion_body,
     error_of,
@@ -394,9 +398,36 @@ class VllmEngine(Engine):
                                            "(NIXL handshakes on the first transfer)",
                                     transport=self.server.identity.kv_connector)
 
-    async def kv_events(self, epoch: str = "", since_seq: int = 0) -> AsyncIterator[pb.KVEventBatch]:
-        raise Unsupported("UNIMPLEMENTED", "vLLM's KV events (ZMQ) are not read yet")
-        yield  # an async generator, as the interface declares
+    async def kv_events(self, epoch: str = "", since_seq: int = 0,
+                        block_size: int = 0) -> AsyncIterator[pb.KVEventBatch]:
+        """vLLM's prefix-cache events from its ZMQ publisher (the address's ``events``),
+        as pdserve's hashes at ``block_size`` (``vllm_wire.BlockMap``). vLLM keeps no
+        snapshot to resume from: each subscription starts one (the first batch), which
+        knows the blocks stored from then on."""
+        endpoint = self.server.identity.kv_events
+        if not endpoint or not block_size:
+            raise Unsupported("UNIMPLEMENTED", f"{self.address} publishes no KV events")
+        sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(f"tcp://{endpoint}")
+        blocks, snapshot = BlockMap(block_size), True
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                try:
+                    seq = int.from_bytes(frames[-2], "big")
+                    events = msgpack.unpackb(frames[-1])[1]
+                    stored, removed, cleared = blocks.apply(events)
+                except ValueError as exc:  # vLLM's blocks not made of ours: nothing to match
+                    raise Unsupported("UNIMPLEMENTED", str(exc)) from None
+                except (IndexError, KeyError, TypeError, msgpack.UnpackException) as exc:
+                    raise EngineFailed("DATA_LOSS", f"a malformed KV event batch: {exc!r}") from None
+                yield pb.KVEventBatch(epoch=self.address, seq=seq, snapshot=snapshot or cleared,
+                                      stored=stored, removed=removed, block_size=block_size)
+                snapshot = False
+        finally:
+            sub.close()
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:

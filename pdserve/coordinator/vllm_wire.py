@@ -4,7 +4,8 @@ Used by ``vllm_engine.VllmEngine`` for each leg: ``completion_body`` (a
 ``GenerateRequest`` as a ``/v1/completions`` body), ``answer_messages`` (a whole
 answer as ``GenerateResponse`` messages), ``logprobs_of`` / ``prompt_logprobs_of``,
 ``error_of`` /
-``http_error`` (vLLM's error answers as ``engine_errors``). docs/vllm.md says where in
+``http_error`` (vLLM's error answers as ``engine_errors``), ``BlockMap`` (vLLM's
+prefix-cache events as pdserve's block hashes). docs/vllm.md says where in
 vLLM each field is decided; tests/data/vllm/ holds real answers.
 """
 
@@ -14,6 +15,7 @@ import orjson
 
 from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.sampling import SamplingParams
+from pdserve.runtime.block_hash import hash_block
 
 from .engine_errors import EngineBusy, EngineCallError, EngineFailed, InputRefused
 
@@ -131,3 +133,68 @@ def error_of(role: str, status: int, error: dict) -> EngineCallError:
         pool = "prefill" if role == "prefill" else "decode"
         return EngineBusy("RESOURCE_EXHAUSTED", f"{pool} full: {message}")
     return EngineFailed("UNAVAILABLE" if status >= 500 else "UNKNOWN", f"HTTP {status}: {message}")
+
+
+class BlockMap:
+    """vLLM's prefix-cache events (``vllm/distributed/kv_events.py``: ``BlockStored``,
+    ``BlockRemoved``, ``AllBlocksCleared``, decoded from msgpack as dicts with their
+    ``type``) as pdserve's block-hash chains at ``block_size`` (the Coordinator's, which
+    must divide vLLM's): a vLLM block of 128 tokens is 8 chained hashes of 16.
+
+    A stored block's chain continues its parent's; a block whose parent is not known
+    (stored before the events were followed, or removed) is skipped, and so are its
+    children: the index then holds less than the engine, never a prefix it lacks."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._chains: dict[bytes | int, list[bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+    def apply(self, events: list[dict]) -> tuple[list[bytes], list[bytes], bool]:
+        """The hashes stored and removed by ``events``, and whether vLLM cleared its cache
+        (everything known before is gone)."""
+        stored: list[bytes] = []
+        removed: list[bytes] = []
+        cleared = False
+        for event in events:
+            kind = event.get("type")
+            if kind == "BlockStored":
+                stored += self._stored(event)
+            elif kind == "BlockRemoved":
+                for h in event.get("block_hashes") or ():
+                    removed += self._chains.pop(_key(h), ())
+            elif kind == "AllBlocksCleared":
+                self._chains.clear()
+                stored, removed, cleared = [], [], True
+        return stored, removed, cleared
+
+    def _stored(self, event: dict) -> list[bytes]:
+        size, tokens = int(event["block_size"]), list(event["token_ids"])
+        if size % self.block_size:
+            raise ValueError(f"vLLM's {size}-token blocks are not made of {self.block_size}-token ones")
+        parent = event.get("parent_block_hash")
+        prev: bytes | None = None
+        if parent is not None:
+            chain = self._chains.get(_key(parent))
+            if chain is None:
+                return []
+            prev = chain[-1]
+        out: list[bytes] = []
+        for i, h in enumerate(event["block_hashes"]):
+            block = tokens[i * size:(i + 1) * size]
+            if len(block) < size:
+                break
+            chain = []
+            for start in range(0, size, self.block_size):
+                prev = hash_block(prev, block[start:start + self.block_size])
+                chain.append(prev)
+            self._chains[_key(h)] = chain
+            out += chain
+        return out
+
+
+def _key(block_hash) -> bytes | int:
+    """vLLM's ``ExternalBlockHash`` (bytes, or an int in older versions) as a dict key."""
+    return bytes(block_hash) if isinstance(block_hash, (bytes, bytearray, memoryview)) else block_hash

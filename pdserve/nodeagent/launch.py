@@ -9,8 +9,9 @@ embedded engine's control RPCs where ``has_control``, else a role switch relaunc
 - ``EmbeddedLaunch``: ``pdserve engine`` on a free port (``--port 0``); it prints
   "serving model ... on HOST:PORT", its gRPC address; probes and commands are gRPC.
 - ``VllmLaunch``: vLLM's OpenAI server (``vllm_args``) on ports the agent picks at
-  each launch (HTTP and the KV connector's side channel); it serves once uvicorn
-  says so; its address is ``vllm://HOST:PORT?role=...&kv=...&connector=...``
+  each launch (HTTP, the KV connector's side channel, its prefix-cache events); it
+  serves once uvicorn says so; its address is
+  ``vllm://HOST:PORT?role=...&kv=...&connector=...&events=...``
   (``runtime.vllm_server``), so the Controller and Coordinators know it for what it
   is; probes are HTTP (``/health``, ``/v1/models``, ``/metrics``). vLLM cannot drain;
   it takes the hybrid role, and goes back to the one it was launched in, in place
@@ -22,6 +23,7 @@ Probe errors of either backend are ``ProbeFailed``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 from urllib.parse import quote
@@ -44,10 +46,13 @@ class ProbeFailed(Exception):
     """A probe of an engine got no answer, or a bad one; the message says which."""
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct ports free on ``host`` now (held together while chosen)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 class EmbeddedProber:
@@ -131,18 +136,20 @@ class VllmLaunch:
         self.cluster, self.pool, self.host, self.cpus = cluster, pool, host, cpus
         self.extra = list(extra or [])
         self.launched_role = ""
-        self._http = self._address = ""
+        self._http = self._address = self._events = ""
 
     def command(self, role: str) -> tuple[list[str], dict[str, str]]:
-        port, side_port = free_port(self.host), free_port(self.host)
+        port, side_port, events_port = free_ports(self.host, 3)
         config = kv_transfer_config(self.cluster, self.pool, role)
         query = f"role={role}"
         if config is not None:
             query += f"&kv={self.host}:{side_port}&connector={quote(config['kv_connector'])}"
+        argv = build_vllm_argv(self.cluster, self.pool, role, self.host, port, events_port)
+        self._events = f"&events={self.host}:{events_port}" if "--kv-events-config" in argv else ""
         self.launched_role = role
         self._http = f"{self.host}:{port}"
-        self._address = f"{SCHEME}{self._http}?{query}"
-        return (build_vllm_argv(self.cluster, self.pool, role, self.host, port) + self.extra,
+        self._address = f"{SCHEME}{self._http}?{query}{self._events}"
+        return (argv + self.extra,
                 vllm_env(self.cluster, self.pool, (self.host, side_port), self.cpus))
 
     def serving_address(self, line: str) -> str | None:
@@ -157,7 +164,7 @@ class VllmLaunch:
         if role == self.launched_role:
             return self._address
         if role == "hybrid":
-            return f"{SCHEME}{self._http}?role=hybrid"
+            return f"{SCHEME}{self._http}?role=hybrid{self._events}"
         return None
 
     @staticmethod

@@ -4,7 +4,9 @@ Called by ``launch.VllmLaunch`` at each launch (the role may have changed, the p
 are new). vLLM's OpenAI server gets the spec's command (``spec.engine.vllm.command``),
 the model, the listen address the agent chose, the engine settings vLLM has, and in
 the prefill and decode roles its KV connector as producer or consumer, whose side
-channel listens on ``side_channel`` (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``).
+channel listens on ``side_channel`` (``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``), and
+its prefix-cache events published over ZMQ (``--kv-events-config``) for the
+Coordinators' prefix routing.
 
 Mapped: ``dtype``, ``maxModelLen``, ``maxNumSeqs``, ``maxNumBatchedTokens``,
 ``enablePrefixCaching``, ``kvCacheBytes`` (``--kv-cache-memory-bytes``, CPU and GPU
@@ -37,7 +39,10 @@ def kv_transfer_config(cluster: PDCluster, pool: Pool, role: str) -> dict | None
             "kv_buffer_device": "cuda" if getattr(cluster.spec, pool).gpus else "cpu"}
 
 
-def build_vllm_argv(cluster: PDCluster, pool: Pool, role: str, host: str, port: int) -> list[str]:
+def build_vllm_argv(cluster: PDCluster, pool: Pool, role: str, host: str, port: int,
+                    events_port: int = 0) -> list[str]:
+    """``events_port``: where its prefix-cache events are published (ZMQ, every
+    address), with prefix caching on; 0: not published."""
     spec = cluster.spec
     engine, pool_spec = spec.engine, getattr(spec, pool)
     argv = [*engine.vllm.command, "--model", model_location(spec),
@@ -53,6 +58,10 @@ def build_vllm_argv(cluster: PDCluster, pool: Pool, role: str, host: str, port: 
         argv += ["--max-model-len", str(engine.max_model_len)]
     if not engine.enable_prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    elif events_port:
+        argv += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}"},
+            separators=(",", ":"))]
     if engine.num_kv_blocks:
         argv += ["--num-gpu-blocks-override", str(engine.num_kv_blocks)]
     else:

@@ -41,6 +41,7 @@ class VllmIdentity:
     role: str = "hybrid"          # pdserve's role: prefill (kv_producer), decode (kv_consumer), hybrid
     kv_endpoint: str = ""         # the KV connector's side channel, host:port ("" without one)
     kv_connector: str = ""        # e.g. NixlConnector ("" without one)
+    kv_events: str = ""           # where its ZMQ publisher of prefix-cache events listens, host:port
 
 
 def kv_transport_of(connector: str) -> str:
@@ -141,7 +142,8 @@ SCHEME = "vllm://"
 
 
 def is_vllm_address(address: str) -> bool:
-    """An engine address names a vLLM server as ``vllm://HOST:PORT[?role=R&kv=HOST:PORT&connector=C]``
+    """An engine address names a vLLM server as
+    ``vllm://HOST:PORT[?role=R&kv=HOST:PORT&connector=C&events=HOST:PORT]``
     (the NodeAgent reports its vLLM engines so; a static Coordinator takes it in
     ``--engine``); a bare ``HOST:PORT`` is the embedded engine's gRPC address."""
     return address.startswith(SCHEME)
@@ -157,4 +159,5 @@ def parse_vllm_address(address: str) -> tuple[str, VllmIdentity]:
     if role not in ("prefill", "decode", "hybrid"):
         raise ValueError(f"{address!r}: role must be prefill, decode or hybrid")
     return parts.netloc, VllmIdentity(role=role, kv_endpoint=query.get("kv", ""),
-                                      kv_connector=query.get("connector", ""))
+                                      kv_connector=query.get("connector", ""),
+                                      kv_events=query.get("events", ""))

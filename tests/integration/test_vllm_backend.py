@@ -5,7 +5,8 @@ the Coordinator's OpenAI endpoint on the real model (SmolLM2-135M-Instruct, floa
 
 What it shows: the chat template, tokenizer and greedy tokens through pdserve's PD are
 what vLLM alone answers to the same messages; the decode engine loaded the prompt's KV
-from the prefill engine over NIXL (its external prefix-cache hits); a stream carries
+from the prefill engine over NIXL (its external prefix-cache hits); both engines'
+prefix-cache events reach the Coordinator's prefix index; a stream carries
 the same text and its usage; a decode vLLM killed mid-stream is continued on the
 prefill vLLM (fallen back to whole requests) with the tokens one vLLM would have
 given; Ctrl-C leaves no vLLM process behind. And a vLLM that
@@ -130,6 +131,11 @@ def test_up_runs_vllm_prefill_and_decode_behind_the_coordinator(tmp_path):
     try:
         up.wait_for(r"pdserve is up", timeout_s=START_S)
         url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120  # the pair's probe passed, the view in PD
+        while (ready := httpx.get(url + "/ready", timeout=10).json()["detail"]) != {
+                **ready, "mode": "PD", "pd": "ok"}:
+            assert time.monotonic() < deadline, ready
+            time.sleep(0.5)
         group = json.loads((run_dir / "processes.json").read_text())["groups"]["nodeagent"]
         servers = vllm_servers(group)
         assert sorted(servers) == ["kv_consumer", "kv_producer"], servers
@@ -147,6 +153,16 @@ def test_up_runs_vllm_prefill_and_decode_behind_the_coordinator(tmp_path):
         assert answer["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
         assert answer["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
         assert answer["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
+
+        # both engines' prefix-cache events (vLLM's ZMQ publisher) feed the prefix index
+        def event_streams() -> float:
+            text = httpx.get(url + "/metrics", timeout=10).text
+            return sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("pdserve_coordinator_kv_event_streams"))
+        deadline = time.monotonic() + 30
+        while event_streams() < 2:
+            assert time.monotonic() < deadline, f"{event_streams()} KV event streams"
+            time.sleep(0.5)
 
         # a short one, streamed with its usage (D may prefill it itself: conditional disaggregation)
         short = "What is the capital of France?"

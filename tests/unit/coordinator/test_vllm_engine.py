@@ -452,3 +452,72 @@ def test_a_static_coordinator_refuses_a_malformed_vllm_address():
     assert CoordinatorSettings(engines=("vllm://h:1?role=prefill", "h:2")).engines[0].startswith("vllm")
     with pytest.raises(ValueError, match="expected vllm://HOST:PORT"):
         CoordinatorSettings(engines=("vllm://h",))
+
+
+def test_vllms_block_events_become_pdserves_chains_at_the_coordinators_block_size():
+    from pdserve.coordinator.vllm_wire import BlockMap
+    from pdserve.runtime.block_hash import hash_chain
+
+    tokens = list(range(100, 164))  # two vLLM blocks of 32 = eight of ours of 8
+    blocks = BlockMap(8)
+    stored, removed, cleared = blocks.apply([
+        {"type": "BlockStored", "block_hashes": [b"a"], "parent_block_hash": None,
+         "token_ids": tokens[:32], "block_size": 32},
+        {"type": "BlockStored", "block_hashes": [b"b"], "parent_block_hash": b"a",
+         "token_ids": tokens[32:], "block_size": 32}])
+    assert stored == hash_chain(tokens, 8) and removed == [] and not cleared
+    # the router's chain of a prompt with this prefix matches all eight
+    assert hash_chain(tokens + [1, 2, 3], 8)[:8] == stored
+    # a block whose parent was never seen is skipped, and so are its children
+    assert blocks.apply([{"type": "BlockStored", "block_hashes": [b"x", b"y"], "parent_block_hash": b"?",
+                          "token_ids": tokens, "block_size": 32}])[0] == []
+    stored, removed, _ = blocks.apply([{"type": "BlockRemoved", "block_hashes": [b"b", b"never"]}])
+    assert stored == [] and removed == hash_chain(tokens, 8)[4:]
+    assert blocks.apply([{"type": "AllBlocksCleared"}]) == ([], [], True) and len(blocks) == 0
+    with pytest.raises(ValueError, match="not made of"):
+        BlockMap(24).apply([{"type": "BlockStored", "block_hashes": [b"a"], "parent_block_hash": None,
+                             "token_ids": tokens[:32], "block_size": 32}])
+
+
+def test_kv_events_from_a_vllm_publisher_reach_the_prefix_index_as_its_hashes():
+    """A ZMQ publisher speaking vLLM's frames (topic, seq, msgpack [ts, events]) and the
+    Coordinator's feed: the index holds the chain of the stored blocks."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    from pdserve.coordinator.kv_events import KVEventFeeds
+    from pdserve.coordinator.metrics import CoordinatorMetrics
+    from pdserve.coordinator.prefix_index import PrefixIndex
+    from pdserve.runtime.block_hash import hash_chain
+    from tests.unit.coordinator.harness import inst
+
+    tokens = list(range(7, 7 + 64))
+
+    async def scenario():
+        pub = zmq.asyncio.Context.instance().socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        registry = InstanceRegistry()
+        address = f"vllm://127.0.0.1:1?role=decode&events=127.0.0.1:{port}"
+        d1 = inst("d1", "decode")
+        d1.address = address
+        registry.replace([d1])
+        index = PrefixIndex(1000)
+        feeds = KVEventFeeds(registry, index, CoordinatorMetrics(), 16)
+        await feeds.start()
+        try:
+            for seq in range(200):  # until the feed has subscribed (ZMQ drops what it sends before)
+                batch = [time.time(), [{"type": "BlockStored", "block_hashes": [b"h1"],
+                                        "parent_block_hash": None, "token_ids": tokens,
+                                        "block_size": 64}]]
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb(batch)])
+                await asyncio.sleep(0.02)
+                if index.match("d1", hash_chain(tokens, 16)) == 4:
+                    break
+            assert index.match("d1", hash_chain(tokens + [1], 16)) == 4
+        finally:
+            await feeds.stop()
+            await registry.close()
+            pub.close(0)
+
+    asyncio.run(scenario())
