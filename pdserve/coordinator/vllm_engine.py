@@ -379,24 +379,9 @@ class VllmEngine(Engine):
 
     async def probe_peer(self, endpoint: str, test_transfer: bool = False,
                          timeout_s: float = 5.0) -> pb.ProbePeerResponse:
-        """vLLM serves no KV path probe, and NIXL handshakes on a pair's first transfer,
-        D connecting to P's side channel: the probe is that channel accepting a TCP
-        connection (from the Coordinator's host). ``endpoint`` (D's) is not dialled."""
-        side_channel = self.server.identity.kv_endpoint
-        if not side_channel:
-            return pb.ProbePeerResponse(ok=False, reason=f"{self.address} reports no KV side channel")
-        host, _, port = side_channel.rpartition(":")
-        started = time.monotonic()
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
-        except (OSError, TimeoutError, ValueError) as exc:
-            return pb.ProbePeerResponse(ok=False, reason=f"the KV side channel {side_channel} does not "
-                                                         f"accept connections: {type(exc).__name__}: {exc}")
-        writer.close()
-        return pb.ProbePeerResponse(ok=True, handshake_s=time.monotonic() - started,
-                                    reason=f"side channel {side_channel} accepts connections "
-                                           "(NIXL handshakes on the first transfer)",
-                                    transport=self.server.identity.kv_connector)
+        """P's side channel accepting a connection (``VllmServer.probe_side_channel``);
+        ``endpoint`` (D's) is not dialled: D dials P."""
+        return await self.server.probe_side_channel(timeout_s)
 
     async def kv_events(self, epoch: str = "", since_seq: int = 0,
                         block_size: int = 0) -> AsyncIterator[pb.KVEventBatch]:

@@ -28,7 +28,6 @@ import re
 import socket
 from urllib.parse import quote
 
-import aiohttp
 import grpc
 
 from pdserve.api import PDCluster
@@ -37,7 +36,7 @@ from pdserve.nodeagent.engine_args import with_role
 from pdserve.nodeagent.vllm_args import READY_LINE, build_vllm_argv, kv_transfer_config, vllm_env
 from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings
-from pdserve.runtime.vllm_server import SCHEME, VllmServer, VllmUnavailable, parse_vllm_address
+from pdserve.runtime.vllm_server import SCHEME, VllmClient, VllmUnavailable
 
 ADDRESS_RE = re.compile(r"serving model .* on (\S+:\d+)")
 
@@ -97,20 +96,13 @@ class EmbeddedLaunch:
 
 class VllmProber:
     def __init__(self, address: str) -> None:
-        http_address, identity = parse_vllm_address(address)
-        self._http: aiohttp.ClientSession | None = None
-        self.server = VllmServer(http_address, identity, self._session)
-
-    def _session(self) -> aiohttp.ClientSession:
-        if self._http is None:
-            self._http = aiohttp.ClientSession()
-        return self._http
+        self.client = VllmClient(address)
 
     async def health(self, timeout_s: float):
-        return await self._call(self.server.health, timeout_s)
+        return await self._call(self.client.health, timeout_s)
 
     async def stats(self, timeout_s: float):
-        return await self._call(self.server.stats, timeout_s)
+        return await self._call(self.client.stats, timeout_s)
 
     @staticmethod
     async def _call(read, timeout_s: float):
@@ -120,8 +112,7 @@ class VllmProber:
             raise ProbeFailed(str(exc)) from None
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.close()
+        await self.client.close()
 
 
 class VllmLaunch:

@@ -6,7 +6,10 @@ instances and the network, no local file.
 ``check_engines`` asks every engine of the view for Health and Stats (serving the
 model, KV budget against the max model length, clock skew to this host), compares
 the P and D compatibility hashes and runs a ProbePeer test transfer for every
-P -> D pair. Each finding is a ``Check`` row (pass / warn / fail, what was found,
+P -> D pair. A vLLM engine (a ``vllm://`` address) is asked over HTTP
+(``vllm_server.VllmClient``): the same rows, its version against the other vLLM
+engines', and for a pair its prefill engine's KV side channel accepting a connection
+(NIXL handshakes on the first transfer: no test transfer). Each finding is a ``Check`` row (pass / warn / fail, what was found,
 how to fix it); nothing raises but cancellation. Every RPC has a deadline, so one
 call of ``check_engines`` ends within about ``RPC_TIMEOUT_S * 2 + PROBE_TIMEOUT_S + 3``
 seconds whatever the engines do.
@@ -24,6 +27,7 @@ import grpc
 from pdserve.api.proto import controller_pb2 as cpb
 from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings
+from pdserve.runtime.vllm_server import VllmClient, VllmUnavailable, is_vllm_address
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 RPC_TIMEOUT_S = 5.0
@@ -42,13 +46,18 @@ class Check:
 async def check_engines(instances: Sequence[cpb.InstanceView], security: SecuritySettings) -> list[Check]:
     """Every engine of ``instances`` (the Controller's view), and every P -> D pair.
     ``security`` is what the engines accept (the cluster token, TLS)."""
-    clients = {i.instance_id: EngineClient(i.engine_address, security) for i in instances}
+    clients = {i.instance_id: VllmClient(i.engine_address) if is_vllm_address(i.engine_address)
+               else EngineClient(i.engine_address, security) for i in instances}
     checks: list[Check] = []
     try:
         answers = await asyncio.gather(*(_engine_facts(clients[i.instance_id]) for i in instances))
         for inst, (health, stats, skew_s, error) in zip(instances, answers, strict=True):
             checks += check_engine(inst, health, stats, skew_s, error)
         checks += check_hashes(instances)
+        vllm = [c for c in clients.values() if isinstance(c, VllmClient)]
+        if vllm:
+            versions = await asyncio.gather(*(c.version(RPC_TIMEOUT_S) for c in vllm), return_exceptions=True)
+            checks.append(check_vllm_versions([c.address for c in vllm], versions))
         pairs = [(p, d) for p in instances if p.role == "prefill" for d in instances if d.role == "decode"]
         probes = await asyncio.gather(*(clients[p.instance_id].probe_peer(
             d.kv_endpoint, test_transfer=True, timeout_s=PROBE_TIMEOUT_S)
@@ -69,6 +78,8 @@ async def _engine_facts(client: EngineClient):
         stats = await client.stats(timeout_s=RPC_TIMEOUT_S)
     except grpc.aio.AioRpcError as exc:
         return None, None, None, f"{exc.code().name}: {exc.details()}"
+    except VllmUnavailable as exc:
+        return None, None, None, str(exc)
     skew = health.time_unix_s - (sent + received) / 2 if health.time_unix_s else None
     return health, stats, skew, ""
 
@@ -91,7 +102,9 @@ def check_engine(inst, health, stats, skew_s: float | None, error: str) -> list[
     else:
         rows.append(Check(f"{name} kv budget", PASS,
                           f"{capacity} tokens of KV >= max model length {health.max_model_len or '?'}"))
-    if skew_s is None:
+    if is_vllm_address(inst.engine_address):
+        pass  # vLLM does not tell its clock: nothing to compare
+    elif skew_s is None:
         rows.append(Check(f"{name} clock", WARN, "the engine reports no time; clock skew not checked",
                           "upgrade the engine"))
     else:
@@ -99,6 +112,20 @@ def check_engine(inst, health, stats, skew_s: float | None, error: str) -> list[
         rows.append(Check(f"{name} clock", status, f"skew {skew_s:+.3f} s to this host",
                           "" if status == PASS else "run NTP (chrony) on both hosts"))
     return rows
+
+
+def check_vllm_versions(addresses: list[str], versions: list) -> Check:
+    """One vLLM version on every vLLM engine: P and D of different versions may not agree
+    on the KV connector's wire."""
+    seen = {a: v for a, v in zip(addresses, versions, strict=True) if isinstance(v, str)}
+    failed = [f"{a} ({v})" for a, v in zip(addresses, versions, strict=True) if not isinstance(v, str)]
+    if failed:
+        return Check("vllm versions", FAIL, "no version from " + ", ".join(failed),
+                     "check the engine's log; restart it")
+    if len(set(seen.values())) > 1:
+        return Check("vllm versions", FAIL, "versions differ: " + ", ".join(f"{a}={v}" for a, v in seen.items()),
+                     "run one vLLM version on every engine (the image or spec.engine.vllm.command)")
+    return Check("vllm versions", PASS, f"every vLLM engine runs {next(iter(seen.values()))}")
 
 
 def check_hashes(instances) -> list[Check]:
@@ -121,6 +148,8 @@ def check_probe(p, d, answer) -> Check:
     if not answer.ok:
         return Check(name, FAIL, answer.reason,
                      "open the D's KV port to the P (firewall, NetworkPolicy), check both run one model")
+    if not answer.transfer_bytes:  # a vLLM prefill engine: its side channel, no transfer
+        return Check(name, PASS, f"{answer.reason} ({answer.handshake_s * 1e3:.1f} ms)")
     return Check(name, PASS, f"handshake {answer.handshake_s * 1e3:.1f} ms, test transfer of "
                              f"{answer.transfer_bytes} bytes {answer.transfer_s * 1e3:.1f} ms over "
                              f"{answer.transport}")

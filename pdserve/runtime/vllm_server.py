@@ -1,8 +1,8 @@
 """A vLLM OpenAI server's health, model and load, read over HTTP as the engine API's messages.
 
 Read by the NodeAgent's probes of the vLLM engines it supervises (its heartbeat's
-load) and by the Coordinator's ``vllm_engine.VllmEngine`` (static discovery, the
-dashboard). ``VllmServer.health`` is ``GET /health`` (200 while the engine serves;
+load), by ``pdserve doctor`` (``VllmClient``: versions, the KV side channel) and by the
+Coordinator's ``vllm_engine.VllmEngine`` (static discovery, the dashboard, pair checks). ``VllmServer.health`` is ``GET /health`` (200 while the engine serves;
 503 once it died) and ``GET /v1/models`` (the served model, ``max_model_len``);
 ``VllmServer.stats`` is ``GET /metrics`` (docs/vllm.md lists the series). vLLM does
 not serve its role, its KV connector's endpoint or its dtype: the caller passes what
@@ -15,6 +15,7 @@ Errors: an unreachable server, a timeout or a malformed answer raise
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from urllib.parse import parse_qs, urlsplit
@@ -128,7 +129,7 @@ class VllmServer:
             kv_transport=kv_transport_of(ident.kv_connector), kv_endpoint=ident.kv_endpoint,
             kv_compat_hash=compat_hash(name, cache_config(metrics.decode(errors="replace")),
                                        ident.kv_connector),
-            time_unix_s=time.time(), max_model_len=max_len)
+            max_model_len=max_len)  # no time_unix_s: vLLM does not tell its clock
 
     async def stats(self, timeout_s: float = 2.0) -> pb.StatsResponse:
         _, text = await self.get("/metrics", timeout_s)
@@ -136,6 +137,58 @@ class VllmServer:
             return stats_from_metrics(text.decode(errors="replace"), self.identity)
         except ValueError as exc:  # the parser's word for malformed text
             raise VllmUnavailable(f"GET /metrics: {exc}") from None
+
+    async def version(self, timeout_s: float = 2.0) -> str:
+        _, body = await self.get("/version", timeout_s)
+        try:
+            return str(orjson.loads(body)["version"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise VllmUnavailable(f"GET /version: not a version: {body[:100]!r}") from None
+
+    async def probe_side_channel(self, timeout_s: float = 5.0) -> pb.ProbePeerResponse:
+        """vLLM serves no KV path probe, and NIXL handshakes on a pair's first transfer,
+        D connecting to P's side channel: the probe is that channel accepting a TCP
+        connection from here."""
+        side_channel = self.identity.kv_endpoint
+        if not side_channel:
+            return pb.ProbePeerResponse(ok=False, reason=f"{self.address} reports no KV side channel")
+        host, _, port = side_channel.rpartition(":")
+        started = time.monotonic()
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+        except (OSError, TimeoutError, ValueError) as exc:
+            return pb.ProbePeerResponse(ok=False, reason=f"the KV side channel {side_channel} does not "
+                                                         f"accept connections: {type(exc).__name__}: {exc}")
+        writer.close()
+        return pb.ProbePeerResponse(ok=True, handshake_s=time.monotonic() - started,
+                                    reason=f"side channel {side_channel} accepts connections "
+                                           "(NIXL handshakes on the first transfer)",
+                                    transport=self.identity.kv_connector)
+
+
+class VllmClient(VllmServer):
+    """A ``VllmServer`` at a ``vllm://`` address with its own HTTP session: the NodeAgent's
+    probes and the doctor's checks (``close`` when done)."""
+
+    def __init__(self, address: str) -> None:
+        http_address, identity = parse_vllm_address(address)
+        self._http: aiohttp.ClientSession | None = None
+        super().__init__(http_address, identity, self._own_session)
+
+    def _own_session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession()
+        return self._http
+
+    async def probe_peer(self, endpoint: str, test_transfer: bool = False,
+                         timeout_s: float = 5.0) -> pb.ProbePeerResponse:
+        """The engine API's probe, as the doctor asks a prefill engine: its side channel."""
+        return await self.probe_side_channel(timeout_s)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
 
 SCHEME = "vllm://"

@@ -75,6 +75,8 @@ class FakeVllm:
         app.router.add_post("/v1/completions", self.completions)
         for path, name in (("/health", "health"), ("/v1/models", "models"), ("/metrics", "metrics")):
             app.router.add_get(path, self._replay(name))
+        self.version = "0.32.0"
+        app.router.add_get("/version", self._version)
         self.runner = web.AppRunner(app)
 
     async def start(self) -> str:
@@ -116,6 +118,9 @@ class FakeVllm:
                     self.disconnected.set()
                     return response
         return response
+
+    async def _version(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": self.version})
 
     def _replay(self, name: str):
         async def handler(request: web.Request) -> web.Response:
@@ -519,5 +524,39 @@ def test_kv_events_from_a_vllm_publisher_reach_the_prefix_index_as_its_hashes():
             await feeds.stop()
             await registry.close()
             pub.close(0)
+
+    asyncio.run(scenario())
+
+
+def test_the_doctor_checks_vllm_engines_their_versions_and_ps_side_channel():
+    from pdserve.api.proto import controller_pb2 as cpb
+    from pdserve.runtime.doctor_checks import FAIL, PASS, check_engines
+    from pdserve.runtime.security import SecuritySettings
+
+    async def scenario():
+        p, d = FakeVllm(), FakeVllm()
+        side = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        side_port = side.sockets[0].getsockname()[1]
+        p_address = f"vllm://{await p.start()}?role=prefill&kv=127.0.0.1:{side_port}&connector=NixlConnector"
+        d_address = f"vllm://{await d.start()}?role=decode&kv=127.0.0.1:1&connector=NixlConnector"
+        views = [cpb.InstanceView(instance_id="p0", role="prefill", engine_address=p_address,
+                                  kv_endpoint=f"127.0.0.1:{side_port}", kv_compat_hash="h"),
+                 cpb.InstanceView(instance_id="d0", role="decode", engine_address=d_address,
+                                  kv_endpoint="127.0.0.1:1", kv_compat_hash="h")]
+        try:
+            rows = {c.name: c for c in await check_engines(views, SecuritySettings())}
+            assert rows["engine p0"].status == PASS and "serving model 'smollm2'" in rows["engine p0"].detail
+            assert rows["engine d0 kv budget"].status == PASS and "engine d0 clock" not in rows
+            assert rows["vllm versions"].status == PASS and "0.32.0" in rows["vllm versions"].detail
+            assert rows["kv p0 -> d0"].status == PASS and "accepts connections" in rows["kv p0 -> d0"].detail
+            d.version = "0.31.0"
+            side.close()
+            await side.wait_closed()
+            rows = {c.name: c for c in await check_engines(views, SecuritySettings())}
+            assert rows["vllm versions"].status == FAIL and "versions differ" in rows["vllm versions"].detail
+            assert rows["kv p0 -> d0"].status == FAIL and "does not accept" in rows["kv p0 -> d0"].detail
+        finally:
+            await p.stop()
+            await d.stop()
 
     asyncio.run(scenario())
