@@ -58,6 +58,10 @@ def bench(url: str, concurrency: int, args, out: Path) -> dict:
             "itl_p50": overall["itl_ms"]["p50"], "errors": overall["num_errors"]}
 
 
+def cells(runs: list[dict], key: str, digits: int) -> str:
+    return " / ".join(f"{run[key]:.{digits}f}" for run in runs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=2)
@@ -98,9 +102,8 @@ def main() -> None:
     print("| concurrency | path | output tok/s | TTFT p50 ms | ITL p50 ms | errors |")
     print("|---:|---|---:|---:|---:|---:|")
     for (name, c), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        cell = lambda key, digits: " / ".join(f"{run[key]:.{digits}f}" for run in runs)  # noqa: E731
-        print(f"| {c} | {name} | {cell('tok_s', 1)} | {cell('ttft_p50', 0)} | {cell('itl_p50', 1)} | "
-              f"{sum(run['errors'] for run in runs)} |")
+        print(f"| {c} | {name} | {cells(runs, 'tok_s', 1)} | {cells(runs, 'ttft_p50', 0)} | "
+              f"{cells(runs, 'itl_p50', 1)} | {sum(run['errors'] for run in runs)} |")
 
 
 if __name__ == "__main__":
