@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
+from collections.abc import Callable
 from urllib.parse import quote
 
 import grpc
@@ -54,9 +55,12 @@ def free_ports(host: str, n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-class EmbeddedProber:
-    def __init__(self, address: str, security: SecuritySettings) -> None:
-        self.client = EngineClient(address, security)
+class Prober:
+    """Health and load reads of one engine (``client``: the embedded engine's gRPC client
+    or a ``VllmClient``), their errors (``errors``) as ``ProbeFailed``."""
+
+    def __init__(self, client, errors: type[BaseException], describe: Callable[[BaseException], str]) -> None:
+        self.client, self._errors, self._describe = client, errors, describe
 
     async def health(self, timeout_s: float):
         return await self._call(self.client.health, timeout_s)
@@ -64,12 +68,11 @@ class EmbeddedProber:
     async def stats(self, timeout_s: float):
         return await self._call(self.client.stats, timeout_s)
 
-    @staticmethod
-    async def _call(read, timeout_s: float):
+    async def _call(self, read, timeout_s: float):
         try:
             return await read(timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise ProbeFailed(exc.code().name) from None
+        except self._errors as exc:
+            raise ProbeFailed(self._describe(exc)) from None
 
     async def close(self) -> None:
         await self.client.close()
@@ -90,29 +93,8 @@ class EmbeddedLaunch:
         return m.group(1) if m else None
 
     @staticmethod
-    def prober(address: str, security: SecuritySettings) -> EmbeddedProber:
-        return EmbeddedProber(address, security)
-
-
-class VllmProber:
-    def __init__(self, address: str) -> None:
-        self.client = VllmClient(address)
-
-    async def health(self, timeout_s: float):
-        return await self._call(self.client.health, timeout_s)
-
-    async def stats(self, timeout_s: float):
-        return await self._call(self.client.stats, timeout_s)
-
-    @staticmethod
-    async def _call(read, timeout_s: float):
-        try:
-            return await read(timeout_s)
-        except VllmUnavailable as exc:
-            raise ProbeFailed(str(exc)) from None
-
-    async def close(self) -> None:
-        await self.client.close()
+    def prober(address: str, security: SecuritySettings) -> Prober:
+        return Prober(EngineClient(address, security), grpc.aio.AioRpcError, lambda exc: exc.code().name)
 
 
 class VllmLaunch:
@@ -159,5 +141,5 @@ class VllmLaunch:
         return None
 
     @staticmethod
-    def prober(address: str, security: SecuritySettings) -> VllmProber:
-        return VllmProber(address)
+    def prober(address: str, security: SecuritySettings) -> Prober:
+        return Prober(VllmClient(address), VllmUnavailable, str)
