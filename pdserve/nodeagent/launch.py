@@ -4,7 +4,8 @@
 environment adds to the agent's) and ``serving_address(line)`` on each output line
 until one says the engine serves; the agent's probe loop reads health and load
 through ``prober(address)``; its commands (drain, switch role) run through the
-embedded engine's control RPCs where ``has_control``, else a role switch relaunches.
+embedded engine's control RPCs where ``has_control``; else a role switch is a new
+address of the running engine (``address_in_role``) or a relaunch.
 
 - ``EmbeddedLaunch``: ``pdserve engine`` on a free port (``--port 0``); it prints
   "serving model ... on HOST:PORT", its gRPC address; probes and commands are gRPC.
