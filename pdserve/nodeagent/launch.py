@@ -41,6 +41,7 @@ from pdserve.runtime.security import SecuritySettings
 from pdserve.runtime.vllm_server import SCHEME, VllmClient, VllmUnavailable
 
 ADDRESS_RE = re.compile(r"serving model .* on (\S+:\d+)")
+VLLM_PROBE_TIMEOUT_S = 5.0
 
 
 class ProbeFailed(Exception):
@@ -60,8 +61,11 @@ class Prober:
     """Health and load reads of one engine (``client``: the embedded engine's gRPC client
     or a ``VllmClient``), their errors (``errors``) as ``ProbeFailed``."""
 
-    def __init__(self, client, errors: type[BaseException], describe: Callable[[BaseException], str]) -> None:
+    def __init__(self, client, errors: type[BaseException], describe: Callable[[BaseException], str],
+                 min_timeout_s: float = 0.0) -> None:
+        """``min_timeout_s``: the least a read waits, whatever the agent's probe timeout."""
         self.client, self._errors, self._describe = client, errors, describe
+        self.min_timeout_s = min_timeout_s
 
     async def health(self, timeout_s: float):
         return await self._call(self.client.health, timeout_s)
@@ -71,7 +75,7 @@ class Prober:
 
     async def _call(self, read, timeout_s: float):
         try:
-            return await read(timeout_s)
+            return await read(max(timeout_s, self.min_timeout_s))
         except self._errors as exc:
             raise ProbeFailed(self._describe(exc)) from None
 
@@ -143,4 +147,6 @@ class VllmLaunch:
 
     @staticmethod
     def prober(address: str, security: SecuritySettings) -> Prober:
-        return Prober(VllmClient(address), VllmUnavailable, str)
+        # vLLM answers from its API server's event loop, which a busy engine (its
+        # OpenMP threads, NIXL's progress thread) can starve for a while: busy is not dead.
+        return Prober(VllmClient(address), VllmUnavailable, str, min_timeout_s=VLLM_PROBE_TIMEOUT_S)

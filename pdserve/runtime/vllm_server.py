@@ -100,6 +100,7 @@ class VllmServer:
         self.address = address
         self.identity = identity
         self._session = session
+        self._fixed: tuple[str, int, str] | None = None  # model, max length, compat hash
 
     async def get(self, path: str, timeout_s: float, ok_statuses=(200,)) -> tuple[int, bytes]:
         try:
@@ -115,21 +116,25 @@ class VllmServer:
         return response.status, body
 
     async def health(self, timeout_s: float = 2.0) -> pb.HealthResponse:
+        """``GET /health``, and once per server what does not change while it runs (its
+        model and max length, its cache config): a probe every second stays one small GET."""
         status, _ = await self.get("/health", timeout_s, ok_statuses=(200, 503))
-        _, body = await self.get("/v1/models", timeout_s)
-        _, metrics = await self.get("/metrics", timeout_s)
-        try:
-            model = orjson.loads(body)["data"][0]
-            name, max_len = str(model["id"]), int(model.get("max_model_len") or 0)
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
-            raise VllmUnavailable(f"GET /v1/models: not a model list: {body[:100]!r}") from None
+        if self._fixed is None:
+            _, body = await self.get("/v1/models", timeout_s)
+            _, metrics = await self.get("/metrics", timeout_s)
+            try:
+                model = orjson.loads(body)["data"][0]
+                name, max_len = str(model["id"]), int(model.get("max_model_len") or 0)
+            except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
+                raise VllmUnavailable(f"GET /v1/models: not a model list: {body[:100]!r}") from None
+            config = cache_config(metrics.decode(errors="replace"))
+            self._fixed = (name, max_len, compat_hash(name, config, self.identity.kv_connector))
+        name, max_len, compat = self._fixed
         ident = self.identity
         return pb.HealthResponse(
             serving=status == 200, role=ident.role, model=name, device="vllm",
             kv_transport=kv_transport_of(ident.kv_connector), kv_endpoint=ident.kv_endpoint,
-            kv_compat_hash=compat_hash(name, cache_config(metrics.decode(errors="replace")),
-                                       ident.kv_connector),
-            max_model_len=max_len)  # no time_unix_s: vLLM does not tell its clock
+            kv_compat_hash=compat, max_model_len=max_len)  # no time_unix_s: vLLM does not tell its clock
 
     async def stats(self, timeout_s: float = 2.0) -> pb.StatsResponse:
         _, text = await self.get("/metrics", timeout_s)

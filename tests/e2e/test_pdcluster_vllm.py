@@ -49,6 +49,13 @@ READ = """
 import sys, urllib.request
 print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())
 """
+READY = """
+import sys, urllib.request, urllib.error
+try:
+    print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())
+except urllib.error.HTTPError as e:  # 503 while not ready: its body says why
+    print(e.read().decode())
+"""
 METRIC = """
 import sys, urllib.request
 text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
@@ -79,6 +86,12 @@ def test_the_cpu_example_serves_a_chat_through_vllm_pods(cluster, chart):  # noq
           420, f"PDCluster {name} Ready")
     start_client(cluster)
     base = f"http://{name}-coordinator.{SERVING}.svc:8000"
+
+    def routable() -> bool:  # the Coordinator pairs them: the view in PD, the pair's probe passed
+        code, out = k.exec("client", ["python3", "-c", READY, base + "/ready"], SERVING, timeout_s=30)
+        detail = json.loads(out)["detail"] if code == 0 else {}
+        return detail.get("mode") == "PD" and detail.get("pd") == "ok"
+    until(cluster, routable, 180, "the Coordinator routing P/D pairs")
     code, out = k.exec("client", ["python3", "-c", ASK, base + "/v1/chat/completions", LONG], SERVING,
                        timeout_s=180)
     assert code == 0, f"{out}\n{cluster.diagnostics()}"
