@@ -8,10 +8,11 @@ model, KV budget against the max model length, clock skew to this host), compare
 the P and D compatibility hashes and runs a ProbePeer test transfer for every
 P -> D pair. A vLLM engine (a ``vllm://`` address) is asked over HTTP
 (``vllm_server.VllmClient``): the same rows, its version against the other vLLM
-engines', and for a pair its prefill engine's KV side channel accepting a connection
-(NIXL handshakes on the first transfer: no test transfer). Each finding is a ``Check`` row (pass / warn / fail, what was found,
-how to fix it); nothing raises but cancellation. Every RPC has a deadline, so one
-call of ``check_engines`` ends within about ``RPC_TIMEOUT_S * 2 + PROBE_TIMEOUT_S + 3``
+engines', and for a pair a test request through it (``VllmServer.test_request``: P's
+side channel accepts a connection, and D takes a fresh prompt from P over the
+connector). Each finding is a ``Check`` row (pass / warn / fail, what was found, how
+to fix it); nothing raises but cancellation. Every call has a deadline, so one call of
+``check_engines`` ends within about ``RPC_TIMEOUT_S * 2 + VLLM_TEST_TIMEOUT_S + 3``
 seconds whatever the engines do.
 """
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.api.proto import controller_pb2 as cpb
+from pdserve.api.proto import engine_pb2 as pb
 from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings
 from pdserve.runtime.vllm_server import VllmClient, VllmUnavailable, is_vllm_address
@@ -32,6 +34,7 @@ from pdserve.runtime.vllm_server import VllmClient, VllmUnavailable, is_vllm_add
 PASS, WARN, FAIL = "pass", "warn", "fail"
 RPC_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 5.0
+VLLM_TEST_TIMEOUT_S = 15.0  # a vLLM pair's whole test request: two computations of a short prompt
 SKEW_WARN_S, SKEW_FAIL_S = 1.0, 30.0  # clock skew to an engine: warn, fail
 
 
@@ -59,14 +62,27 @@ async def check_engines(instances: Sequence[cpb.InstanceView], security: Securit
             versions = await asyncio.gather(*(c.version(RPC_TIMEOUT_S) for c in vllm), return_exceptions=True)
             checks.append(check_vllm_versions([c.address for c in vllm], versions))
         pairs = [(p, d) for p in instances if p.role == "prefill" for d in instances if d.role == "decode"]
-        probes = await asyncio.gather(*(clients[p.instance_id].probe_peer(
-            d.kv_endpoint, test_transfer=True, timeout_s=PROBE_TIMEOUT_S)
-            for p, d in pairs), return_exceptions=True)
+        probes = await asyncio.gather(*(_probe_pair(clients[p.instance_id], clients[d.instance_id], d)
+                                        for p, d in pairs), return_exceptions=True)
         checks += [check_probe(p, d, answer) for (p, d), answer in zip(pairs, probes, strict=True)]
     finally:
         for client in clients.values():
             await client.close()
     return checks
+
+
+async def _probe_pair(p, d, d_view) -> pb.ProbePeerResponse:
+    """P's test transfer to D: the embedded engine's ProbePeer, or a test request
+    through a vLLM pair."""
+    if isinstance(p, VllmClient) and isinstance(d, VllmClient):
+        try:
+            return await asyncio.wait_for(p.test_request(d, VLLM_TEST_TIMEOUT_S), VLLM_TEST_TIMEOUT_S)
+        except TimeoutError:
+            return pb.ProbePeerResponse(ok=False, reason=f"no test request through the pair in "
+                                                         f"{VLLM_TEST_TIMEOUT_S:g} s")
+    if isinstance(p, VllmClient) or isinstance(d, VllmClient):
+        return pb.ProbePeerResponse(ok=False, reason="a vLLM engine cannot pair with an embedded one")
+    return await p.probe_peer(d_view.kv_endpoint, test_transfer=True, timeout_s=PROBE_TIMEOUT_S)
 
 
 async def _engine_facts(client: EngineClient):
@@ -148,8 +164,8 @@ def check_probe(p, d, answer) -> Check:
     if not answer.ok:
         return Check(name, FAIL, answer.reason,
                      "open the D's KV port to the P (firewall, NetworkPolicy), check both run one model")
-    if not answer.transfer_bytes:  # a vLLM prefill engine: its side channel, no transfer
-        return Check(name, PASS, f"{answer.reason} ({answer.handshake_s * 1e3:.1f} ms)")
+    if not answer.transfer_bytes:  # a vLLM pair: its test request says what it moved
+        return Check(name, PASS, answer.reason)
     return Check(name, PASS, f"handshake {answer.handshake_s * 1e3:.1f} ms, test transfer of "
                              f"{answer.transfer_bytes} bytes {answer.transfer_s * 1e3:.1f} ms over "
                              f"{answer.transport}")

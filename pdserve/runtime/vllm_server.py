@@ -1,7 +1,7 @@
 """A vLLM OpenAI server's health, model and load, read over HTTP as the engine API's messages.
 
 Read by the NodeAgent's probes of the vLLM engines it supervises (its heartbeat's
-load), by ``pdserve doctor`` (``VllmClient``: versions, the KV side channel) and by the
+load), by ``pdserve doctor`` (``VllmClient``: versions, a test request through a P/D pair) and by the
 Coordinator's ``vllm_engine.VllmEngine`` (static discovery, the dashboard, pair checks). ``VllmServer.health`` is ``GET /health`` (200 while the engine serves;
 503 once it died) and ``GET /v1/models`` (the served model, ``max_model_len``);
 ``VllmServer.stats`` is ``GET /metrics`` (docs/vllm.md lists the series). vLLM does
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 from urllib.parse import parse_qs, urlsplit
 
@@ -27,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.api.proto import engine_pb2 as pb
 
 CONFIG_INFO = "vllm:cache_config_info"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # prompt tokens a consumer took over its connector
 
 
 class VllmUnavailable(Exception):
@@ -58,6 +60,12 @@ def cache_config(text: str) -> dict[str, str]:
             if sample.name == CONFIG_INFO:
                 return dict(sample.labels)
     return {}
+
+
+def counter(text: str, name: str) -> float:
+    """The sum of counter ``name``'s samples in vLLM's Prometheus text (0 when absent)."""
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == name)
 
 
 def compat_hash(model: str, config: dict[str, str], connector: str) -> str:
@@ -101,6 +109,7 @@ class VllmServer:
         self.identity = identity
         self._session = session
         self._fixed: tuple[str, int, str] | None = None  # model, max length, compat hash
+        self.block_size = 0  # vLLM's KV block, in tokens: read with the model, 0 before
 
     async def get(self, path: str, timeout_s: float, ok_statuses=(200,)) -> tuple[int, bytes]:
         try:
@@ -128,6 +137,7 @@ class VllmServer:
             except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
                 raise VllmUnavailable(f"GET /v1/models: not a model list: {body[:100]!r}") from None
             config = cache_config(metrics.decode(errors="replace"))
+            self.block_size = int(config.get("block_size") or 0)
             self._fixed = (name, max_len, compat_hash(name, config, self.identity.kv_connector))
         name, max_len, compat = self._fixed
         ident = self.identity
@@ -142,6 +152,28 @@ class VllmServer:
             return stats_from_metrics(text.decode(errors="replace"), self.identity)
         except ValueError as exc:  # the parser's word for malformed text
             raise VllmUnavailable(f"GET /metrics: {exc}") from None
+
+    async def post(self, path: str, body: dict, timeout_s: float) -> dict:
+        """A POST whose answer is one JSON object (vLLM's own error text when it is not 200)."""
+        try:
+            async with self._session().post(f"http://{self.address}{path}", data=orjson.dumps(body),
+                                            headers={"Content-Type": "application/json"},
+                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                payload = await response.read()
+        except TimeoutError:
+            raise VllmUnavailable(f"POST {path}: no answer in {timeout_s:g} s", is_timeout=True) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise VllmUnavailable(f"POST {path}: {type(exc).__name__}: {exc}") from None
+        if response.status != 200:
+            raise VllmUnavailable(f"POST {path}: HTTP {response.status}: "
+                                  f"{payload[:300].decode(errors='replace')}")
+        try:
+            answer = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise VllmUnavailable(f"POST {path}: not a JSON object: {payload[:100]!r}")
+        return answer
 
     async def version(self, timeout_s: float = 2.0) -> str:
         _, body = await self.get("/version", timeout_s)
@@ -171,6 +203,51 @@ class VllmServer:
                                     transport=self.identity.kv_connector)
 
 
+    async def test_request(self, decode: VllmServer, timeout_s: float = 10.0) -> pb.ProbePeerResponse:
+        """A test request through this prefill vLLM and ``decode``, as the Coordinator's
+        legs send one: a prompt of two blocks and a token (fresh random ids, so that no
+        prefix cache holds it) to P with ``max_tokens: 1`` and ``do_remote_decode``, then
+        to D with P's ``kv_transfer_params``. It passes when D's external prefix-cache
+        hits grew by at least a block: D took the prompt from P rather than computing it.
+        Every failure is the answer's ``reason``; nothing raises but cancellation."""
+        side = await self.probe_side_channel(timeout_s)
+        if not side.ok:
+            return side
+        try:
+            health = await self.health(timeout_s)
+            block = self.block_size or 16
+            length = max(2, min(2 * block + 1, health.max_model_len - 2 if health.max_model_len else 2 * block + 1))
+            prompt = [random.randrange(100, 1000) for _ in range(length)]  # any real vocabulary has these
+            body = {"model": health.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                    "stream": False}
+            _, metrics = await decode.get("/metrics", timeout_s)
+            before = counter(metrics.decode(errors="replace"), EXTERNAL_HITS)
+            started = time.monotonic()
+            answer = await self.post("/v1/completions", {**body, "kv_transfer_params": {
+                "do_remote_decode": True, "do_remote_prefill": False}}, timeout_s)
+            params = answer.get("kv_transfer_params")
+            if not params:
+                return pb.ProbePeerResponse(ok=False, reason=f"{self.address} returned no kv_transfer_params: "
+                                                             "is it started with a KV connector (kv_producer)?")
+            prefilled = time.monotonic()
+            await decode.post("/v1/completions", {**body, "kv_transfer_params": params}, timeout_s)
+            decoded = time.monotonic()
+            _, metrics = await decode.get("/metrics", timeout_s)
+            moved = int(counter(metrics.decode(errors="replace"), EXTERNAL_HITS) - before)
+        except VllmUnavailable as exc:
+            return pb.ProbePeerResponse(ok=False, reason=f"test request: {exc}")
+        connector = self.identity.kv_connector or "its connector"
+        if moved < min(block, length - 1):
+            return pb.ProbePeerResponse(
+                ok=False, handshake_s=side.handshake_s,
+                reason=f"{decode.address} computed the test prompt itself: {moved} of its {length} tokens "
+                       f"came from {self.address} over {connector} (its log says why the transfer failed)")
+        return pb.ProbePeerResponse(
+            ok=True, handshake_s=side.handshake_s, transfer_s=decoded - prefilled, transport=connector,
+            reason=f"a test request moved {moved} prompt tokens P -> D over {connector}: "
+                   f"P {(prefilled - started) * 1e3:.0f} ms, D {(decoded - prefilled) * 1e3:.0f} ms")
+
+
 class VllmClient(VllmServer):
     """A ``VllmServer`` at a ``vllm://`` address with its own HTTP session: the NodeAgent's
     probes and the doctor's checks (``close`` when done)."""
@@ -184,11 +261,6 @@ class VllmClient(VllmServer):
         if self._http is None:
             self._http = aiohttp.ClientSession()
         return self._http
-
-    async def probe_peer(self, endpoint: str, test_transfer: bool = False,
-                         timeout_s: float = 5.0) -> pb.ProbePeerResponse:
-        """The engine API's probe, as the doctor asks a prefill engine: its side channel."""
-        return await self.probe_side_channel(timeout_s)
 
     async def close(self) -> None:
         if self._http is not None:

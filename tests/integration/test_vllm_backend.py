@@ -7,7 +7,8 @@ What it shows: the chat template, tokenizer and greedy tokens through pdserve's 
 what vLLM alone answers to the same messages; the decode engine loaded the prompt's KV
 from the prefill engine over NIXL (its external prefix-cache hits); both engines'
 prefix-cache events reach the Coordinator's prefix index; a stream carries
-the same text and its usage; a decode vLLM killed mid-stream is continued on the
+the same text and its usage; ``pdserve doctor`` passes, its test request through the
+pair moving a prompt from P to D; a decode vLLM killed mid-stream is continued on the
 prefill vLLM (fallen back to whole requests) with the tokens one vLLM would have
 given; Ctrl-C leaves no vLLM process behind. And a vLLM that
 cannot start stops ``pdserve up`` with vLLM's own error line.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -170,6 +172,16 @@ def test_up_runs_vllm_prefill_and_decode_behind_the_coordinator(tmp_path):
         while event_streams() < 2:
             assert time.monotonic() < deadline, f"{event_streams()} KV event streams"
             time.sleep(0.5)
+
+        # the doctor: every check passes, and its test request went through the pair
+        # (D took a fresh prompt from P over NIXL)
+        doctor = subprocess.run([*PDSERVE, "doctor", "-f", str(spec_file(tmp_path)), "--run-dir",
+                                 str(run_dir), "--json"], capture_output=True, text=True, timeout=180)
+        rows = {row["name"]: row for row in json.loads(doctor.stdout)}
+        assert [row for row in rows.values() if row["status"] == "fail"] == [], doctor.stdout
+        pair = [row for name, row in rows.items() if name.startswith("kv ") and "->" in name]
+        assert len(pair) == 1 and "prompt tokens P -> D over NixlConnector" in pair[0]["detail"], rows
+        assert rows["vllm versions"]["status"] == "pass", rows
 
         # a short one, streamed with its usage (D may prefill it itself: conditional disaggregation)
         short = "What is the capital of France?"

@@ -73,8 +73,11 @@ class FakeVllm:
         self.disconnected = asyncio.Event()
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
-        for path, name in (("/health", "health"), ("/v1/models", "models"), ("/metrics", "metrics")):
+        for path, name in (("/health", "health"), ("/v1/models", "models")):
             app.router.add_get(path, self._replay(name))
+        self.external_hits = 5  # the recorded counter's value
+        self.takes_kv = True  # a request with P's kv_transfer_params counts its prompt, but a token, as external hits
+        app.router.add_get("/metrics", self._metrics)
         self.version = "0.32.0"
         app.router.add_get("/version", self._version)
         self.runner = web.AppRunner(app)
@@ -94,7 +97,7 @@ class FakeVllm:
         if kv.get("do_remote_decode"):
             return "prefill"
         if kv.get("do_remote_prefill"):
-            return "decode_stream"
+            return "decode_stream" if body["stream"] else "single_whole"
         if max(body["prompt"]) >= 49152:
             return "bad_request"
         return "single_stream" if body["stream"] else "single_whole"
@@ -102,6 +105,8 @@ class FakeVllm:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if (body.get("kv_transfer_params") or {}).get("do_remote_prefill") and self.takes_kv:
+            self.external_hits += len(body["prompt"]) - 1
         self.request_ids.append(request.headers.get("X-Request-Id", ""))
         status, payload = self.answer or recorded(self.shape(body))
         if not payload.startswith(b"data: "):
@@ -118,6 +123,12 @@ class FakeVllm:
                     self.disconnected.set()
                     return response
         return response
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        status, payload = recorded("metrics")
+        line = b'vllm:external_prefix_cache_hits_total{engine="0",model_name="smollm2"} '
+        return web.Response(status=status, body=payload.replace(
+            line + b"5.0", line + str(float(self.external_hits)).encode()))
 
     async def _version(self, _: web.Request) -> web.Response:
         return web.json_response({"version": self.version})
@@ -528,7 +539,7 @@ def test_kv_events_from_a_vllm_publisher_reach_the_prefix_index_as_its_hashes():
     asyncio.run(scenario())
 
 
-def test_the_doctor_checks_vllm_engines_their_versions_and_ps_side_channel():
+def test_the_doctor_checks_vllm_engines_their_versions_and_a_test_request_through_each_pair():
     from pdserve.api.proto import controller_pb2 as cpb
     from pdserve.runtime.doctor_checks import FAIL, PASS, check_engines
     from pdserve.runtime.security import SecuritySettings
@@ -548,7 +559,23 @@ def test_the_doctor_checks_vllm_engines_their_versions_and_ps_side_channel():
             assert rows["engine p0"].status == PASS and "serving model 'smollm2'" in rows["engine p0"].detail
             assert rows["engine d0 kv budget"].status == PASS and "engine d0 clock" not in rows
             assert rows["vllm versions"].status == PASS and "0.32.0" in rows["vllm versions"].detail
-            assert rows["kv p0 -> d0"].status == PASS and "accepts connections" in rows["kv p0 -> d0"].detail
+            assert rows["kv p0 -> d0"].status == PASS, rows["kv p0 -> d0"]
+            assert "moved 256 prompt tokens P -> D over NixlConnector" in rows["kv p0 -> d0"].detail
+            # The pair's test request: a fresh 2-block prompt (128-token blocks), P asked
+            # for its KV params, D given them; both for one token.
+            (to_p,), (to_d,) = p.bodies[-1:], d.bodies[-1:]
+            assert to_p["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
+            assert to_d["kv_transfer_params"]["do_remote_prefill"] and to_p["prompt"] == to_d["prompt"]
+            assert len(to_p["prompt"]) == 257 and to_p["max_tokens"] == to_d["max_tokens"] == 1
+            d.takes_kv = False  # D computes the prompt itself: the transfer did not happen
+            rows = {c.name: c for c in await check_engines(views, SecuritySettings())}
+            assert rows["kv p0 -> d0"].status == FAIL and "computed the test prompt itself: 0 of its 257" \
+                in rows["kv p0 -> d0"].detail
+            d.takes_kv = True
+            p.answer = (500, b'{"error": {"message": "boom"}}')
+            rows = {c.name: c for c in await check_engines(views, SecuritySettings())}
+            assert rows["kv p0 -> d0"].status == FAIL and "HTTP 500" in rows["kv p0 -> d0"].detail
+            p.answer = None
             d.version = "0.31.0"
             side.close()
             await side.wait_closed()
