@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
         namespace=args.namespace, resync_s=args.resync, drain_deadline_s=args.drain_deadline,
         metrics_port=args.metrics_port, log_level=args.log_level)
     configure_logging(settings.log_level)
-    log.info("pdserve operator: watching %s, images %s (control plane) and %s (engines), "
-             "store %s", settings.namespace or "every namespace", settings.image,
-             settings.engine_image, settings.store_url)
+    log.info("pdserve operator: watching %s, images %s (control plane), %s (engines) and %s "
+             "(vLLM engines), store %s", settings.namespace or "every namespace", settings.image,
+             settings.engine_image, settings.vllm_engine_image, settings.store_url)
     asyncio.run(serve(settings))
     return 0

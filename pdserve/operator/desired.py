@@ -46,7 +46,7 @@ def build_static_objects(cluster: PDCluster, settings: OperatorSettings) -> list
 
 def engine_pod_hashes(cluster: PDCluster, settings: OperatorSettings) -> dict[str, str]:
     """Pool -> the settings hash its engine Pods must carry now."""
-    return {pool: engine_pod_hash(cluster, pool, settings.engine_image) for pool in b.POOLS}
+    return {pool: engine_pod_hash(cluster, pool, settings) for pool in b.POOLS}
 
 
 def build_cluster_objects(cluster: PDCluster, settings: OperatorSettings, token: str,
@@ -58,5 +58,5 @@ def build_cluster_objects(cluster: PDCluster, settings: OperatorSettings, token:
     return [*build_static_objects(cluster, settings),
             b.build_token_secret(cluster, token),
             *(b.build_instance(cluster, pool, ordinal) for pool, ordinal in desired.values()),
-            *(build_engine_pod(cluster, name, pool, instance_uids.get(name), settings.engine_image)
+            *(build_engine_pod(cluster, name, pool, instance_uids.get(name), settings)
               for name, (pool, _) in desired.items())]

@@ -8,6 +8,9 @@ ConfigMap holding it (named by its hash), and the Pod (agent arguments, probes,
 resources and GPUs, placement, the shared token/TLS/model volumes). The Pod is
 named after its PDInstance and owned by it.
 
+``engine_image_for`` is the one choice of an engine Pod's image: ``spec.image``, else
+the operator's vLLM engine image for ``backend: vllm``, else its engine image.
+
 ``engine_pod_hash`` hashes the Pod as built for a placeholder instance: the Pods of
 a pool run the same settings exactly when they carry the same hash
 (``SPEC_HASH_LABEL``). Routing, fallback, SLOs, heartbeat thresholds, replica counts
@@ -32,6 +35,7 @@ from pdserve.api import PDCluster
 from pdserve.api.common import API_VERSION
 from pdserve.api.instance import Pool
 from pdserve.operator import builders as b
+from pdserve.operator.settings import OperatorSettings
 
 PLACEHOLDER_INSTANCE = "{instance}"
 """Stands for the instance name in the Pod ``engine_pod_hash`` hashes."""
@@ -130,11 +134,21 @@ def _placement(cluster: PDCluster, pool: Pool) -> dict:
     return out
 
 
-def _pod_spec(cluster: PDCluster, instance: str, pool: Pool, image: str) -> dict:
+def engine_image_for(cluster: PDCluster, settings: OperatorSettings) -> str:
+    """The image of ``cluster``'s engine Pods: a vLLM engine Pod runs ``vllm serve``, so
+    its image is vLLM's with pdserve added, not the embedded engine's."""
+    if cluster.spec.image:
+        return cluster.spec.image
+    if cluster.spec.engine.backend == "vllm":
+        return settings.vllm_engine_image
+    return settings.engine_image
+
+
+def _pod_spec(cluster: PDCluster, instance: str, pool: Pool, settings: OperatorSettings) -> dict:
     env, volumes, mounts = b.shared_mounts(cluster, with_model=True)
     container = {
         "name": "nodeagent",
-        "image": cluster.spec.image or image,
+        "image": engine_image_for(cluster, settings),
         "args": agent_args(cluster, instance, pool),
         "env": env,
         "ports": [{"name": "http", "containerPort": b.AGENT_HTTP_PORT},
@@ -159,18 +173,19 @@ def _pod_spec(cluster: PDCluster, instance: str, pool: Pool, image: str) -> dict
     }
 
 
-def engine_pod_hash(cluster: PDCluster, pool: Pool, image: str) -> str:
-    """The settings hash of ``pool``'s engine Pods under the operator's engine ``image``."""
-    return b.spec_hash(_pod_spec(cluster, PLACEHOLDER_INSTANCE, pool, image))
+def engine_pod_hash(cluster: PDCluster, pool: Pool, settings: OperatorSettings) -> str:
+    """The settings hash of ``pool``'s engine Pods under the operator's ``settings``
+    (their image is in it)."""
+    return b.spec_hash(_pod_spec(cluster, PLACEHOLDER_INSTANCE, pool, settings))
 
 
 def build_engine_pod(cluster: PDCluster, instance: str, pool: Pool, instance_uid: str | None,
-                     image: str) -> dict:
+                     settings: OperatorSettings) -> dict:
     """The Pod of PDInstance ``instance``. Called by ``Reconciler._apply_engine_pods``
     when the Pod is missing (never there, deleted as failed, replaced or stale)."""
     meta = b.metadata(cluster, instance, "engine", **{
         b.POOL_LABEL: pool, b.INSTANCE_LABEL: instance,
-        b.SPEC_HASH_LABEL: engine_pod_hash(cluster, pool, image)})
+        b.SPEC_HASH_LABEL: engine_pod_hash(cluster, pool, settings)})
     meta["ownerReferences"] = [b.owner_reference(API_VERSION, "PDInstance", instance, instance_uid)]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-            "spec": _pod_spec(cluster, instance, pool, image)}
+            "spec": _pod_spec(cluster, instance, pool, settings)}

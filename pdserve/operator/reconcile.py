@@ -316,7 +316,7 @@ class Reconciler:
             if name in obs.pods or name not in obs.instances:
                 continue
             body = build_engine_pod(cluster, name, pool, obs.instances[name]["metadata"].get("uid"),
-                                    self.settings.engine_image)
+                                    self.settings)
             try:
                 obs.pods[name] = await self.kube.create(body)
             except KubeError as exc:

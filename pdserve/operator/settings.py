@@ -6,9 +6,12 @@ environment, so tests build ``OperatorSettings(...)`` directly.
 
 Invariants: ``store_url`` is ``etcd://HOST:PORT`` when etcd endpoints are given,
 else ``memory://`` (then the Controller runs one replica: two replicas on two
-memory stores would both lead). Two images: ``image`` (the control plane, no torch)
+memory stores would both lead). Three images: ``image`` (the control plane, no torch)
 for the Controller and Coordinator, ``engine_image`` (torch and the transports) for
-the engine Pods and the KV pool's master; a cluster's ``spec.image`` replaces both.
+the engine Pods and the KV pool's master, ``vllm_engine_image`` (vLLM's image with
+pdserve added) for the engine Pods of clusters whose ``spec.engine.backend`` is
+``vllm``; a cluster's ``spec.image`` replaces all three (``pods.engine_image_for``
+picks).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from urllib.parse import urlsplit
 
 DEFAULT_IMAGE = "ghcr.io/pdserve/pdserve:latest"
 DEFAULT_ENGINE_IMAGE = "ghcr.io/pdserve/pdserve-engine:latest"
+DEFAULT_VLLM_ENGINE_IMAGE = "ghcr.io/pdserve/pdserve-vllm:latest"
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class OperatorSettings:
     """Control-plane image (Controller, Coordinator) of clusters that set no ``spec.image``."""
     engine_image: str = DEFAULT_ENGINE_IMAGE
     """Engine image (engine Pods, the KV pool's master) of clusters that set no ``spec.image``."""
+    vllm_engine_image: str = DEFAULT_VLLM_ENGINE_IMAGE
+    """Engine image of clusters with ``spec.engine.backend: vllm`` that set no ``spec.image``."""
     etcd_endpoints: tuple[str, ...] = ()
     key_secret: str = "pdserve-operator-key"
     """Secret in ``operator_namespace`` holding the key cluster tokens derive from
@@ -57,7 +63,8 @@ class OperatorSettings:
     def from_env(cls, env: dict | None = None, **overrides) -> OperatorSettings:
         """Called by ``pdserve operator``: the chart's variables, then flag overrides.
         Without ``PDSERVE_ENGINE_IMAGE`` (an older chart's one image for everything) the
-        engines run ``PDSERVE_CLUSTER_IMAGE`` too."""
+        engines run ``PDSERVE_CLUSTER_IMAGE`` too; without ``PDSERVE_VLLM_ENGINE_IMAGE``
+        (a chart older than it) vLLM engines run the engine image, as they did then."""
         env = os.environ if env is None else env
         endpoints = tuple(e.strip() for e in env.get("PDSERVE_ETCD_ENDPOINTS", "").split(",") if e.strip())
         values = dict(
@@ -66,6 +73,8 @@ class OperatorSettings:
             image=env.get("PDSERVE_CLUSTER_IMAGE") or DEFAULT_IMAGE,
             engine_image=(env.get("PDSERVE_ENGINE_IMAGE") or env.get("PDSERVE_CLUSTER_IMAGE")
                           or DEFAULT_ENGINE_IMAGE),
+            vllm_engine_image=(env.get("PDSERVE_VLLM_ENGINE_IMAGE") or env.get("PDSERVE_ENGINE_IMAGE")
+                               or env.get("PDSERVE_CLUSTER_IMAGE") or DEFAULT_VLLM_ENGINE_IMAGE),
             etcd_endpoints=endpoints,
             key_secret=env.get("PDSERVE_KEY_SECRET") or "pdserve-operator-key",
             metrics_port=int(env.get("PDSERVE_METRICS_PORT") or 8080),

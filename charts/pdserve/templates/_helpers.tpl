@@ -44,6 +44,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ .Values.engineImage.repository }}:{{ .Values.engineImage.tag | default .Chart.AppVersion }}
 {{- end }}
 
+{{- define "pdserve.vllmEngineImage" -}}
+{{ .Values.vllmEngineImage.repository }}:{{ .Values.vllmEngineImage.tag | default .Chart.AppVersion }}
+{{- end }}
+
 {{/* Client URLs of etcd: the bundled StatefulSet's Service, or etcd.endpoints. */}}
 {{- define "pdserve.etcdEndpoints" -}}
 {{- if .Values.etcd.enabled }}

@@ -23,6 +23,7 @@ from .helm import CHART
 
 EXAMPLES = sorted((CHART.parents[1] / "examples").glob("*.yaml"))
 MINIMAL = CHART.parents[1] / "examples" / "minimal.yaml"
+VLLM_GPU = CHART.parents[1] / "examples" / "vllm-pd-gpu.yaml"
 
 
 def load_example(path: Path, namespace: str = "default", **spec) -> PDCluster:

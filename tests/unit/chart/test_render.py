@@ -14,6 +14,7 @@ from pdserve.operator.settings import OperatorSettings
 
 from .cluster_objects import (
     MINIMAL,
+    VLLM_GPU,
     chart_settings,
     load_example,
     operator_container,
@@ -92,25 +93,31 @@ def test_selectors_pick_exactly_their_own_pods(helm, name):
 @pytest.mark.parametrize(("name", "expected"), [
     ("defaults", OperatorSettings(operator_namespace=NAMESPACE, image="ghcr.io/pdserve/pdserve:0.1.0",
                                   engine_image="ghcr.io/pdserve/pdserve-engine:0.1.0",
+                                  vllm_engine_image="ghcr.io/pdserve/pdserve-vllm:0.1.0",
                                   etcd_endpoints=(ETCD,), key_secret="r-pdserve-operator-key")),
     ("external-etcd", OperatorSettings(operator_namespace=NAMESPACE, image="ghcr.io/pdserve/pdserve:0.1.0",
                                        engine_image="ghcr.io/pdserve/pdserve-engine:0.1.0",
+                                       vllm_engine_image="ghcr.io/pdserve/pdserve-vllm:0.1.0",
                                        etcd_endpoints=("http://etcd-0.db:2379", "https://etcd-1.db:2379"),
                                        key_secret="r-pdserve-operator-key")),
     ("namespaced", OperatorSettings(namespace="team-a", operator_namespace=NAMESPACE,
                                     image="ghcr.io/pdserve/pdserve:0.1.0", etcd_endpoints=(ETCD,),
                                     engine_image="ghcr.io/pdserve/pdserve-engine:0.1.0",
+                                    vllm_engine_image="ghcr.io/pdserve/pdserve-vllm:0.1.0",
                                     key_secret="r-pdserve-operator-key",
                                     metrics_port=9090, log_level="debug")),
     # operator.clusterImage: one image for every pod of a cluster, as before engineImage
     ("images", OperatorSettings(operator_namespace=NAMESPACE, image="registry.example/pdserve:1.2.3-cuda",
                                 engine_image="registry.example/pdserve:1.2.3-cuda",
+                                vllm_engine_image="registry.example/pdserve:1.2.3-cuda",
                                 etcd_endpoints=(ETCD,), key_secret="r-pdserve-operator-key")),
     ("engine-image", OperatorSettings(operator_namespace=NAMESPACE, image="registry.example/pdserve:1.2.3",
                                       engine_image="registry.example/pdserve-engine:1.2.3-cu128",
+                                      vllm_engine_image="registry.example/pdserve-vllm:1.2.3-vllm0.32",
                                       etcd_endpoints=(ETCD,), key_secret="r-pdserve-operator-key")),
     ("names", OperatorSettings(operator_namespace=NAMESPACE, image="ghcr.io/pdserve/pdserve:0.1.0",
                                engine_image="ghcr.io/pdserve/pdserve-engine:0.1.0",
+                               vllm_engine_image="ghcr.io/pdserve/pdserve-vllm:0.1.0",
                                etcd_endpoints=(f"http://pds-etcd.{NAMESPACE}.svc:2379",),
                                key_secret="pds-operator-key")),
 ])
@@ -127,16 +134,20 @@ def test_operator_is_told_its_settings(helm, name, expected):
                                          "targetPort": "metrics"}]
 
 
-@pytest.mark.parametrize(("name", "control_plane", "engine"), [
-    ("defaults", "ghcr.io/pdserve/pdserve:0.1.0", "ghcr.io/pdserve/pdserve-engine:0.1.0"),
-    ("engine-image", "registry.example/pdserve:1.2.3", "registry.example/pdserve-engine:1.2.3-cu128"),
-    ("images", "registry.example/pdserve:1.2.3-cuda", "registry.example/pdserve:1.2.3-cuda"),
+@pytest.mark.parametrize(("name", "control_plane", "engine", "vllm_engine"), [
+    ("defaults", "ghcr.io/pdserve/pdserve:0.1.0", "ghcr.io/pdserve/pdserve-engine:0.1.0",
+     "ghcr.io/pdserve/pdserve-vllm:0.1.0"),
+    ("engine-image", "registry.example/pdserve:1.2.3", "registry.example/pdserve-engine:1.2.3-cu128",
+     "registry.example/pdserve-vllm:1.2.3-vllm0.32"),
+    ("images", "registry.example/pdserve:1.2.3-cuda", "registry.example/pdserve:1.2.3-cuda",
+     "registry.example/pdserve:1.2.3-cuda"),
 ])
 def test_clusters_run_the_control_plane_image_and_engines_the_engine_image(helm, name, control_plane,
-                                                                        engine):
+                                                                        engine, vllm_engine):
     """What the operator builds under the chart's settings: the Controller and Coordinator
     run the control-plane image (no torch), engine Pods and the KV pool's master the
-    engine image; operator.clusterImage is one image for all; spec.image overrides both."""
+    engine image, a vLLM cluster's engine Pods the vLLM engine image;
+    operator.clusterImage is one image for all; spec.image overrides them all."""
     rendered = helm.template(VALUE_SETS[name])
     settings = chart_settings(rendered, NAMESPACE)
     assert operator_container(rendered)["image"] == (
@@ -157,6 +168,10 @@ def test_clusters_run_the_control_plane_image_and_engines_the_engine_image(helm,
                                "engine": {engine}, "kv-pool": {engine}}
     own = images(load_example(MINIMAL, kvPool={"enabled": True}, image="mine:1"))
     assert set().union(*own.values()) == {"mine:1"}
+    assert images(load_example(VLLM_GPU)) == {"controller": {control_plane},
+                                              "coordinator": {control_plane},
+                                              "engine": {vllm_engine}}
+    assert set().union(*images(load_example(VLLM_GPU, image="mine:1")).values()) == {"mine:1"}
 
 
 def test_operator_store_follows_etcd(helm):

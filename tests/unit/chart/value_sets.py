@@ -27,7 +27,9 @@ VALUE_SETS: dict[str, dict] = {
     "engine-image": {"image": {"repository": "registry.example/pdserve", "tag": "1.2.3",
                                "pullPolicy": "IfNotPresent"},
                      "engineImage": {"repository": "registry.example/pdserve-engine",
-                                     "tag": "1.2.3-cu128"}},
+                                     "tag": "1.2.3-cu128"},
+                     "vllmEngineImage": {"repository": "registry.example/pdserve-vllm",
+                                         "tag": "1.2.3-vllm0.32"}},
     "placement": {"operator": {
         "resources": {"requests": {"cpu": "250m", "memory": "300Mi"},
                       "limits": {"cpu": 1, "memory": "1Gi"}},

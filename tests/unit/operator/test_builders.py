@@ -12,12 +12,12 @@ from pdserve.operator.desired import build_static_objects
 from pdserve.operator.pods import build_engine_config_map, build_engine_pod, engine_pod_hash
 from pdserve.operator.settings import OperatorSettings
 
-IMAGE = OperatorSettings().image
+SETTINGS = OperatorSettings()
 
 
 def engine_hashes(c: PDCluster) -> dict[str, str]:
     """Pool -> the settings hash of its engine Pods."""
-    return {pool: engine_pod_hash(c, pool, IMAGE) for pool in b.POOLS}
+    return {pool: engine_pod_hash(c, pool, SETTINGS) for pool in b.POOLS}
 
 
 def cluster(**spec) -> PDCluster:
@@ -60,7 +60,8 @@ def test_engine_pod_runs_the_agent_with_probes_gpus_and_placement():
     c = cluster(hybrid={"replicas": 1, "gpus": 2, "nodeSelector": {"gpu": "h100"},
                         "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
                         "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}})
-    pod = build_engine_pod(c, "c-hybrid-0", "hybrid", "inst-uid", "img:1")
+    settings = OperatorSettings(engine_image="img:1")
+    pod = build_engine_pod(c, "c-hybrid-0", "hybrid", "inst-uid", settings)
     container = pod["spec"]["containers"][0]
     assert container["args"][:5] == ["nodeagent", "--controller", "c-controller:50050",
                                      "--instance", "c-hybrid-0=hybrid"]
@@ -72,13 +73,11 @@ def test_engine_pod_runs_the_agent_with_probes_gpus_and_placement():
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
     assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert pod["metadata"]["labels"][b.SPEC_HASH_LABEL] == engine_pod_hash(c, "hybrid", "img:1")
+    assert pod["metadata"]["labels"][b.SPEC_HASH_LABEL] == engine_pod_hash(c, "hybrid", settings)
     assert pod["metadata"]["ownerReferences"][0] == {
         "apiVersion": "pdserve.io/v1alpha1", "kind": "PDInstance", "name": "c-hybrid-0",
         "uid": "inst-uid", "controller": True, "blockOwnerDeletion": True}
     assert container["image"] == "img:1"
-    assert build_engine_pod(cluster(image="mine:2"), "c-decode-0", "decode", "u", "img:1")[
-        "spec"]["containers"][0]["image"] == "mine:2"
 
 
 def test_a_vllm_engine_pod_runs_the_agent_on_the_pods_address_with_gpus_in_pd_pools():
@@ -86,7 +85,7 @@ def test_a_vllm_engine_pod_runs_the_agent_on_the_pods_address_with_gpus_in_pd_po
                 engine={"backend": "vllm", "vllm": {"command": ["vllm", "serve"]}},
                 kvTransfer={"mode": "pull", "transport": "nixl"},
                 prefill={"replicas": 1, "gpus": 1}, decode={"replicas": 1, "gpus": 1})
-    container = build_engine_pod(c, "c-prefill-0", "prefill", "u", "vllm-img:1")["spec"]["containers"][0]
+    container = build_engine_pod(c, "c-prefill-0", "prefill", "u", SETTINGS)["spec"]["containers"][0]
     args = container["args"]
     assert args[:5] == ["nodeagent", "--controller", "c-controller:50050", "--instance", "c-prefill-0=prefill"]
     assert args[args.index("--engine-host") + 1] == "$(POD_IP)"
@@ -98,7 +97,7 @@ def test_pvc_weights_are_mounted_read_only():
     """Engines and the Coordinator (its tokenizer) mount the claim read-only at /models,
     and the Coordinator's ``--model`` points inside that mount."""
     c = cluster(model={"pvc": {"claimName": "weights", "subPath": "llama"}})
-    pod = build_engine_pod(c, "c-prefill-0", "prefill", "u", "img")
+    pod = build_engine_pod(c, "c-prefill-0", "prefill", "u", SETTINGS)
     volume = {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
     mount = {"name": "model", "mountPath": "/models", "readOnly": True}
     assert volume in pod["spec"]["volumes"] and mount in pod["spec"]["containers"][0]["volumeMounts"]
@@ -162,7 +161,7 @@ def test_hybrid_pool_replicas_are_instances_and_pods_in_their_pool_role():
     inst = b.build_instance(c, "hybrid", 1)
     assert inst["spec"] == {"role": "hybrid", "cluster": "c", "pool": "hybrid", "ordinal": 1}
     assert inst["metadata"]["labels"][b.POOL_LABEL] == "hybrid"
-    pod = build_engine_pod(c, "c-hybrid-1", "hybrid", "u", "img")
+    pod = build_engine_pod(c, "c-hybrid-1", "hybrid", "u", SETTINGS)
     container = pod["spec"]["containers"][0]
     assert container["args"][3:5] == ["--instance", "c-hybrid-1=hybrid"]
     assert "--pin-cpus" not in container["args"]  # cpuAffinity is local mode only
@@ -180,7 +179,7 @@ def test_the_pod_runs_its_pools_threads_and_the_engine_settings(tmp_path):
     c = colocated(engine={"prefillChunkTokens": 128}, prefill={"replicas": 1, "threads": 2},
                   decode={"replicas": 0})
     for name, pool, threads in (("c-hybrid-0", "hybrid", "3"), ("c-prefill-0", "prefill", "2")):
-        pod = build_engine_pod(c, name, pool, "u", "img")
+        pod = build_engine_pod(c, name, pool, "u", SETTINGS)
         args = pod["spec"]["containers"][0]["args"]
         # the cluster file the Pod mounts (at CONFIG_DIR) is its pool's engine ConfigMap
         [config] = [v["configMap"]["name"] for v in pod["spec"]["volumes"] if "configMap" in v]
@@ -233,16 +232,16 @@ def test_pools_spread_over_nodes_and_topologies_as_asked():
                         "topologySpread": [{"topologyKey": "topology.kubernetes.io/zone"}]},
                 prefill={"replicas": 1, "antiAffinity": "preferred"})
     same_pool = {"matchLabels": {b.CLUSTER_LABEL: "c", b.COMPONENT_LABEL: "engine", b.POOL_LABEL: "decode"}}
-    decode = build_engine_pod(c, "c-decode-0", "decode", "u", "img")["spec"]
+    decode = build_engine_pod(c, "c-decode-0", "decode", "u", SETTINGS)["spec"]
     assert decode["affinity"] == {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
         {"labelSelector": same_pool, "topologyKey": "kubernetes.io/hostname"}]}}
     assert decode["topologySpreadConstraints"] == [{
         "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
         "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": same_pool}]
-    prefill = build_engine_pod(c, "c-prefill-0", "prefill", "u", "img")["spec"]
+    prefill = build_engine_pod(c, "c-prefill-0", "prefill", "u", SETTINGS)["spec"]
     [preferred] = prefill["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert preferred["podAffinityTerm"]["labelSelector"]["matchLabels"][b.POOL_LABEL] == "prefill"
-    plain = build_engine_pod(cluster(), "c-decode-0", "decode", "u", "img")["spec"]
+    plain = build_engine_pod(cluster(), "c-decode-0", "decode", "u", SETTINGS)["spec"]
     assert "affinity" not in plain and "topologySpreadConstraints" not in plain
 
 
@@ -265,7 +264,7 @@ def test_controller_and_agents_listen_only_on_their_pod_address():
     the kubelet expands from the Pod's ``POD_IP`` (fieldRef status.podIP)."""
     c = cluster(prefill={"replicas": 1})
     controller = build_controller_deployment(c, OperatorSettings())["spec"]["template"]["spec"]
-    agent = build_engine_pod(c, "c-prefill-0", "prefill", "inst-uid", "img:1")["spec"]
+    agent = build_engine_pod(c, "c-prefill-0", "prefill", "inst-uid", SETTINGS)["spec"]
     for spec in (controller, agent):
         container = spec["containers"][0]
         args = container["args"]
@@ -291,7 +290,7 @@ def test_a_kv_pool_gets_its_master_deployment_and_service_and_every_engine_joins
     for obj in (master, service):
         assert validation_errors(obj, "1.33") == []
     for pool in ("prefill", "decode"):
-        args = build_engine_pod(c, f"c-{pool}-0", pool, "uid", IMAGE)["spec"]["containers"][0]["args"]
+        args = build_engine_pod(c, f"c-{pool}-0", pool, "uid", SETTINGS)["spec"]["containers"][0]["args"]
         assert "--engine-arg=--kv-pool=c-kv-pool:50600" in args
         engine_file = yaml.safe_load(build_engine_config_map(c, pool)["data"]["cluster.yaml"])
         assert engine_file["spec"]["kvPool"]["segmentSize"] == "64Mi"  # the engine's segment flag

@@ -15,13 +15,13 @@ from pdserve.operator.desired import build_static_objects
 from pdserve.operator.pods import build_engine_config_map, build_engine_pod
 from pdserve.operator.settings import OperatorSettings
 from tests.unit.chart.cluster_objects import EXAMPLES, load_example
-from tests.unit.operator.test_builders import IMAGE, cluster, engine_hashes
+from tests.unit.operator.test_builders import cluster, engine_hashes
 
 SETTINGS = OperatorSettings()
 
 
 def engine_pods(c) -> dict[str, dict]:
-    return {name: build_engine_pod(c, name, pool, "u", IMAGE)
+    return {name: build_engine_pod(c, name, pool, "u", SETTINGS)
             for name, (pool, _) in b.desired_instances(c).items()}
 
 
