@@ -1,0 +1,316 @@
+"""The SLO planner's policy: how many prefill and decode engines the load needs to meet
+``spec.slo``, and the one cheapest action that moves the fleet towards it (pure: the
+caller passes the clock, the finished requests and the engines).
+
+Inputs, each tick:
+- finished requests (``Sample``): prompt tokens and how many of them came from a
+  prefix cache, output tokens, and their stage times as the Coordinator measured them
+  (P queue, prefill, KV transfer, D queue, time per output token) with the decode
+  batch they ran in;
+- the engines (``Engine``): role and state. A ``pending`` engine (a Pod not scheduled
+  yet, a process not started) is not capacity: it is neither counted as serving nor
+  allowed to trigger more of its role.
+
+Model, learnt online from the samples of the last ``window_s`` (no offline profile):
+- prefill speed ``r`` (tokens/s of one P engine): uncached prompt tokens over prefill
+  seconds, summed over the window;
+- decode step time against batch, ``tpot = a + b * batch`` (least squares over the
+  window; a flat line when the batches seen do not vary);
+- demand: request rate ``lam`` (the larger of the whole window's and its last
+  quarter's, so a rise is followed at once and a fall only once it lasts), mean
+  uncached prompt and output tokens, mean KV transfer time ``kv`` (its share of the
+  TTFT, which no peer models).
+
+Wanted engines:
+- prefill: each of ``N`` P engines is a queue with utilisation ``rho = lam * s / N``
+  (``s``: one prompt's prefill time); its TTFT is about ``s / (1 - rho) + kv + dq``.
+  Meeting the TTFT target ``T`` takes ``N >= lam * s / (1 - s / (T - kv - dq))``;
+  when ``s`` alone exceeds the budget no number of engines helps, and the planner says
+  so rather than scaling;
+- decode: one D engine holds at most ``B = (tpot_target - a) / b`` streams within the
+  TPOT target; by Little's law ``lam * out * tpot_target`` streams are in flight, so
+  ``N >= that / B``;
+- both within ``[min, max]`` per pool and ``max_engines`` in all (a budget too small
+  for both is shared in proportion to what each wants).
+
+Actions, cheapest first, one at a time:
+1. the total is right but the split is wrong: switch one READY engine of the pool with
+   a surplus (its least busy) to the other role: no new Pod;
+2. the total is short: +1 in the pool short by the larger share, unless that pool has
+   a pending engine (then wait: more Pods would pend too);
+3. the total is over: -1 in the pool with a surplus, only when the load re-predicted
+   on one engine fewer still meets the SLO with ``headroom`` to spare.
+
+Anti-oscillation: a decision acts only after it was the same for ``stable_ticks``
+ticks in a row; after an action nothing more until ``cooldown_s`` has passed (the
+effect is measured before the next move); too few samples (``min_samples``) change
+nothing but scale-downs of an idle cluster, never below the minimums. In
+``advisory`` mode the decision is reported and never acted on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+PREFILL, DECODE = "prefill", "decode"
+READY, STARTING, PENDING, DRAINING = "ready", "starting", "pending", "draining"
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 100.0
+    window_s: float = 60.0
+    cooldown_s: float = 120.0
+    stable_ticks: int = 3
+    min_samples: int = 20
+    headroom: float = 0.8          # a scale-down keeps predicted latencies under this share of the SLO
+    min_prefill: int = 1
+    max_prefill: int = 64
+    min_decode: int = 1
+    max_decode: int = 64
+    max_engines: int = 128
+    advisory: bool = False
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One finished request as the Coordinator timed it."""
+
+    at_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    prefill_queue_s: float
+    prefill_s: float
+    kv_s: float
+    decode_queue_s: float
+    tpot_s: float
+    decode_batch: float
+
+
+@dataclass(frozen=True)
+class Engine:
+    instance_id: str
+    role: str           # prefill | decode
+    state: str          # ready | starting | pending | draining
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str           # switch | scale
+    role: str           # the role that gains (switch, scale +1) or loses (scale -1)
+    delta: int = 0      # scale: +1 or -1
+    instance_id: str = ""  # switch: the engine that changes role
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the window says of the load and of one engine's speed."""
+
+    num_samples: int
+    rate: float                 # requests/s
+    prompt_tokens: float        # uncached, per request
+    output_tokens: float
+    prefill_tok_s: float        # one P engine
+    kv_s: float
+    decode_queue_s: float
+    step_a_s: float             # tpot = a + b * batch
+    step_b_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    wanted: dict[str, int]
+    have: dict[str, int]
+    action: Action | None
+    reason: str
+    model: Model | None = None
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares ``y = a + b x``; a flat line through the mean when x does not vary."""
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    var = sum((x - mean_x) ** 2 for x in xs)
+    if var < 1e-9:
+        return mean_y, 0.0
+    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
+    return mean_y - b * mean_x, b
+
+
+def learn(samples: list[Sample], now_s: float, window_s: float) -> Model:
+    """The model of the window's samples (``samples``: already limited to the window)."""
+    n = len(samples)
+    if n == 0:
+        return Model(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    recent = sum(1 for s in samples if s.at_s >= now_s - window_s / 4)
+    rate = max(n / window_s, recent / (window_s / 4))
+    uncached = [max(0, s.prompt_tokens - s.cached_tokens) for s in samples]
+    prefill_time = sum(s.prefill_s for s in samples)
+    a, b = fit_line([s.decode_batch for s in samples], [s.tpot_s for s in samples])
+    return Model(
+        num_samples=n, rate=rate, prompt_tokens=sum(uncached) / n,
+        output_tokens=sum(s.output_tokens for s in samples) / n,
+        prefill_tok_s=sum(uncached) / prefill_time if prefill_time > 0 else 0.0,
+        kv_s=sum(s.kv_s for s in samples) / n, decode_queue_s=sum(s.decode_queue_s for s in samples) / n,
+        step_a_s=max(a, 0.0), step_b_s=max(b, 0.0))
+
+
+def predicted_ttft_s(m: Model, num_prefill: int) -> float:
+    """TTFT on ``num_prefill`` P engines (inf when they cannot keep up)."""
+    if m.rate == 0 or m.prefill_tok_s == 0:
+        return m.kv_s + m.decode_queue_s
+    s = m.prompt_tokens / m.prefill_tok_s
+    rho = m.rate * s / max(num_prefill, 1e-9)
+    return math.inf if rho >= 1 else s / (1 - rho) + m.kv_s + m.decode_queue_s
+
+
+def predicted_tpot_s(m: Model, num_decode: int, tpot_target_s: float) -> float:
+    """Time per output token with the in-flight streams spread over ``num_decode`` engines."""
+    streams = m.rate * m.output_tokens * tpot_target_s
+    return m.step_a_s + m.step_b_s * streams / max(num_decode, 1e-9)
+
+
+def wanted_prefill(m: Model, ttft_s: float) -> int | None:
+    """P engines for the TTFT target, or None when no number of them meets it."""
+    if m.rate == 0 or m.prefill_tok_s == 0:
+        return 0
+    s = m.prompt_tokens / m.prefill_tok_s
+    budget = ttft_s - m.kv_s - m.decode_queue_s
+    if s >= budget:
+        return None
+    return math.ceil(m.rate * s / (1 - s / budget) - 1e-9)
+
+
+def wanted_decode(m: Model, tpot_s: float) -> int | None:
+    """D engines for the TPOT target, or None when one step alone is slower than it."""
+    if m.rate == 0:
+        return 0
+    if m.step_a_s >= tpot_s:
+        return None
+    streams = m.rate * m.output_tokens * tpot_s
+    if m.step_b_s == 0:
+        return 1
+    return math.ceil(streams / ((tpot_s - m.step_a_s) / m.step_b_s) - 1e-9)
+
+
+@dataclass
+class Planner:
+    settings: PlannerSettings
+    samples: deque[Sample] = field(default_factory=deque)
+    _last: tuple[Action | None, int] = (None, 0)   # the decision seen last and how many ticks in a row
+    _acted_s: float = -math.inf
+
+    def observe(self, sample: Sample) -> None:
+        self.samples.append(sample)
+
+    def decide(self, engines: list[Engine], now_s: float) -> Decision:
+        """One tick: what the load wants, and the action to take now (None: hold)."""
+        s = self.settings
+        while self.samples and self.samples[0].at_s < now_s - s.window_s:
+            self.samples.popleft()
+        model = learn(list(self.samples), now_s, s.window_s)
+        have = {r: sum(e.role == r and e.state in (READY, STARTING) for e in engines) for r in (PREFILL, DECODE)}
+        pending = {r: sum(e.role == r and e.state == PENDING for e in engines) for r in (PREFILL, DECODE)}
+        wanted, unreachable = self._wanted(model, have)
+        action, reason = self._action(engines, model, have, pending, wanted)
+        if unreachable:
+            reason = f"{unreachable}; {reason}"
+        # hysteresis: the same action for stable_ticks ticks, then act, then cool down
+        same = action is not None and self._last[0] is not None and _key(action) == _key(self._last[0])
+        self._last = (action, self._last[1] + 1 if same else 1)
+        if action is None:
+            return Decision(wanted, have, None, reason, model)
+        if now_s - self._acted_s < s.cooldown_s:
+            return Decision(wanted, have, None, f"cooling down after the last action: {reason}", model)
+        if self._last[1] < s.stable_ticks:
+            return Decision(wanted, have, None, f"waiting for the signal to hold "
+                            f"({self._last[1]}/{s.stable_ticks}): {reason}", model)
+        if s.advisory:
+            return Decision(wanted, have, None, f"advisory: would {describe(action)}: {reason}", model)
+        self._acted_s = now_s
+        self._last = (None, 0)
+        return Decision(wanted, have, action, reason, model)
+
+    def _wanted(self, m: Model, have: dict[str, int]) -> tuple[dict[str, int], str]:
+        """Engines per role for the SLO, within the bounds and the budget; the reason
+        when the SLO cannot be met by engines alone."""
+        s = self.settings
+        notes = []
+        if m.num_samples < s.min_samples:
+            # too little traffic to learn from: keep what runs, within the bounds
+            want = {PREFILL: have[PREFILL], DECODE: have[DECODE]}
+            if m.num_samples == 0:  # idle: the minimums do
+                want = {PREFILL: s.min_prefill, DECODE: s.min_decode}
+        else:
+            p = wanted_prefill(m, s.ttft_ms / 1e3)
+            d = wanted_decode(m, s.tpot_ms / 1e3)
+            if p is None:
+                notes.append(f"one prompt's prefill ({m.prompt_tokens / m.prefill_tok_s * 1e3:.0f} ms) "
+                             f"leaves no room in the TTFT target: more engines do not help")
+                p = s.max_prefill
+            if d is None:
+                notes.append(f"one decode step ({m.step_a_s * 1e3:.0f} ms) exceeds the TPOT target: "
+                             "more engines do not help")
+                d = s.max_decode
+            want = {PREFILL: p, DECODE: d}
+        want = {PREFILL: min(max(want[PREFILL], s.min_prefill), s.max_prefill),
+                DECODE: min(max(want[DECODE], s.min_decode), s.max_decode)}
+        total = want[PREFILL] + want[DECODE]
+        if total > s.max_engines:
+            p = max(s.min_prefill, min(s.max_engines - s.min_decode,
+                                       round(s.max_engines * want[PREFILL] / total)))
+            want = {PREFILL: p, DECODE: s.max_engines - p}
+            notes.append(f"the budget of {s.max_engines} engines is short of {total}")
+        return want, "; ".join(notes)
+
+    def _action(self, engines: list[Engine], m: Model, have: dict[str, int], pending: dict[str, int],
+                want: dict[str, int]) -> tuple[Action | None, str]:
+        s = self.settings
+        short = {r: want[r] - have[r] for r in (PREFILL, DECODE)}
+        summary = f"want {want[PREFILL]} P + {want[DECODE]} D, have {have[PREFILL]} P + {have[DECODE]} D"
+        if short[PREFILL] == 0 and short[DECODE] == 0:
+            return None, f"{summary}: balanced"
+        # 1. the split is wrong: switch one engine (no new Pod)
+        for gain, lose in ((PREFILL, DECODE), (DECODE, PREFILL)):
+            if short[gain] > 0 and short[lose] < 0:
+                ready = [e for e in engines if e.role == lose and e.state == READY]
+                if ready:
+                    e = min(ready, key=lambda e: (e.num_running + e.num_waiting, e.instance_id))
+                    return Action("switch", gain, instance_id=e.instance_id), \
+                        f"{summary}: {lose} has a surplus and {gain} is short"
+        # 2. the total is short: +1 where the shortage is larger
+        gains = [r for r in (PREFILL, DECODE) if short[r] > 0]
+        if gains:
+            role = max(gains, key=lambda r: (short[r] / max(want[r], 1), r == PREFILL))
+            if pending[role]:
+                return None, f"{summary}: {pending[role]} {role} engine(s) pending: waiting for them"
+            if have[PREFILL] + have[DECODE] + pending[PREFILL] + pending[DECODE] >= s.max_engines:
+                return None, f"{summary}: at the budget of {s.max_engines} engines"
+            return Action("scale", role, +1), f"{summary}: {role} is short"
+        # 3. the total is over: -1 only if the load re-predicted on one fewer meets the SLO
+        for role in sorted((r for r in (PREFILL, DECODE) if short[r] < 0), key=lambda r: short[r]):
+            fewer = have[role] - 1
+            if role == PREFILL:
+                fits = predicted_ttft_s(m, fewer) <= s.headroom * s.ttft_ms / 1e3
+            else:
+                fits = predicted_tpot_s(m, fewer, s.tpot_ms / 1e3) <= s.headroom * s.tpot_ms / 1e3
+            if m.num_samples == 0 or fits:
+                return Action("scale", role, -1), f"{summary}: the load fits on {fewer} {role} engine(s)"
+        return None, f"{summary}: a surplus, but one engine fewer would come too close to the SLO"
+
+
+def _key(action: Action) -> tuple[str, str, int]:
+    """What makes two ticks' actions the same (a switch may pick another engine)."""
+    return action.kind, action.role, action.delta
+
+
+def describe(action: Action) -> str:
+    if action.kind == "switch":
+        return f"switch {action.instance_id} to {action.role}"
+    return f"{'add' if action.delta > 0 else 'remove'} one {action.role} engine"

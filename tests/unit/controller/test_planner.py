@@ -1,0 +1,164 @@
+"""The SLO planner's policy on synthetic timings: each test makes the requests a load
+would finish with (``load``: prefill time from prompt tokens at a P engine's speed,
+decode step time from the batch) and reads what the planner wants and does."""
+
+from __future__ import annotations
+
+import random
+
+from pdserve.controller.planner import (
+    DECODE,
+    PENDING,
+    PREFILL,
+    READY,
+    Action,
+    Engine,
+    Planner,
+    PlannerSettings,
+    Sample,
+    learn,
+    predicted_tpot_s,
+    wanted_decode,
+    wanted_prefill,
+)
+
+SLO = PlannerSettings(ttft_ms=1000, tpot_ms=50, window_s=60, cooldown_s=120, stable_ticks=3, min_samples=20,
+                      max_engines=16)
+
+
+def load(planner: Planner, now_s: float, rate: float, prompt: int, output: int, *, prefill_tok_s=4000.0,
+         kv_s=0.02, step_a=0.010, step_b=0.001, batch=8.0, noise=0.0, seed=0) -> None:
+    """``rate`` requests/s over the planner's window before ``now_s``."""
+    rng = random.Random(seed)
+    n = int(rate * planner.settings.window_s)
+    for i in range(n):
+        jitter = 1 + rng.uniform(-noise, noise)
+        planner.observe(Sample(
+            at_s=now_s - planner.settings.window_s + (i + 0.5) / rate, prompt_tokens=prompt, cached_tokens=0,
+            output_tokens=output, prefill_queue_s=0.0, prefill_s=prompt / prefill_tok_s * jitter, kv_s=kv_s,
+            decode_queue_s=0.005, tpot_s=(step_a + step_b * (batch + i % 3)) * jitter, decode_batch=batch + i % 3))
+
+
+def fleet(p: int, d: int, pending_p: int = 0, pending_d: int = 0) -> list[Engine]:
+    return ([Engine(f"p{i}", PREFILL, READY, num_running=i) for i in range(p)]
+            + [Engine(f"d{i}", DECODE, READY, num_running=i) for i in range(d)]
+            + [Engine(f"pp{i}", PREFILL, PENDING) for i in range(pending_p)]
+            + [Engine(f"pd{i}", DECODE, PENDING) for i in range(pending_d)])
+
+
+def ticks(planner: Planner, engines: list[Engine], start_s: float, n: int, step_s: float = 10.0, **shape):
+    """``n`` ticks under a steady load; the decisions."""
+    out = []
+    for k in range(n):
+        now = start_s + k * step_s
+        planner.samples.clear()
+        load(planner, now, seed=k, **shape)
+        out.append(planner.decide(engines, now))
+    return out
+
+
+def test_the_model_learns_prefill_speed_decode_step_line_and_demand():
+    planner = Planner(SLO)
+    load(planner, 100.0, rate=2.0, prompt=2000, output=100, prefill_tok_s=5000, step_a=0.012, step_b=0.002)
+    m = learn(list(planner.samples), 100.0, 60.0)
+    assert m.num_samples == 120 and abs(m.rate - 2.0) < 0.05
+    assert abs(m.prefill_tok_s - 5000) < 1 and m.prompt_tokens == 2000 and m.output_tokens == 100
+    assert abs(m.step_a_s - 0.012) < 1e-9 and abs(m.step_b_s - 0.002) < 1e-9
+
+
+def test_prefill_queueing_that_breaks_ttft_scales_prefill_up_after_the_signal_holds():
+    # 3 req/s of 2000-token prompts at 4000 tok/s: 0.5 s each, 1.5 s of work per second
+    planner = Planner(SLO)
+    decisions = ticks(planner, fleet(1, 1), 1000.0, 3, rate=3.0, prompt=2000, output=20)
+    wanted = decisions[-1].wanted
+    m = decisions[-1].model
+    # s = 0.5 s, budget = 1 - 0.02 - 0.005: N >= 1.5 / (1 - 0.5/0.975) = 3.08 -> 4
+    assert wanted[PREFILL] == wanted_prefill(m, 1.0) == 4
+    assert [d.action for d in decisions[:2]] == [None, None] and "1/3" in decisions[0].reason
+    assert decisions[2].action == Action("scale", PREFILL, +1), decisions[2].reason
+
+
+def test_a_decode_pool_with_headroom_gives_an_engine_to_a_short_prefill_pool():
+    planner = Planner(SLO)
+    # light decode (few output tokens) on 3 D, heavy prefill on 1 P
+    decisions = ticks(planner, fleet(1, 3), 1000.0, 3, rate=1.5, prompt=2000, output=10)
+    assert decisions[-1].wanted[DECODE] == 1
+    action = decisions[-1].action
+    assert action.kind == "switch" and action.role == PREFILL
+    assert action.instance_id == "d0"  # the least busy D
+
+
+def test_a_steady_load_that_fits_changes_nothing():
+    planner = Planner(SLO)
+    engines = fleet(2, 2)
+    # 1 req/s: 0.5 s prefills want 2 P; 50 streams at 40 per D (50 ms TPOT) want 2 D
+    decisions = ticks(planner, engines, 1000.0, 10, rate=1.0, prompt=2000, output=1000)
+    assert decisions[-1].wanted == {PREFILL: 2, DECODE: 2}, decisions[-1].reason
+    assert all(d.action is None for d in decisions), [d.reason for d in decisions]
+    assert "balanced" in decisions[-1].reason
+
+
+def test_a_noisy_signal_around_a_threshold_does_not_flap():
+    planner = Planner(SLO)
+    engines = fleet(2, 2)
+    actions = []
+    for k in range(60):  # ten minutes of 10 s ticks, the rate moving either side of 2 P's limit
+        now = 1000.0 + 10 * k
+        planner.samples.clear()
+        load(planner, now, rate=1.0 + (0.35 if k % 2 else -0.35), prompt=2000, output=1000, noise=0.2, seed=k)
+        if (d := planner.decide(engines, now)).action is not None:
+            actions.append(d.action)
+    assert actions == [], actions
+
+
+def test_pending_engines_are_not_capacity_and_do_not_bring_more():
+    planner = Planner(SLO)
+    decisions = ticks(planner, fleet(1, 1, pending_p=2), 1000.0, 5, rate=3.0, prompt=2000, output=20)
+    last = decisions[-1]
+    assert last.have[PREFILL] == 1 and last.wanted[PREFILL] == 4
+    assert all(d.action is None for d in decisions) and "pending" in last.reason
+
+
+def test_cooldown_after_an_action_and_one_action_at_a_time():
+    planner = Planner(SLO)
+    first = ticks(planner, fleet(1, 1), 1000.0, 3, rate=3.0, prompt=2000, output=20)
+    assert first[-1].action == Action("scale", PREFILL, +1)
+    # the new engine has not come up yet: the same shortage, within the cooldown
+    again = ticks(planner, fleet(1, 1), 1030.0, 8, rate=3.0, prompt=2000, output=20)
+    assert all(d.action is None for d in again) and "cooling down" in again[0].reason
+    # the cooldown over (120 s after 1020 s): the next +1, then cooling down again
+    later = ticks(planner, fleet(2, 1), 1130.0, 3, rate=3.0, prompt=2000, output=20)
+    assert [d.action for d in later] == [None, Action("scale", PREFILL, +1), None]
+
+
+def test_scale_down_only_when_the_load_fits_on_one_engine_fewer():
+    settings = PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_samples=20, max_engines=16)
+    planner = Planner(settings)
+    # a light load on 4 D: 1 is wanted, and 3 would still leave room
+    decisions = ticks(planner, fleet(1, 4), 1000.0, 1, rate=0.5, prompt=200, output=100, batch=4)
+    assert decisions[-1].action == Action("scale", DECODE, -1), decisions[-1].reason
+    m = decisions[-1].model
+    assert predicted_tpot_s(m, 3, 0.05) <= 0.8 * 0.05
+
+
+def test_a_target_no_engine_count_can_meet_is_said_not_chased_past_the_bounds():
+    settings = PlannerSettings(ttft_ms=300, tpot_ms=5, stable_ticks=1, max_prefill=4, max_decode=4, max_engines=8)
+    planner = Planner(settings)
+    d = ticks(planner, fleet(4, 4), 1000.0, 1, rate=1.0, prompt=2000, output=20)[-1]
+    m = d.model
+    assert wanted_prefill(m, 0.3) is None and wanted_decode(m, 0.005) is None
+    assert "more engines do not help" in d.reason and d.wanted == {PREFILL: 4, DECODE: 4}
+    assert d.action is None
+
+
+def test_advisory_mode_reports_and_never_acts():
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, advisory=True))
+    d = ticks(planner, fleet(1, 1), 1000.0, 1, rate=3.0, prompt=2000, output=20)[-1]
+    assert d.action is None and d.reason.startswith("advisory: would add one prefill engine")
+
+
+def test_an_idle_cluster_shrinks_to_the_minimums_one_engine_at_a_time():
+    planner = Planner(PlannerSettings(stable_ticks=1, cooldown_s=0, min_prefill=1, min_decode=1))
+    engines = fleet(3, 2)
+    d = planner.decide(engines, 1000.0)
+    assert d.wanted == {PREFILL: 1, DECODE: 1} and d.action.kind == "scale" and d.action.delta == -1
