@@ -111,18 +111,27 @@ class VllmServer:
         self._fixed: tuple[str, int, str] | None = None  # model, max length, compat hash
         self.block_size = 0  # vLLM's KV block, in tokens: read with the model, 0 before
 
-    async def get(self, path: str, timeout_s: float, ok_statuses=(200,)) -> tuple[int, bytes]:
+    async def request(self, method: str, path: str, timeout_s: float, body: dict | None = None,
+                      ok_statuses=(200,)) -> tuple[int, bytes]:
+        """One HTTP call: (status, body); any other status than ``ok_statuses`` raises
+        ``VllmUnavailable`` with the start of vLLM's answer."""
+        data = None if body is None else orjson.dumps(body)
         try:
-            async with self._session().get(f"http://{self.address}{path}",
-                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-                body = await response.read()
+            async with self._session().request(method, f"http://{self.address}{path}", data=data,
+                                               headers={"Content-Type": "application/json"} if data else None,
+                                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                payload = await response.read()
         except TimeoutError:
-            raise VllmUnavailable(f"GET {path}: no answer in {timeout_s:g} s", is_timeout=True) from None
+            raise VllmUnavailable(f"{method} {path}: no answer in {timeout_s:g} s", is_timeout=True) from None
         except (aiohttp.ClientError, OSError) as exc:
-            raise VllmUnavailable(f"GET {path}: {type(exc).__name__}: {exc}") from None
+            raise VllmUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from None
         if response.status not in ok_statuses:
-            raise VllmUnavailable(f"GET {path}: HTTP {response.status}")
-        return response.status, body
+            said = f": {payload[:300].decode(errors='replace')}" if method == "POST" else ""
+            raise VllmUnavailable(f"{method} {path}: HTTP {response.status}{said}")
+        return response.status, payload
+
+    async def get(self, path: str, timeout_s: float, ok_statuses=(200,)) -> tuple[int, bytes]:
+        return await self.request("GET", path, timeout_s, ok_statuses=ok_statuses)
 
     async def health(self, timeout_s: float = 2.0) -> pb.HealthResponse:
         """``GET /health``, and once per server what does not change while it runs (its
@@ -154,19 +163,8 @@ class VllmServer:
             raise VllmUnavailable(f"GET /metrics: {exc}") from None
 
     async def post(self, path: str, body: dict, timeout_s: float) -> dict:
-        """A POST whose answer is one JSON object (vLLM's own error text when it is not 200)."""
-        try:
-            async with self._session().post(f"http://{self.address}{path}", data=orjson.dumps(body),
-                                            headers={"Content-Type": "application/json"},
-                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-                payload = await response.read()
-        except TimeoutError:
-            raise VllmUnavailable(f"POST {path}: no answer in {timeout_s:g} s", is_timeout=True) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise VllmUnavailable(f"POST {path}: {type(exc).__name__}: {exc}") from None
-        if response.status != 200:
-            raise VllmUnavailable(f"POST {path}: HTTP {response.status}: "
-                                  f"{payload[:300].decode(errors='replace')}")
+        """A POST whose answer is one JSON object."""
+        _, payload = await self.request("POST", path, timeout_s, body)
         try:
             answer = orjson.loads(payload)
         except orjson.JSONDecodeError:
