@@ -20,6 +20,10 @@ libraries, activations, allocator slack).
 
     .venv/bin/python benchmarks/engine_throughput.py            # full run
     .venv/bin/python benchmarks/engine_throughput.py --quick    # a short check
+    python benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32,128
+
+On CUDA both sides run on the GPU in the chosen dtype, and peak memory is
+``torch.cuda.max_memory_allocated`` instead of the process's RSS.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--quick", action="store_true",
                         help="batch 1 and 8, 64-token prompts, 16 new tokens")
     parser.add_argument("--worker", choices=["checkpoint", "pdserve", "transformers"],
@@ -66,6 +72,20 @@ def make_prompts(batch_size: int, prompt_len: int, vocab_size: int) -> list[list
 
 def rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def peak_bytes(device: str) -> int:
+    """The side's peak memory: the GPU's allocations on CUDA, else the process's RSS."""
+    if device.startswith("cuda"):
+        import torch
+        return torch.cuda.max_memory_allocated(device)
+    return rss_bytes()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize(device)
 
 
 # -- the checkpoint ---------------------------------------------------------------------
@@ -126,6 +146,7 @@ def run_pdserve(args: argparse.Namespace) -> dict:
     max_bs, seq_len = max(args.batch_sizes), args.prompt_len + args.new_tokens
     engine = LLMEngine(EngineConfig(
         model=args.checkpoint, block_size=BLOCK_SIZE, num_threads=args.threads,
+        device=args.device, dtype=args.dtype,
         num_kv_blocks=max_bs * math.ceil(seq_len / BLOCK_SIZE),
         max_num_seqs=max_bs, max_num_batched_tokens=max(2048, max_bs * args.prompt_len),
         enable_prefix_caching=False,
@@ -149,8 +170,8 @@ def run_pdserve(args: argparse.Namespace) -> dict:
     rows = {}
     for bs in args.batch_sizes:
         ttft, total, outputs = generate(make_prompts(bs, args.prompt_len, vocab), args.new_tokens)
-        rows[bs] = dict(ttft_s=ttft, total_s=total, first_output=outputs[0])
-    return dict(rows=rows, peak_rss_bytes=rss_bytes(), start_rss_bytes=start_rss,
+        rows[bs] = dict(ttft_s=ttft, total_s=total, outputs=outputs)
+    return dict(rows=rows, peak_rss_bytes=peak_bytes(args.device), start_rss_bytes=start_rss,
                 weights_bytes=weights_bytes, kv_cache_bytes=engine.runner.kv_cache_bytes)
 
 
@@ -160,8 +181,8 @@ def run_transformers(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     start_rss = rss_bytes()
-    model = transformers.LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
-    model.eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype))
+    model.to(args.device).eval()
     vocab = model.config.vocab_size
 
     class FirstTokenClock(transformers.LogitsProcessor):
@@ -172,6 +193,7 @@ def run_transformers(args: argparse.Namespace) -> dict:
 
         def __call__(self, input_ids, scores):
             if self.first_s is None:
+                sync(args.device)
                 self.first_s = time.perf_counter()
             return scores
 
@@ -179,12 +201,13 @@ def run_transformers(args: argparse.Namespace) -> dict:
     def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list]:
         clock = FirstTokenClock()
         t0 = time.perf_counter()
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=args.device)
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False,
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
             eos_token_id=None, logits_processor=transformers.LogitsProcessorList([clock]),
         )
+        sync(args.device)
         total = time.perf_counter() - t0
         assert out.shape[1] == ids.shape[1] + new_tokens
         return clock.first_s - t0, total, out[:, ids.shape[1]:].tolist()
@@ -193,8 +216,8 @@ def run_transformers(args: argparse.Namespace) -> dict:
     rows = {}
     for bs in args.batch_sizes:
         ttft, total, outputs = generate(make_prompts(bs, args.prompt_len, vocab), args.new_tokens)
-        rows[bs] = dict(ttft_s=ttft, total_s=total, first_output=outputs[0])
-    return dict(rows=rows, peak_rss_bytes=rss_bytes(), start_rss_bytes=start_rss)
+        rows[bs] = dict(ttft_s=ttft, total_s=total, outputs=outputs)
+    return dict(rows=rows, peak_rss_bytes=peak_bytes(args.device), start_rss_bytes=start_rss)
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -209,31 +232,42 @@ def rates(row: dict, bs: int, args: argparse.Namespace) -> tuple[float, float]:
 def report(args: argparse.Namespace, ours: dict, theirs: dict) -> None:
     mib = 2**20
     print(f"\nmodel={args.model} prompt_len={args.prompt_len} new_tokens={args.new_tokens} "
-          f"threads={args.threads} (float32, greedy)\n")
+          f"threads={args.threads} ({args.device}, {args.dtype}, greedy)\n")
     header = ("| batch | pdserve prefill tok/s | HF prefill tok/s | pdserve decode tok/s "
-              "| HF decode tok/s | decode ratio | same tokens |")
+              "| HF decode tok/s | decode ratio | same tokens (prompts; first difference at) |")
     print(header)
     print("|" + "|".join("---:" for _ in range(header.count("|") - 1)) + "|")
     for bs in args.batch_sizes:
         o, t = ours["rows"][str(bs)], theirs["rows"][str(bs)]
         op, od = rates(o, bs, args)
         tp, td = rates(t, bs, args)
-        same = "yes" if o["first_output"] == t["first_output"] else "no"
+        same = same_tokens(o["outputs"], t["outputs"])
         print(f"| {bs} | {op:,.0f} | {tp:,.0f} | {od:,.0f} | {td:,.0f} | {od / td:.2f}x | {same} |")
     budget = ours["weights_bytes"] + ours["kv_cache_bytes"]
     peak = ours["peak_rss_bytes"]
-    print(f"\npdserve engine process peak RSS: {peak / mib:,.0f} MiB; weights "
+    where = "GPU memory allocated" if args.device.startswith("cuda") else "RSS"
+    print(f"\npdserve engine peak {where}: {peak / mib:,.0f} MiB; weights "
           f"{ours['weights_bytes'] / mib:,.0f} MiB + KV budget {ours['kv_cache_bytes'] / mib:,.0f} MiB"
           f" = {budget / mib:,.0f} MiB; overhead {(peak - budget) / mib:,.0f} MiB "
           f"({ours['start_rss_bytes'] / mib:,.0f} MiB of it is Python and torch before loading)")
-    print(f"transformers process peak RSS: {theirs['peak_rss_bytes'] / mib:,.0f} MiB")
+    print(f"transformers peak {where}: {theirs['peak_rss_bytes'] / mib:,.0f} MiB")
+
+
+def same_tokens(ours: list[list[int]], theirs: list[list[int]]) -> str:
+    """How many prompts got the same greedy tokens, and where the first that did not
+    went apart (bfloat16 may round two near-equal logits the other way)."""
+    equal = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    apart = [next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+             for a, b in zip(ours, theirs, strict=True) if a != b]
+    return f"{equal}/{len(ours)}" + (f"; token {min(apart)}" if apart else "")
 
 
 def run_worker(side: str, args: argparse.Namespace, checkpoint: Path) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--checkpoint", str(checkpoint),
            "--batch-sizes", ",".join(map(str, args.batch_sizes)),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-           "--threads", str(args.threads), "--model", args.model]
+           "--threads", str(args.threads), "--model", args.model,
+           "--device", args.device, "--dtype", args.dtype]
     print(f"{side} ...", file=sys.stderr, flush=True)
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
