@@ -23,7 +23,10 @@ libraries, activations, allocator slack).
     python benchmarks/engine_throughput.py --device cuda --dtype bfloat16 --batch-sizes 1,8,32,128
 
 On CUDA both sides run on the GPU in the chosen dtype, and peak memory is
-``torch.cuda.max_memory_allocated`` instead of the process's RSS.
+``torch.cuda.max_memory_allocated`` instead of the process's RSS. The engine turns
+PyTorch's cuDNN attention backend off on CUDA (``pdserve/engine/device.py``);
+transformers keeps PyTorch's default unless ``--hf-without-cudnn-attention``.
+``--json PATH`` writes the table's figures and the token comparison.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N]")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--hf-without-cudnn-attention", action="store_true",
+                        help="transformers side: turn off PyTorch's cuDNN attention, as the engine does")
+    parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--quick", action="store_true",
                         help="batch 1 and 8, 64-token prompts, 16 new tokens")
     parser.add_argument("--worker", choices=["checkpoint", "pdserve", "transformers"],
@@ -180,6 +186,8 @@ def run_transformers(args: argparse.Namespace) -> dict:
     import transformers
 
     torch.set_num_threads(args.threads)
+    if args.hf_without_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     start_rss = rss_bytes()
     model = transformers.LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype))
     model.to(args.device).eval()
@@ -229,20 +237,28 @@ def rates(row: dict, bs: int, args: argparse.Namespace) -> tuple[float, float]:
     return prefill, decode
 
 
-def report(args: argparse.Namespace, ours: dict, theirs: dict) -> None:
+def report(args: argparse.Namespace, ours: dict, theirs: dict) -> list[dict]:
+    """Print the table and the memory lines; return the table's rows."""
     mib = 2**20
+    hf_attention = ", transformers without cuDNN attention" if args.hf_without_cudnn_attention else ""
     print(f"\nmodel={args.model} prompt_len={args.prompt_len} new_tokens={args.new_tokens} "
-          f"threads={args.threads} ({args.device}, {args.dtype}, greedy)\n")
-    header = ("| batch | pdserve prefill tok/s | HF prefill tok/s | pdserve decode tok/s "
-              "| HF decode tok/s | decode ratio | same tokens (prompts; first difference at) |")
+          f"threads={args.threads} ({args.device}, {args.dtype}, greedy{hf_attention})\n")
+    header = ("| batch | pdserve TTFT ms | HF TTFT ms | pdserve prefill tok/s | HF prefill tok/s "
+              "| pdserve decode tok/s | HF decode tok/s | decode ratio "
+              "| same tokens (prompts; first difference at) |")
     print(header)
     print("|" + "|".join("---:" for _ in range(header.count("|") - 1)) + "|")
+    table = []
     for bs in args.batch_sizes:
         o, t = ours["rows"][str(bs)], theirs["rows"][str(bs)]
         op, od = rates(o, bs, args)
         tp, td = rates(t, bs, args)
         same = same_tokens(o["outputs"], t["outputs"])
-        print(f"| {bs} | {op:,.0f} | {tp:,.0f} | {od:,.0f} | {td:,.0f} | {od / td:.2f}x | {same} |")
+        print(f"| {bs} | {o['ttft_s'] * 1e3:,.1f} | {t['ttft_s'] * 1e3:,.1f} | {op:,.0f} | {tp:,.0f} "
+              f"| {od:,.0f} | {td:,.0f} | {od / td:.2f}x | {same} |")
+        table.append(dict(batch=bs, pdserve_ttft_s=o["ttft_s"], hf_ttft_s=t["ttft_s"],
+                          pdserve_prefill_tok_s=op, hf_prefill_tok_s=tp,
+                          pdserve_decode_tok_s=od, hf_decode_tok_s=td, same_tokens=same))
     budget = ours["weights_bytes"] + ours["kv_cache_bytes"]
     peak = ours["peak_rss_bytes"]
     where = "GPU memory allocated" if args.device.startswith("cuda") else "RSS"
@@ -251,6 +267,7 @@ def report(args: argparse.Namespace, ours: dict, theirs: dict) -> None:
           f" = {budget / mib:,.0f} MiB; overhead {(peak - budget) / mib:,.0f} MiB "
           f"({ours['start_rss_bytes'] / mib:,.0f} MiB of it is Python and torch before loading)")
     print(f"transformers peak {where}: {theirs['peak_rss_bytes'] / mib:,.0f} MiB")
+    return table
 
 
 def same_tokens(ours: list[list[int]], theirs: list[list[int]]) -> str:
@@ -268,14 +285,24 @@ def run_worker(side: str, args: argparse.Namespace, checkpoint: Path) -> dict:
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
            "--threads", str(args.threads), "--model", args.model,
            "--device", args.device, "--dtype", args.dtype]
+    if args.hf_without_cudnn_attention:
+        cmd.append("--hf-without-cudnn-attention")
     print(f"{side} ...", file=sys.stderr, flush=True)
-    done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"error: the {side} worker exited with {done.returncode} (its error is above)")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker == "checkpoint":
+        from pdserve.engine.config import ConfigError
+        from pdserve.engine.device import prepare_device
+        try:
+            prepare_device(args.device)  # a missing device fails here, before either side runs
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
         build_checkpoint(args.model, Path(args.checkpoint))
         print(json.dumps({}))
         return
@@ -290,7 +317,14 @@ def main(argv: list[str] | None = None) -> None:
         run_worker("checkpoint", args, checkpoint)
         ours = run_worker("pdserve", args, checkpoint)
         theirs = run_worker("transformers", args, checkpoint)
-    report(args, ours, theirs)
+    table = report(args, ours, theirs)
+    if args.json:
+        keep = ("peak_rss_bytes", "weights_bytes", "kv_cache_bytes")
+        Path(args.json).write_text(json.dumps(dict(
+            args={k: v for k, v in vars(args).items() if k not in ("worker", "checkpoint")},
+            rows=table, pdserve={k: ours[k] for k in keep},
+            transformers={"peak_rss_bytes": theirs["peak_rss_bytes"]},
+        ), indent=1))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,12 @@
 
 ``npu`` works through ``torch_npu`` when it is installed. Everything else in the
 engine takes a ``torch.device`` and stays device-agnostic.
+
+On CUDA, PyTorch's cuDNN attention backend is turned off for the process: it builds
+an execution plan for every new shape, and the engine's attention changes shape every
+step (a decode's context grows by a token, prompts differ in length), so each step
+would pay a plan build (``benchmarks/sdpa_new_shape.py``). Flash and memory-efficient
+attention take any shape with no build.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ def prepare_device(device: str, num_threads: int | None = None) -> torch.device:
     kind = device.split(":")[0]
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' requested but no CUDA device is available")
+    if kind == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if kind == "npu":
         try:
             import torch_npu  # noqa: F401
