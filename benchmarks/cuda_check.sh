@@ -9,7 +9,7 @@
 #
 # Needs python3 with a CUDA build of torch and transformers. Wheels in .whl (pdserve's
 # other imports: pydantic, protobuf, ...) are installed into a scratch directory first,
-# for a machine that cannot reach a package index. Takes about 4 minutes on an H200.
+# for a machine that cannot reach a package index. Takes about 2 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-/tmp/pdserve-cuda-check}}
