@@ -13,7 +13,8 @@ side channel accepts a connection, and D takes a fresh prompt from P over the
 connector). Each finding is a ``Check`` row (pass / warn / fail, what was found, how
 to fix it); nothing raises but cancellation. Every call has a deadline, so one call of
 ``check_engines`` ends within about ``RPC_TIMEOUT_S * 2 + VLLM_TEST_TIMEOUT_S + 3``
-seconds whatever the engines do.
+seconds whatever the engines do (``VLLM_RPC_TIMEOUT_S * 3 + VLLM_TEST_TIMEOUT_S + 3``
+with vLLM engines).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from pdserve.runtime.vllm_server import VllmClient, VllmUnavailable, is_vllm_add
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 RPC_TIMEOUT_S = 5.0
+# A vLLM serves /health and /metrics from the event loop of its API server, which a busy
+# engine (or a host whose cores NIXL's progress threads keep busy) answers late: busy is
+# not dead, so vLLM gets longer.
+VLLM_RPC_TIMEOUT_S = 15.0
 PROBE_TIMEOUT_S = 5.0
 VLLM_TEST_TIMEOUT_S = 15.0  # a vLLM pair's whole test request: two computations of a short prompt
 SKEW_WARN_S, SKEW_FAIL_S = 1.0, 30.0  # clock skew to an engine: warn, fail
@@ -59,7 +64,8 @@ async def check_engines(instances: Sequence[cpb.InstanceView], security: Securit
         checks += check_hashes(instances)
         vllm = [c for c in clients.values() if isinstance(c, VllmClient)]
         if vllm:
-            versions = await asyncio.gather(*(c.version(RPC_TIMEOUT_S) for c in vllm), return_exceptions=True)
+            versions = await asyncio.gather(*(c.version(VLLM_RPC_TIMEOUT_S) for c in vllm),
+                                            return_exceptions=True)
             checks.append(check_vllm_versions([c.address for c in vllm], versions))
         pairs = [(p, d) for p in instances if p.role == "prefill" for d in instances if d.role == "decode"]
         probes = await asyncio.gather(*(_probe_pair(clients[p.instance_id], clients[d.instance_id], d)
@@ -88,10 +94,11 @@ async def _probe_pair(p, d, d_view) -> pb.ProbePeerResponse:
 async def _engine_facts(client: EngineClient):
     """(health, stats, clock skew in s or None, error or "")."""
     try:
+        timeout_s = VLLM_RPC_TIMEOUT_S if isinstance(client, VllmClient) else RPC_TIMEOUT_S
         sent = time.time()
-        health = await client.health(timeout_s=RPC_TIMEOUT_S)
+        health = await client.health(timeout_s=timeout_s)
         received = time.time()
-        stats = await client.stats(timeout_s=RPC_TIMEOUT_S)
+        stats = await client.stats(timeout_s=timeout_s)
     except grpc.aio.AioRpcError as exc:
         return None, None, None, f"{exc.code().name}: {exc.details()}"
     except VllmUnavailable as exc:
