@@ -65,6 +65,14 @@ HEARTBEAT_RULES = [_rule(
     "spec.heartbeat.failedAfterMissed must be greater than spec.heartbeat.suspectAfterMissed",
     ".failedAfterMissed",
 )]
+PLANNER_RULES = [
+    _rule("self.minPrefill <= self.maxPrefill",
+          "spec.planner.minPrefill must not exceed spec.planner.maxPrefill", ".minPrefill"),
+    _rule("self.minDecode <= self.maxDecode",
+          "spec.planner.minDecode must not exceed spec.planner.maxDecode", ".minDecode"),
+    _rule("self.minPrefill + self.minDecode <= self.maxEngines",
+          "spec.planner.maxEngines must hold at least minPrefill + minDecode engines", ".maxEngines"),
+]
 SPEC_RULES = [
     _rule(
         "self.prefill.replicas > 0 || self.decode.replicas > 0 || self.hybrid.replicas > 0",
@@ -350,6 +358,45 @@ class SLOSpec(ApiModel):
     """Time-per-output-token target, milliseconds."""
 
 
+class PlannerSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": PLANNER_RULES}):
+    """The SLO planner (the Controller's leader, ``controller/planner.py``): how many
+    prefill and decode engines the measured load needs to meet ``slo`` (2000 ms TTFT and
+    100 ms TPOT when unset). It switches an engine's role first (no new Pod), and
+    changes the pools' replicas when the total is wrong: the operator sets
+    ``prefill.replicas`` and ``decode.replicas`` of this PDCluster, ``pdserve up``
+    starts and stops engine processes. Off: role switching only under overload
+    (queue or KV usage), as before."""
+
+    enabled: bool = False
+    advisory: bool = False
+    """Decide and report (status, Events, metrics) but never act."""
+    min_prefill: int = Field(default=1, ge=1)
+    max_prefill: int = Field(default=8, ge=1)
+    min_decode: int = Field(default=1, ge=1)
+    max_decode: int = Field(default=8, ge=1)
+    max_engines: int = Field(default=16, ge=2)
+    """Prefill and decode engines in all, at most."""
+    interval_seconds: float = Field(default=5.0, gt=0, allow_inf_nan=False)
+    """How often the planner decides."""
+    window_seconds: float = Field(default=60.0, gt=0, allow_inf_nan=False)
+    """The load the model is learnt from."""
+    stable_intervals: int = Field(default=3, ge=1)
+    """Decisions in a row that must agree before one acts."""
+    cooldown_seconds: float = Field(default=120.0, ge=0, allow_inf_nan=False)
+    """After an action, how long before the next (its effect is measured first)."""
+    min_requests: int = Field(default=20, ge=1)
+    """Fewer requests in the window than this change nothing but an idle cluster's size."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PlannerSpec:
+        for rule, ok in zip(PLANNER_RULES, (self.min_prefill <= self.max_prefill,
+                                            self.min_decode <= self.max_decode,
+                                            self.min_prefill + self.min_decode <= self.max_engines), strict=True):
+            if not ok:
+                raise ValueError(rule["message"])
+        return self
+
+
 class TimeoutsSpec(ApiModel):
     """How long the Coordinator lets a request run. A generation's length is not known
     in advance, so no total bounds it unless set: a stream that keeps producing tokens
@@ -433,6 +480,7 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": [
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
     fallback: FallbackSpec = Field(default_factory=FallbackSpec)
     slo: SLOSpec = Field(default_factory=SLOSpec)
+    planner: PlannerSpec = Field(default_factory=PlannerSpec)
     timeouts: TimeoutsSpec = Field(default_factory=TimeoutsSpec)
     coordinator: ComponentSpec = Field(default_factory=ComponentSpec)
     controller: ComponentSpec = Field(default_factory=ComponentSpec)

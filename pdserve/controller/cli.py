@@ -24,6 +24,7 @@ from pdserve.controller.core import Controller, ControllerSettings
 from pdserve.controller.etcd_store import EtcdAccess
 from pdserve.controller.fallback import POOL_ROLES, FallbackSettings
 from pdserve.controller.health import HealthThresholds
+from pdserve.controller.planner import PlannerSettings
 from pdserve.controller.rebalance import RebalanceSettings
 from pdserve.controller.service import create_grpc_server, create_http_app
 from pdserve.controller.store import open_store
@@ -104,9 +105,24 @@ def build_settings(args: argparse.Namespace, cluster: PDCluster, identity: str) 
         cluster_name=cluster.metadata.name, identity=identity, leader_ttl_s=args.leader_ttl,
         lease_ttl_s=args.lease_ttl,
         cluster=ClusterSettings(thresholds=thresholds, fallback=fb, rebalance=rebalance,
+                                planner=planner_settings(spec),
+                                replicas=tuple((r, getattr(spec, r).replicas) for r in POOL_ROLES),
                                 replace_after_failures=args.replace_after_failures,
                                 replace_window_s=args.replace_window,
                                 forget_after_s=max(args.lease_ttl, thresholds.interval_s * 20)))
+
+
+def planner_settings(spec) -> PlannerSettings | None:
+    """``spec.planner`` with ``spec.slo`` (2000 ms TTFT, 100 ms TPOT when unset); None when off."""
+    p = spec.planner
+    if not p.enabled:
+        return None
+    return PlannerSettings(
+        ttft_ms=spec.slo.ttft_ms or 2000.0, tpot_ms=spec.slo.tpot_ms or 100.0,
+        interval_s=p.interval_seconds, window_s=p.window_seconds, cooldown_s=p.cooldown_seconds,
+        stable_ticks=p.stable_intervals, min_requests=p.min_requests, min_prefill=p.min_prefill,
+        max_prefill=p.max_prefill, min_decode=p.min_decode, max_decode=p.max_decode,
+        max_engines=p.max_engines, advisory=p.advisory)
 
 
 def listen_host(args: argparse.Namespace) -> str:

@@ -31,11 +31,23 @@ import time
 from dataclasses import dataclass
 
 from pdserve.api.proto import controller_pb2 as pb
-from pdserve.controller import fallback, health
+from pdserve.controller import fallback, health, planner
 from pdserve.controller.health import FAILED, READY, HealthThresholds, InstanceRecord
+from pdserve.controller.planner import Decision, Observation, Planner, PlannerSettings
 from pdserve.controller.rebalance import PoolMember, RebalancePolicy, RebalanceSettings
 
 log = logging.getLogger(__name__)
+
+
+# the planner's Observation field -> the heartbeat's cumulative counter it differences
+COUNTER_OF = {
+    "num_prefills": "num_prefills_total", "prompt_tokens": "num_prompt_tokens_total",
+    "prefill_busy_s": "prefill_busy_s_total", "prefill_queue_s": "prefill_queue_s_total",
+    "num_kv": "kv_transfers_ok", "kv_s": "kv_exposed_s_total", "num_finished": "num_finished_total",
+    "output_tokens": "num_generation_tokens_total", "num_steps": "num_decode_steps_total",
+    "batch": "decode_batch_total", "batch_sq": "decode_batch_sq_total", "step_s": "decode_step_s_total",
+    "batch_step_s": "decode_batch_step_s_total",
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,8 @@ class ClusterSettings:
     thresholds: HealthThresholds = HealthThresholds()
     fallback: fallback.FallbackSettings = fallback.FallbackSettings()
     rebalance: RebalanceSettings = RebalanceSettings()
+    planner: PlannerSettings | None = None   # on: it decides roles and pool sizes, rebalance is off
+    replicas: tuple[tuple[str, int], ...] = ()  # the spec's pool sizes, the planner's start
     replace_after_failures: int = 3
     replace_window_s: float = 600.0
     command_timeout_s: float = 30.0
@@ -80,6 +94,12 @@ class Cluster:
         # (None: queued, not yet delivered)
         self._drains: dict[str, float | None] = {}
         self._rebalance = RebalancePolicy(settings.rebalance)
+        self.planner = Planner(settings.planner) if settings.planner is not None else None
+        self.replicas: dict[str, int] = dict(settings.replicas)  # pool sizes the planner asks for
+        self.decision: Decision | None = None
+        self.last_action, self.last_action_unix_s, self.num_planner_actions = "", 0.0, 0
+        self._planned_s = float("-inf")
+        self._counters: dict[str, dict[str, float]] = {}  # instance id -> counters seen last
         self._view_key: tuple = ()
         self.view_version = 0
 
@@ -168,7 +188,11 @@ class Cluster:
         silence, then the mode, then role switches."""
         self._judge_silence(now_s)
         self._evaluate_mode(now_s)
-        self._rebalance_step(now_s)
+        if self.planner is None:
+            self._rebalance_step(now_s)
+        elif now_s - self._planned_s >= self.planner.settings.interval_s:
+            self._plan_step(now_s)
+            self._planned_s = now_s
         self._send_role_commands(now_s)
 
     def _judge_silence(self, now_s: float) -> None:
@@ -215,6 +239,90 @@ class Cluster:
             self.dirty.add(move.instance_id)
             self.record_event(f"{move.instance_id}: role switch {move.from_role} -> {move.to_role} "
                               f"({move.reason})", logging.WARNING)
+
+    def _plan_step(self, now_s: float) -> None:
+        """The SLO planner's tick: what the engines did since the last one, then its
+        decision; a switch changes the engine's assigned role (``_send_role_commands``
+        drains and switches it), a scale changes the pool size the actuators follow."""
+        self.planner.observe(self._observe(now_s, now_s - self._planned_s))
+        if self.mode.mode != fallback.PD or any(r.command_sent_s for r in self.records.values()):
+            return  # fallback, or a switch under way: its effect is not measurable yet
+        self.decision = d = self.planner.decide(self._planner_engines(), now_s)
+        if d.action is None:
+            return
+        self.num_planner_actions += 1
+        self.last_action, self.last_action_unix_s = planner.describe(d.action), time.time()
+        if d.action.kind == "switch":
+            rec = self.records[d.action.instance_id]
+            before, rec.assigned_role = rec.assigned_role, d.action.role
+            self.dirty.add(rec.instance_id)
+            self.record_event(f"{rec.instance_id}: role switch {before} -> {rec.assigned_role} "
+                              f"(planner: {d.reason})", logging.WARNING)
+        else:
+            pool = d.action.role
+            self.replicas[pool] = max(0, self.replicas.get(pool, 0) + d.action.delta)
+            self.meta_dirty = True
+            self.record_event(f"planner: {self.last_action}: {pool} pool to {self.replicas[pool]} "
+                              f"({d.reason})", logging.WARNING)
+
+    def _observe(self, now_s: float, span_s: float) -> Observation:
+        """The engines' counters since the last tick, summed. An engine seen for the first
+        time, or whose counters went back (a restart), sets its baseline only. KV
+        transfers count on P's side (D counts the same transfer too)."""
+        sums = dict.fromkeys(COUNTER_OF, 0.0)
+        seen = {}
+        for rec in self.records.values():
+            if not rec.is_heard or rec.health == FAILED:
+                continue
+            now = seen[rec.instance_id] = {k: rec.load.get(k, 0) for k in COUNTER_OF.values()}
+            last = self._counters.get(rec.instance_id)
+            if last is None or any(now[k] < last[k] for k in now):
+                continue
+            for field, counter in COUNTER_OF.items():
+                if field in ("num_kv", "kv_s") and rec.role == "decode":
+                    continue
+                sums[field] += now[counter] - last[counter]
+        self._counters = seen
+        return Observation(now_s, span_s=span_s if span_s < float("inf") else 0.0, **sums)
+
+    def _planner_engines(self) -> list[planner.Engine]:
+        """Prefill and decode engines as the planner counts them: one switching role
+        counts in its new role (starting), one draining in none; a pool the planner grew
+        and whose new engines have not reported yet has them pending."""
+        engines, alive = [], collections.Counter()
+        for r in self.records.values():
+            if r.assigned_role not in (planner.PREFILL, planner.DECODE) or r.health == FAILED:
+                continue
+            alive[r.pool] += 1
+            if r.health == health.DRAINING:
+                state = planner.DRAINING
+            elif r.health == READY and r.role == self.target_role(r):
+                state = planner.READY
+            else:
+                state = planner.STARTING
+            engines.append(planner.Engine(r.instance_id, r.assigned_role, state,
+                                          r.load.get("num_running", 0), r.load.get("num_waiting", 0)))
+        for pool in (planner.PREFILL, planner.DECODE):
+            engines += [planner.Engine(f"{pool}-pending-{i}", pool, planner.PENDING)
+                        for i in range(self.replicas.get(pool, 0) - alive[pool])]
+        return engines
+
+    def planner_view(self) -> pb.PlannerView | None:
+        if self.planner is None:
+            return None
+        s, d = self.planner.settings, self.decision
+        m = d.model if d is not None else None
+        return pb.PlannerView(
+            advisory=s.advisory, reason=d.reason if d else "no decision yet",
+            wanted_prefill=d.wanted[planner.PREFILL] if d else 0,
+            wanted_decode=d.wanted[planner.DECODE] if d else 0,
+            replicas_prefill=self.replicas.get(planner.PREFILL, 0),
+            replicas_decode=self.replicas.get(planner.DECODE, 0),
+            last_action=self.last_action, last_action_unix_s=self.last_action_unix_s,
+            num_actions=self.num_planner_actions,
+            request_rate=m.rate if m else 0.0, measured_ttft_s=m.measured_ttft_s if m else 0.0,
+            measured_tpot_s=m.measured_tpot_s if m else 0.0, prefill_tokens_per_s=m.prefill_tok_s if m else 0.0,
+            ttft_target_s=s.ttft_ms / 1e3, tpot_target_s=s.tpot_ms / 1e3)
 
     def _send_role_commands(self, now_s: float) -> None:
         for rec in self.records.values():
@@ -266,13 +374,13 @@ class Cluster:
         """The routable view (READY only); ``version`` bumps when its content changes."""
         routable = sorted((r for r in self.records.values() if r.health == READY),
                           key=lambda r: r.instance_id)
-        key = (self.mode.mode, self.mode.reason, leader, tuple(
+        key = (self.mode.mode, self.mode.reason, leader, tuple(sorted(self.replicas.items())), tuple(
             (r.instance_id, r.role, r.engine_address, r.kv_endpoint, r.kv_compat_hash) for r in routable))
         if key != self._view_key:
             self._view_key, self.view_version = key, self.view_version + 1
         return pb.ClusterView(
             version=self.view_version, mode=self.mode.mode, fallback_reason=self.mode.reason,
-            leader=leader, recent_events=list(self.events)[-10:],
+            leader=leader, recent_events=list(self.events)[-10:], planner=self.planner_view(),
             instances=[pb.InstanceView(
                 instance_id=r.instance_id, role=r.role, health=r.health,
                 engine_address=r.engine_address, kv_endpoint=r.kv_endpoint,

@@ -7,7 +7,8 @@ Keys under ``/pdserve/<cluster>/``:
   goes silent lets its entries expire; so does a Controller that dies with no
   standby to take over.
 - ``meta``: the mode (PD/FALLBACK/COLOCATED), missing pools, whether the cluster was
-  complete once. No lease: it is the cluster's, not a process's.
+  complete once, and the pool sizes the planner asks for. No lease: it is the
+  cluster's, not a process's.
 - ``replace/<id>``: a replacement request for the operator (``load_replacements``;
   ``delete_replacement`` once it has acted). No lease.
 - ``leader``: the elected Controller (see ``election.py``).
@@ -78,7 +79,9 @@ class StatePersister:
             cluster.records[rec.instance_id] = rec
         meta = await self.store.get(self.key("meta"))
         if meta:
-            cluster.mode = ModeState(**json.loads(meta))
+            data = json.loads(meta)
+            cluster.replicas.update(data.pop("planner_replicas", {}))
+            cluster.mode = ModeState(**data)
             cluster.mode.complete_since_s = None
         return cluster
 
@@ -161,7 +164,8 @@ class StatePersister:
             try:
                 await self._put(self.key("meta"), json.dumps({
                     "mode": m.mode, "reason": m.reason, "missing_roles": m.missing_roles,
-                    "has_been_complete": m.has_been_complete}))
+                    "has_been_complete": m.has_been_complete,
+                    **({"planner_replicas": cluster.replicas} if cluster.planner else {})}))
             except BaseException:
                 cluster.meta_dirty = True
                 raise

@@ -1,35 +1,44 @@
 """The SLO planner's policy: how many prefill and decode engines the load needs to meet
 ``spec.slo``, and the one cheapest action that moves the fleet towards it (pure: the
-caller passes the clock, the finished requests and the engines).
+caller passes the clock, the observations and the engines; ``Cluster`` runs it on the
+leader's tick).
 
 Inputs, each tick:
-- finished requests (``Sample``): prompt tokens and how many of them came from a
-  prefix cache, output tokens, and their stage times as the Coordinator measured them
-  (P queue, prefill, KV transfer, D queue, time per output token) with the decode
-  batch they ran in;
+- what the engines did since the last tick (``Observation``): the differences of the
+  cumulative counters each engine reports in its heartbeat's ``InstanceLoad``, summed:
+  prompts prefilled, prompt tokens computed (prefix-cache hits excluded), seconds of
+  prefill steps, queueing before prefill, KV transfers and their exposed time (the
+  part of the transfer the first token waits for), generations finished and their
+  tokens, and the decode steps with the sums of a line of step time against batch.
+  Counters cost the same at any load and come from every backend's engine;
 - the engines (``Engine``): role and state. A ``pending`` engine (a Pod not scheduled
   yet, a process not started) is not capacity: it is neither counted as serving nor
   allowed to trigger more of its role.
 
-Model, learnt online from the samples of the last ``window_s`` (no offline profile):
-- prefill speed ``r`` (tokens/s of one P engine): uncached prompt tokens over prefill
-  seconds, summed over the window;
-- decode step time against batch, ``tpot = a + b * batch`` (least squares over the
-  window; a flat line when the batches seen do not vary);
+Model, learnt online from the observations of the last ``window_s`` (no offline
+profile):
+- prefill speed ``r`` (tokens/s of one P engine): prompt tokens computed over prefill
+  seconds;
+- decode step time against batch, ``tpot = a + b * batch`` (least squares over every
+  decode step of the window; a flat line when the batches seen do not vary);
 - demand: request rate ``lam`` (the larger of the whole window's and its last
-  quarter's, so a rise is followed at once and a fall only once it lasts), mean
-  uncached prompt and output tokens, mean KV transfer time ``kv`` (its share of the
-  TTFT, which no peer models).
+  quarter's, each over the seconds its observations cover, so a rise is followed at
+  once and a fall only once it lasts), mean
+  computed prompt and output tokens, mean exposed KV transfer time ``kv`` (its share of
+  the TTFT, which no peer models).
 
 Wanted engines:
 - prefill: each of ``N`` P engines is a queue with utilisation ``rho = lam * s / N``
-  (``s``: one prompt's prefill time); its TTFT is about ``s / (1 - rho) + kv + dq``.
-  Meeting the TTFT target ``T`` takes ``N >= lam * s / (1 - s / (T - kv - dq))``;
-  when ``s`` alone exceeds the budget no number of engines helps, and the planner says
-  so rather than scaling;
+  (``s``: one prompt's prefill time); its TTFT is about ``s / (1 - rho) + kv``.
+  Meeting the TTFT target ``T`` takes ``N >= lam * s / (1 - s / (T - kv))``; when
+  ``s`` alone exceeds the budget no number of engines helps, and the planner says so
+  rather than scaling. A saturated pool finishes only what it can, so the measured
+  rate under-reads the demand: when the measured TTFT (queue + prefill + kv) breaks
+  the target, at least one engine more than runs is wanted;
 - decode: one D engine holds at most ``B = (tpot_target - a) / b`` streams within the
   TPOT target; by Little's law ``lam * out * tpot_target`` streams are in flight, so
-  ``N >= that / B``;
+  ``N >= that / B``; likewise one more than runs when the measured step time at the
+  measured batch breaks the target;
 - both within ``[min, max]`` per pool and ``max_engines`` in all (a budget too small
   for both is shared in proportion to what each wants).
 
@@ -43,7 +52,7 @@ Actions, cheapest first, one at a time:
 
 Anti-oscillation: a decision acts only after it was the same for ``stable_ticks``
 ticks in a row; after an action nothing more until ``cooldown_s`` has passed (the
-effect is measured before the next move); too few samples (``min_samples``) change
+effect is measured before the next move); too few requests (``min_requests``) change
 nothing but scale-downs of an idle cluster, never below the minimums. In
 ``advisory`` mode the decision is reported and never acted on.
 """
@@ -62,10 +71,11 @@ READY, STARTING, PENDING, DRAINING = "ready", "starting", "pending", "draining"
 class PlannerSettings:
     ttft_ms: float = 2000.0
     tpot_ms: float = 100.0
+    interval_s: float = 5.0        # between decisions (the caller's tick)
     window_s: float = 60.0
     cooldown_s: float = 120.0
     stable_ticks: int = 3
-    min_samples: int = 20
+    min_requests: int = 20
     headroom: float = 0.8          # a scale-down keeps predicted latencies under this share of the SLO
     min_prefill: int = 1
     max_prefill: int = 64
@@ -76,19 +86,50 @@ class PlannerSettings:
 
 
 @dataclass(frozen=True)
-class Sample:
-    """One finished request as the Coordinator timed it."""
+class Observation:
+    """What the engines did since the last tick, summed over them (the differences of
+    their cumulative counters, ``InstanceLoad``), or one finished request (``of_request``)."""
 
     at_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    prefill_queue_s: float
-    prefill_s: float
-    kv_s: float
-    decode_queue_s: float
-    tpot_s: float
-    decode_batch: float
+    span_s: float = 0.0             # the seconds it covers (0: one request)
+    num_prefills: int = 0           # prompts prefilled to their first token
+    prompt_tokens: float = 0.0      # prompt tokens computed (prefix-cache hits excluded)
+    prefill_busy_s: float = 0.0     # seconds of steps that computed prompt tokens
+    prefill_queue_s: float = 0.0    # summed over the prompts: arrival to first scheduled
+    num_kv: int = 0                 # KV transfers done
+    kv_s: float = 0.0               # summed: the transfers' time not hidden behind prefill
+    num_finished: int = 0           # generations ended (stop or length)
+    output_tokens: float = 0.0
+    # decode steps (only decode tokens computed): count, and the sums of the least
+    # squares line of step time against batch
+    num_steps: float = 0.0
+    batch: float = 0.0
+    batch_sq: float = 0.0
+    step_s: float = 0.0
+    batch_step_s: float = 0.0
+
+    @classmethod
+    def of_request(cls, at_s: float, prompt_tokens: int, output_tokens: int, prefill_s: float,
+                   tpot_s: float, decode_batch: float, prefill_queue_s: float = 0.0,
+                   kv_s: float = 0.0) -> Observation:
+        """One request, its decode as ``output_tokens`` steps of ``tpot_s`` at ``decode_batch``."""
+        n = float(output_tokens)
+        return cls(at_s, 0.0, 1, prompt_tokens, prefill_s, prefill_queue_s, 1, kv_s, 1, n, n, n * decode_batch,
+                   n * decode_batch ** 2, n * tpot_s, n * decode_batch * tpot_s)
+
+
+COUNTED = tuple(f for f in Observation.__dataclass_fields__ if f != "at_s")
+
+
+def total(observations) -> Observation:
+    """The sum of ``observations`` (its ``at_s``: the last one's)."""
+    sums = dict.fromkeys(COUNTED, 0.0)
+    at_s = 0.0
+    for o in observations:
+        at_s = o.at_s
+        for f in COUNTED:
+            sums[f] += getattr(o, f)
+    return Observation(at_s, **sums)
 
 
 @dataclass(frozen=True)
@@ -112,15 +153,27 @@ class Action:
 class Model:
     """What the window says of the load and of one engine's speed."""
 
-    num_samples: int
+    num_requests: int           # prompts prefilled in the window
     rate: float                 # requests/s
-    prompt_tokens: float        # uncached, per request
+    prompt_tokens: float        # computed (uncached), per request
     output_tokens: float
     prefill_tok_s: float        # one P engine
-    kv_s: float
-    decode_queue_s: float
+    prefill_queue_s: float      # measured, per request
+    kv_s: float                 # measured, per transfer: the part the TTFT waits for
     step_a_s: float             # tpot = a + b * batch
     step_b_s: float
+    decode_batch: float = 0.0   # measured, mean over the decode steps
+
+    @property
+    def measured_tpot_s(self) -> float:
+        return self.step_a_s + self.step_b_s * self.decode_batch
+
+    @property
+    def measured_ttft_s(self) -> float:
+        """What the requests of the window waited for their first token (without the
+        Coordinator's own time): queue, prefill, exposed KV transfer."""
+        prefill_s = self.prompt_tokens / self.prefill_tok_s if self.prefill_tok_s else 0.0
+        return self.prefill_queue_s + prefill_s + self.kv_s
 
 
 @dataclass(frozen=True)
@@ -132,42 +185,44 @@ class Decision:
     model: Model | None = None
 
 
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares ``y = a + b x``; a flat line through the mean when x does not vary."""
-    n = len(xs)
-    mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    var = sum((x - mean_x) ** 2 for x in xs)
-    if var < 1e-9:
-        return mean_y, 0.0
-    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
-    return mean_y - b * mean_x, b
+def fit_line(n: float, sx: float, sy: float, sxx: float, sxy: float) -> tuple[float, float]:
+    """Least squares ``y = a + b x`` from its sums; a flat line through the mean when x
+    does not vary."""
+    if n <= 0:
+        return 0.0, 0.0
+    var = sxx - sx * sx / n
+    if var < 1e-9 * max(1.0, sxx):
+        return sy / n, 0.0
+    b = (sxy - sx * sy / n) / var
+    return (sy - b * sx) / n, b
 
 
-def learn(samples: list[Sample], now_s: float, window_s: float) -> Model:
-    """The model of the window's samples (``samples``: already limited to the window)."""
-    n = len(samples)
+def learn(observations, now_s: float, window_s: float) -> Model:
+    """The model of the window's observations (already limited to the window)."""
+    observations = list(observations)
+    t = total(observations)
+    n = int(t.num_prefills)
     if n == 0:
         return Model(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    recent = sum(1 for s in samples if s.at_s >= now_s - window_s / 4)
-    rate = max(n / window_s, recent / (window_s / 4))
-    uncached = [max(0, s.prompt_tokens - s.cached_tokens) for s in samples]
-    prefill_time = sum(s.prefill_s for s in samples)
-    a, b = fit_line([s.decode_batch for s in samples], [s.tpot_s for s in samples])
+    recent = total(o for o in observations if o.at_s >= now_s - window_s / 4)
+    a, b = fit_line(t.num_steps, t.batch, t.step_s, t.batch_sq, t.batch_step_s)
     return Model(
-        num_samples=n, rate=rate, prompt_tokens=sum(uncached) / n,
-        output_tokens=sum(s.output_tokens for s in samples) / n,
-        prefill_tok_s=sum(uncached) / prefill_time if prefill_time > 0 else 0.0,
-        kv_s=sum(s.kv_s for s in samples) / n, decode_queue_s=sum(s.decode_queue_s for s in samples) / n,
-        step_a_s=max(a, 0.0), step_b_s=max(b, 0.0))
+        num_requests=n, rate=max(n / (t.span_s or window_s), recent.num_prefills / (recent.span_s or window_s / 4)),
+        prompt_tokens=t.prompt_tokens / n,
+        output_tokens=t.output_tokens / t.num_finished if t.num_finished else 0.0,
+        prefill_tok_s=t.prompt_tokens / t.prefill_busy_s if t.prefill_busy_s > 0 else 0.0,
+        prefill_queue_s=t.prefill_queue_s / n, kv_s=t.kv_s / t.num_kv if t.num_kv else 0.0,
+        step_a_s=max(a, 0.0), step_b_s=max(b, 0.0),
+        decode_batch=t.batch / t.num_steps if t.num_steps else 0.0)
 
 
 def predicted_ttft_s(m: Model, num_prefill: int) -> float:
     """TTFT on ``num_prefill`` P engines (inf when they cannot keep up)."""
     if m.rate == 0 or m.prefill_tok_s == 0:
-        return m.kv_s + m.decode_queue_s
+        return m.kv_s
     s = m.prompt_tokens / m.prefill_tok_s
     rho = m.rate * s / max(num_prefill, 1e-9)
-    return math.inf if rho >= 1 else s / (1 - rho) + m.kv_s + m.decode_queue_s
+    return math.inf if rho >= 1 else s / (1 - rho) + m.kv_s
 
 
 def predicted_tpot_s(m: Model, num_decode: int, tpot_target_s: float) -> float:
@@ -181,7 +236,7 @@ def wanted_prefill(m: Model, ttft_s: float) -> int | None:
     if m.rate == 0 or m.prefill_tok_s == 0:
         return 0
     s = m.prompt_tokens / m.prefill_tok_s
-    budget = ttft_s - m.kv_s - m.decode_queue_s
+    budget = ttft_s - m.kv_s
     if s >= budget:
         return None
     return math.ceil(m.rate * s / (1 - s / budget) - 1e-9)
@@ -189,7 +244,7 @@ def wanted_prefill(m: Model, ttft_s: float) -> int | None:
 
 def wanted_decode(m: Model, tpot_s: float) -> int | None:
     """D engines for the TPOT target, or None when one step alone is slower than it."""
-    if m.rate == 0:
+    if m.rate == 0 or m.output_tokens == 0:
         return 0
     if m.step_a_s >= tpot_s:
         return None
@@ -202,19 +257,19 @@ def wanted_decode(m: Model, tpot_s: float) -> int | None:
 @dataclass
 class Planner:
     settings: PlannerSettings
-    samples: deque[Sample] = field(default_factory=deque)
+    observations: deque[Observation] = field(default_factory=deque)
     _last: tuple[Action | None, int] = (None, 0)   # the decision seen last and how many ticks in a row
     _acted_s: float = -math.inf
 
-    def observe(self, sample: Sample) -> None:
-        self.samples.append(sample)
+    def observe(self, observation: Observation) -> None:
+        self.observations.append(observation)
 
     def decide(self, engines: list[Engine], now_s: float) -> Decision:
         """One tick: what the load wants, and the action to take now (None: hold)."""
         s = self.settings
-        while self.samples and self.samples[0].at_s < now_s - s.window_s:
-            self.samples.popleft()
-        model = learn(list(self.samples), now_s, s.window_s)
+        while self.observations and self.observations[0].at_s < now_s - s.window_s:
+            self.observations.popleft()
+        model = learn(self.observations, now_s, s.window_s)
         have = {r: sum(e.role == r and e.state in (READY, STARTING) for e in engines) for r in (PREFILL, DECODE)}
         pending = {r: sum(e.role == r and e.state == PENDING for e in engines) for r in (PREFILL, DECODE)}
         wanted, unreachable = self._wanted(model, have)
@@ -242,10 +297,10 @@ class Planner:
         when the SLO cannot be met by engines alone."""
         s = self.settings
         notes = []
-        if m.num_samples < s.min_samples:
+        if m.num_requests < s.min_requests:
             # too little traffic to learn from: keep what runs, within the bounds
             want = {PREFILL: have[PREFILL], DECODE: have[DECODE]}
-            if m.num_samples == 0:  # idle: the minimums do
+            if m.num_requests == 0:  # idle: the minimums do
                 want = {PREFILL: s.min_prefill, DECODE: s.min_decode}
         else:
             p = wanted_prefill(m, s.ttft_ms / 1e3)
@@ -258,15 +313,22 @@ class Planner:
                 notes.append(f"one decode step ({m.step_a_s * 1e3:.0f} ms) exceeds the TPOT target: "
                              "more engines do not help")
                 d = s.max_decode
+            # a saturated pool under-reads the demand: what the requests measured decides
+            if p is not None and p <= have[PREFILL] and m.measured_ttft_s > s.ttft_ms / 1e3:
+                notes.append(f"measured TTFT {m.measured_ttft_s * 1e3:.0f} ms over the target")
+                p = have[PREFILL] + 1
+            if d is not None and d <= have[DECODE] and m.measured_tpot_s > s.tpot_ms / 1e3:
+                notes.append(f"measured TPOT {m.measured_tpot_s * 1e3:.0f} ms over the target")
+                d = have[DECODE] + 1
             want = {PREFILL: p, DECODE: d}
         want = {PREFILL: min(max(want[PREFILL], s.min_prefill), s.max_prefill),
                 DECODE: min(max(want[DECODE], s.min_decode), s.max_decode)}
-        total = want[PREFILL] + want[DECODE]
-        if total > s.max_engines:
+        count = want[PREFILL] + want[DECODE]
+        if count > s.max_engines:
             p = max(s.min_prefill, min(s.max_engines - s.min_decode,
-                                       round(s.max_engines * want[PREFILL] / total)))
+                                       round(s.max_engines * want[PREFILL] / count)))
             want = {PREFILL: p, DECODE: s.max_engines - p}
-            notes.append(f"the budget of {s.max_engines} engines is short of {total}")
+            notes.append(f"the budget of {s.max_engines} engines is short of {count}")
         return want, "; ".join(notes)
 
     def _action(self, engines: list[Engine], m: Model, have: dict[str, int], pending: dict[str, int],
@@ -300,7 +362,7 @@ class Planner:
                 fits = predicted_ttft_s(m, fewer) <= s.headroom * s.ttft_ms / 1e3
             else:
                 fits = predicted_tpot_s(m, fewer, s.tpot_ms / 1e3) <= s.headroom * s.tpot_ms / 1e3
-            if m.num_samples == 0 or fits:
+            if m.num_requests == 0 or fits:
                 return Action("scale", role, -1), f"{summary}: the load fits on {fewer} {role} engine(s)"
         return None, f"{summary}: a surplus, but one engine fewer would come too close to the SLO"
 

@@ -197,8 +197,11 @@ class LLMEngine:
         self.last_step_idle = not batch and not outputs
         if batch:
             hook = self.connector.layer_hook(batch.items) if self.connector is not None else None
+            num_prefill = sum(n for r, n in batch.items if r.num_computed_tokens < r.num_prompt_tokens or n > 1)
+            started = time.perf_counter()
             sampled = self.runner.execute(batch, hook)
             changes = self.scheduler.postprocess(batch, sampled, self.output.detokenize)
+            self.scheduler.counters.step(num_prefill, len(batch.items), time.perf_counter() - started)
             outputs += self.output.build(changes)
         return outputs
 
@@ -223,7 +226,7 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             num_prompt_tokens_total=sched.num_prompt_tokens_total,
             num_generation_tokens_total=sched.num_generation_tokens_total,
-            role=self.config.role, model=self.model_config.name, **kv,
+            **sched.counters.fields(), role=self.config.role, model=self.model_config.name, **kv,
             **(self.kv_pool.stats_fields() if self.kv_pool is not None else {}),
         )
 

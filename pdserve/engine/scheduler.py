@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.load_counters import LoadCounters
 from pdserve.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_total = 0  # prefilled, recomputation after preemption excluded
         self.num_generation_tokens_total = 0
+        self.counters = LoadCounters()
 
     @property
     def num_unfinished(self) -> int:
@@ -203,8 +205,9 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            if request.first_token_s is None:
+            if request.first_token_s is None:  # prefilled here
                 request.first_token_s = now
+                self.counters.prefilled(request)
             changes.append(self._append_token(request, token, detokenize))
         return changes
 
@@ -272,6 +275,8 @@ class Scheduler:
         them until no write can land (``request_finished``). Idempotent."""
         if not request.finish(status, error):
             return False
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.counters.num_finished_total += 1
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

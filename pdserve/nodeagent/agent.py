@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.api.proto import LOAD_COUNTERS
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.nodeagent.launch import EmbeddedLaunch, ProbeFailed, VllmLaunch
@@ -176,7 +177,8 @@ class Agent:
             num_kv_blocks_used=s.num_kv_blocks_used, num_kv_blocks_free=s.num_kv_blocks_free,
             prompt_tokens_per_s=prompt_rate, generation_tokens_per_s=gen_rate,
             prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
-            prefix_cache_query_tokens=s.prefix_cache_query_tokens)
+            prefix_cache_query_tokens=s.prefix_cache_query_tokens,
+            **{name: getattr(s, name) for name in LOAD_COUNTERS})
 
     # --- heartbeats -------------------------------------------------------------
     def _connect(self) -> pb_grpc.ControllerStub:

@@ -86,6 +86,19 @@ def stats_from_metrics(text: str, identity: VllmIdentity) -> pb.StatsResponse:
             else:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
     used = round(values.get("vllm:kv_cache_usage_perc", 0.0) * blocks)
+    planner = {}  # the planner's counters from vLLM's per-request histograms
+    if identity.role != "decode":  # a D's requests "prefill" by loading P's KV
+        planner.update(
+            num_prefills_total=int(values.get("vllm:request_prefill_time_seconds_count", 0)),
+            # per request, so batched prefills overlap: it over-reads busy time
+            prefill_busy_s_total=values.get("vllm:request_prefill_time_seconds_sum", 0.0),
+            prefill_queue_s_total=values.get("vllm:request_queue_time_seconds_sum", 0.0))
+    if identity.role != "prefill":  # a P's requests end after their one token
+        # no batch per step: a flat line at the mean inter-token latency
+        planner.update(
+            num_finished_total=int(values.get("vllm:request_success_total", 0)),
+            num_decode_steps_total=int(values.get("vllm:inter_token_latency_seconds_count", 0)),
+            decode_step_s_total=values.get("vllm:inter_token_latency_seconds_sum", 0.0))
     return pb.StatsResponse(
         num_running=int(values.get("vllm:num_requests_running", 0)),
         num_waiting=int(values.get("vllm:num_requests_waiting", 0)),
@@ -94,10 +107,11 @@ def stats_from_metrics(text: str, identity: VllmIdentity) -> pb.StatsResponse:
         prefix_cache_query_tokens=int(values.get("vllm:prefix_cache_queries_total", 0)),
         prefix_cache_hit_tokens=int(values.get("vllm:prefix_cache_hits_total", 0)),
         num_preemptions=int(values.get("vllm:num_preemptions_total", 0)),
-        num_prompt_tokens_total=int(values.get("vllm:prompt_tokens_total", 0)),
+        num_prompt_tokens_total=int(values.get("vllm:prompt_tokens_total", 0)
+                                    - values.get("vllm:prompt_tokens_cached_total", 0)),
         num_generation_tokens_total=int(values.get("vllm:generation_tokens_total", 0)),
         role=identity.role, kv_transport=kv_transport_of(identity.kv_connector),
-        kv_endpoint=identity.kv_endpoint)
+        kv_endpoint=identity.kv_endpoint, **planner)
 
 
 class VllmServer:

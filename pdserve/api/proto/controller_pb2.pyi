@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InstanceLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "prompt_tokens_per_s", "generation_tokens_per_s", "prefix_cache_hit_tokens", "prefix_cache_query_tokens")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "prompt_tokens_per_s", "generation_tokens_per_s", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_prompt_tokens_total", "num_generation_tokens_total", "num_prefills_total", "prefill_busy_s_total", "prefill_queue_s_total", "num_decode_steps_total", "decode_batch_total", "decode_batch_sq_total", "decode_step_s_total", "decode_batch_step_s_total", "num_finished_total", "kv_transfers_ok", "kv_exposed_s_total")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,19 @@ class InstanceLoad(_message.Message):
     GENERATION_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATION_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BUSY_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_SQ_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_STEP_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_OK_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPOSED_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_used: int
@@ -24,7 +37,20 @@ class InstanceLoad(_message.Message):
     generation_tokens_per_s: float
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ...) -> None: ...
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_prefills_total: int
+    prefill_busy_s_total: float
+    prefill_queue_s_total: float
+    num_decode_steps_total: int
+    decode_batch_total: float
+    decode_batch_sq_total: float
+    decode_step_s_total: float
+    decode_batch_step_s_total: float
+    num_finished_total: int
+    kv_transfers_ok: int
+    kv_exposed_s_total: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., num_prefills_total: _Optional[int] = ..., prefill_busy_s_total: _Optional[float] = ..., prefill_queue_s_total: _Optional[float] = ..., num_decode_steps_total: _Optional[int] = ..., decode_batch_total: _Optional[float] = ..., decode_batch_sq_total: _Optional[float] = ..., decode_step_s_total: _Optional[float] = ..., decode_batch_step_s_total: _Optional[float] = ..., num_finished_total: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_exposed_s_total: _Optional[float] = ...) -> None: ...
 
 class InstanceReport(_message.Message):
     __slots__ = ("instance_id", "role", "process_state", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "load", "num_restarts", "probe_ok", "last_error", "pool", "max_model_len")
@@ -119,20 +145,56 @@ class InstanceView(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., health: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., model: _Optional[str] = ..., last_heartbeat_unix_s: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class ClusterView(_message.Message):
-    __slots__ = ("version", "mode", "fallback_reason", "instances", "leader", "recent_events")
+    __slots__ = ("version", "mode", "fallback_reason", "instances", "leader", "recent_events", "planner")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     RECENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PLANNER_FIELD_NUMBER: _ClassVar[int]
     version: int
     mode: str
     fallback_reason: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceView]
     leader: str
     recent_events: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., mode: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceView, _Mapping]]] = ..., leader: _Optional[str] = ..., recent_events: _Optional[_Iterable[str]] = ...) -> None: ...
+    planner: PlannerView
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceView, _Mapping]]] = ..., leader: _Optional[str] = ..., recent_events: _Optional[_Iterable[str]] = ..., planner: _Optional[_Union[PlannerView, _Mapping]] = ...) -> None: ...
+
+class PlannerView(_message.Message):
+    __slots__ = ("advisory", "wanted_prefill", "wanted_decode", "replicas_prefill", "replicas_decode", "reason", "last_action", "last_action_unix_s", "num_actions", "request_rate", "measured_ttft_s", "measured_tpot_s", "prefill_tokens_per_s", "ttft_target_s", "tpot_target_s")
+    ADVISORY_FIELD_NUMBER: _ClassVar[int]
+    WANTED_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    WANTED_DECODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_DECODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACTION_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACTION_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TPOT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
+    TPOT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
+    advisory: bool
+    wanted_prefill: int
+    wanted_decode: int
+    replicas_prefill: int
+    replicas_decode: int
+    reason: str
+    last_action: str
+    last_action_unix_s: float
+    num_actions: int
+    request_rate: float
+    measured_ttft_s: float
+    measured_tpot_s: float
+    prefill_tokens_per_s: float
+    ttft_target_s: float
+    tpot_target_s: float
+    def __init__(self, advisory: _Optional[bool] = ..., wanted_prefill: _Optional[int] = ..., wanted_decode: _Optional[int] = ..., replicas_prefill: _Optional[int] = ..., replicas_decode: _Optional[int] = ..., reason: _Optional[str] = ..., last_action: _Optional[str] = ..., last_action_unix_s: _Optional[float] = ..., num_actions: _Optional[int] = ..., request_rate: _Optional[float] = ..., measured_ttft_s: _Optional[float] = ..., measured_tpot_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., ttft_target_s: _Optional[float] = ..., tpot_target_s: _Optional[float] = ...) -> None: ...
 
 class WatchViewRequest(_message.Message):
     __slots__ = ("coordinator_id", "cluster_token")

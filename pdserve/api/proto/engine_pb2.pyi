@@ -308,7 +308,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "kv_cache_bytes", "block_size", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_prompt_tokens_total", "num_generation_tokens_total", "role", "model", "kv_transport", "kv_endpoint", "kv_compat_hash", "num_kv_transfers_active", "num_kv_blocks_quarantined", "kv_transfers_ok", "kv_transfers_failed", "kv_transfer_bytes", "kv_exposed_s_total", "kv_pool_enabled", "kv_pool_up", "kv_pool_lookup_blocks", "kv_pool_hit_blocks", "kv_pool_put_blocks", "kv_pool_fetched_bytes", "kv_pool_put_bytes", "kv_pool_put_dropped")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_total", "num_kv_blocks_used", "num_kv_blocks_free", "kv_cache_bytes", "block_size", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_prompt_tokens_total", "num_generation_tokens_total", "role", "model", "kv_transport", "kv_endpoint", "kv_compat_hash", "num_kv_transfers_active", "num_kv_blocks_quarantined", "kv_transfers_ok", "kv_transfers_failed", "kv_transfer_bytes", "kv_exposed_s_total", "kv_pool_enabled", "kv_pool_up", "kv_pool_lookup_blocks", "kv_pool_hit_blocks", "kv_pool_put_blocks", "kv_pool_fetched_bytes", "kv_pool_put_bytes", "kv_pool_put_dropped", "num_prefills_total", "prefill_busy_s_total", "prefill_queue_s_total", "num_decode_steps_total", "decode_batch_total", "decode_batch_sq_total", "decode_step_s_total", "decode_batch_step_s_total", "num_finished_total")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +340,15 @@ class StatsResponse(_message.Message):
     KV_POOL_FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_PUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_PUT_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BUSY_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_SQ_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_STEP_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_total: int
@@ -371,4 +380,13 @@ class StatsResponse(_message.Message):
     kv_pool_fetched_bytes: int
     kv_pool_put_bytes: int
     kv_pool_put_dropped: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., num_kv_transfers_active: _Optional[int] = ..., num_kv_blocks_quarantined: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_exposed_s_total: _Optional[float] = ..., kv_pool_enabled: _Optional[bool] = ..., kv_pool_up: _Optional[bool] = ..., kv_pool_lookup_blocks: _Optional[int] = ..., kv_pool_hit_blocks: _Optional[int] = ..., kv_pool_put_blocks: _Optional[int] = ..., kv_pool_fetched_bytes: _Optional[int] = ..., kv_pool_put_bytes: _Optional[int] = ..., kv_pool_put_dropped: _Optional[int] = ...) -> None: ...
+    num_prefills_total: int
+    prefill_busy_s_total: float
+    prefill_queue_s_total: float
+    num_decode_steps_total: int
+    decode_batch_total: float
+    decode_batch_sq_total: float
+    decode_step_s_total: float
+    decode_batch_step_s_total: float
+    num_finished_total: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_total: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., num_kv_transfers_active: _Optional[int] = ..., num_kv_blocks_quarantined: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_exposed_s_total: _Optional[float] = ..., kv_pool_enabled: _Optional[bool] = ..., kv_pool_up: _Optional[bool] = ..., kv_pool_lookup_blocks: _Optional[int] = ..., kv_pool_hit_blocks: _Optional[int] = ..., kv_pool_put_blocks: _Optional[int] = ..., kv_pool_fetched_bytes: _Optional[int] = ..., kv_pool_put_bytes: _Optional[int] = ..., kv_pool_put_dropped: _Optional[int] = ..., num_prefills_total: _Optional[int] = ..., prefill_busy_s_total: _Optional[float] = ..., prefill_queue_s_total: _Optional[float] = ..., num_decode_steps_total: _Optional[int] = ..., decode_batch_total: _Optional[float] = ..., decode_batch_sq_total: _Optional[float] = ..., decode_step_s_total: _Optional[float] = ..., decode_batch_step_s_total: _Optional[float] = ..., num_finished_total: _Optional[int] = ...) -> None: ...

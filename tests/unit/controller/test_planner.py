@@ -1,6 +1,7 @@
 """The SLO planner's policy on synthetic timings: each test makes the requests a load
 would finish with (``load``: prefill time from prompt tokens at a P engine's speed,
-decode step time from the batch) and reads what the planner wants and does."""
+decode step time from the batch, one ``Observation`` per request) and reads what the
+planner wants and does."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ from pdserve.controller.planner import (
     READY,
     Action,
     Engine,
+    Observation,
     Planner,
     PlannerSettings,
-    Sample,
     learn,
     predicted_tpot_s,
     wanted_decode,
     wanted_prefill,
 )
 
-SLO = PlannerSettings(ttft_ms=1000, tpot_ms=50, window_s=60, cooldown_s=120, stable_ticks=3, min_samples=20,
+SLO = PlannerSettings(ttft_ms=1000, tpot_ms=50, window_s=60, cooldown_s=120, stable_ticks=3, min_requests=20,
                       max_engines=16)
 
 
@@ -33,10 +34,10 @@ def load(planner: Planner, now_s: float, rate: float, prompt: int, output: int, 
     n = int(rate * planner.settings.window_s)
     for i in range(n):
         jitter = 1 + rng.uniform(-noise, noise)
-        planner.observe(Sample(
-            at_s=now_s - planner.settings.window_s + (i + 0.5) / rate, prompt_tokens=prompt, cached_tokens=0,
-            output_tokens=output, prefill_queue_s=0.0, prefill_s=prompt / prefill_tok_s * jitter, kv_s=kv_s,
-            decode_queue_s=0.005, tpot_s=(step_a + step_b * (batch + i % 3)) * jitter, decode_batch=batch + i % 3))
+        planner.observe(Observation.of_request(
+            at_s=now_s - planner.settings.window_s + (i + 0.5) / rate, prompt_tokens=prompt,
+            output_tokens=output, prefill_s=prompt / prefill_tok_s * jitter, kv_s=kv_s,
+            tpot_s=(step_a + step_b * (batch + i % 3)) * jitter, decode_batch=batch + i % 3))
 
 
 def fleet(p: int, d: int, pending_p: int = 0, pending_d: int = 0) -> list[Engine]:
@@ -51,7 +52,7 @@ def ticks(planner: Planner, engines: list[Engine], start_s: float, n: int, step_
     out = []
     for k in range(n):
         now = start_s + k * step_s
-        planner.samples.clear()
+        planner.observations.clear()
         load(planner, now, seed=k, **shape)
         out.append(planner.decide(engines, now))
     return out
@@ -60,8 +61,8 @@ def ticks(planner: Planner, engines: list[Engine], start_s: float, n: int, step_
 def test_the_model_learns_prefill_speed_decode_step_line_and_demand():
     planner = Planner(SLO)
     load(planner, 100.0, rate=2.0, prompt=2000, output=100, prefill_tok_s=5000, step_a=0.012, step_b=0.002)
-    m = learn(list(planner.samples), 100.0, 60.0)
-    assert m.num_samples == 120 and abs(m.rate - 2.0) < 0.05
+    m = learn(planner.observations, 100.0, 60.0)
+    assert m.num_requests == 120 and abs(m.rate - 2.0) < 0.05
     assert abs(m.prefill_tok_s - 5000) < 1 and m.prompt_tokens == 2000 and m.output_tokens == 100
     assert abs(m.step_a_s - 0.012) < 1e-9 and abs(m.step_b_s - 0.002) < 1e-9
 
@@ -72,7 +73,7 @@ def test_prefill_queueing_that_breaks_ttft_scales_prefill_up_after_the_signal_ho
     decisions = ticks(planner, fleet(1, 1), 1000.0, 3, rate=3.0, prompt=2000, output=20)
     wanted = decisions[-1].wanted
     m = decisions[-1].model
-    # s = 0.5 s, budget = 1 - 0.02 - 0.005: N >= 1.5 / (1 - 0.5/0.975) = 3.08 -> 4
+    # s = 0.5 s, budget = 1 - 0.02: N >= 1.5 / (1 - 0.5/0.98) = 3.06 -> 4
     assert wanted[PREFILL] == wanted_prefill(m, 1.0) == 4
     assert [d.action for d in decisions[:2]] == [None, None] and "1/3" in decisions[0].reason
     assert decisions[2].action == Action("scale", PREFILL, +1), decisions[2].reason
@@ -104,7 +105,7 @@ def test_a_noisy_signal_around_a_threshold_does_not_flap():
     actions = []
     for k in range(60):  # ten minutes of 10 s ticks, the rate moving either side of 2 P's limit
         now = 1000.0 + 10 * k
-        planner.samples.clear()
+        planner.observations.clear()
         load(planner, now, rate=1.0 + (0.35 if k % 2 else -0.35), prompt=2000, output=1000, noise=0.2, seed=k)
         if (d := planner.decide(engines, now)).action is not None:
             actions.append(d.action)
@@ -132,7 +133,7 @@ def test_cooldown_after_an_action_and_one_action_at_a_time():
 
 
 def test_scale_down_only_when_the_load_fits_on_one_engine_fewer():
-    settings = PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_samples=20, max_engines=16)
+    settings = PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=16)
     planner = Planner(settings)
     # a light load on 4 D: 1 is wanted, and 3 would still leave room
     decisions = ticks(planner, fleet(1, 4), 1000.0, 1, rate=0.5, prompt=200, output=100, batch=4)

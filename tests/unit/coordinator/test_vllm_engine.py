@@ -587,3 +587,28 @@ def test_the_doctor_checks_vllm_engines_their_versions_and_a_test_request_throug
             await d.stop()
 
     asyncio.run(scenario())
+
+
+def test_stats_give_the_planner_prefill_counters_on_p_and_decode_counters_on_d():
+    text = "\n".join([
+        "# TYPE vllm:prompt_tokens counter", 'vllm:prompt_tokens_total{engine="0"} 1000.0',
+        "# TYPE vllm:prompt_tokens_cached counter", 'vllm:prompt_tokens_cached_total{engine="0"} 300.0',
+        "# TYPE vllm:request_prefill_time_seconds histogram",
+        'vllm:request_prefill_time_seconds_count{engine="0"} 4.0',
+        'vllm:request_prefill_time_seconds_sum{engine="0"} 0.8',
+        "# TYPE vllm:request_queue_time_seconds histogram",
+        'vllm:request_queue_time_seconds_count{engine="0"} 4.0',
+        'vllm:request_queue_time_seconds_sum{engine="0"} 0.2',
+        "# TYPE vllm:request_success counter",
+        'vllm:request_success_total{engine="0",finished_reason="length"} 3.0',
+        'vllm:request_success_total{engine="0",finished_reason="stop"} 1.0',
+        "# TYPE vllm:inter_token_latency_seconds histogram",
+        'vllm:inter_token_latency_seconds_count{engine="0"} 50.0',
+        'vllm:inter_token_latency_seconds_sum{engine="0"} 2.5', ""])
+    p = stats_from_metrics(text, VllmIdentity(role="prefill", kv_endpoint="h:5", kv_connector="NixlConnector"))
+    assert p.num_prompt_tokens_total == 700  # computed: the cached ones excluded
+    assert (p.num_prefills_total, p.prefill_busy_s_total, p.prefill_queue_s_total) == (4, 0.8, 0.2)
+    assert (p.num_finished_total, p.num_decode_steps_total) == (0, 0)  # P's one-token requests
+    d = stats_from_metrics(text, VllmIdentity(role="decode", kv_endpoint="h:6", kv_connector="NixlConnector"))
+    assert (d.num_prefills_total, d.prefill_busy_s_total) == (0, 0.0)  # D loads P's KV
+    assert (d.num_finished_total, d.num_decode_steps_total, d.decode_step_s_total) == (4, 50, 2.5)
