@@ -153,9 +153,7 @@ class Cluster:
             self._command(rec, "drain", deadline_s=deadline_s)
             self._drains[instance_id] = None
             self.record_event(f"{rec.instance_id}: drain requested by the operator")
-        pending = self._pending.get(rec.agent_id, [])
-        is_delivered = not any(c.instance_id == instance_id and c.kind == "drain" for c in pending)
-        if is_delivered and self._drains[instance_id] is None:
+        if self._is_drain_delivered(rec) and self._drains[instance_id] is None:
             self._drains[instance_id] = rec.last_heartbeat_s
         delivered_at = self._drains[instance_id]
         num_running, num_waiting = rec.load.get("num_running", 0), rec.load.get("num_waiting", 0)
@@ -163,6 +161,12 @@ class Cluster:
                    and num_running == 0 and num_waiting == 0)
         return DrainProgress(is_known=True, is_drained=is_idle or rec.health == FAILED,
                              num_running=num_running, num_waiting=num_waiting, health=rec.health)
+
+    def _is_drain_delivered(self, rec: InstanceRecord) -> bool:
+        """A drain was requested and its command has gone out to the agent."""
+        pending = self._pending.get(rec.agent_id, [])
+        return rec.instance_id in self._drains and not any(
+            c.instance_id == rec.instance_id and c.kind == "drain" for c in pending)
 
     def clear_replacement(self, instance_id: str) -> None:
         """Called once the operator deleted the instance's Pod for recreation (its
@@ -203,13 +207,21 @@ class Cluster:
         is_grace = now_s - self.started_s < t.interval_s * t.failed_after_missed
         for rec in list(self.records.values()):
             missed = 0.0 if is_grace else (now_s - rec.last_heartbeat_s) / t.interval_s
+            if self._is_drain_delivered(rec) and missed >= t.suspect_after_missed:
+                # drained on request (scale-down), then stopped: it left, it did not fail
+                self._forget(rec.instance_id, "stopped after its drain")
+                continue
             new = health.health_from_silence(rec.health, missed, t)
             self._set_health(rec, new, f"missed {int(missed)} heartbeats", now_s)
             if rec.health == FAILED and now_s - rec.last_heartbeat_s >= self.settings.forget_after_s:
-                del self.records[rec.instance_id]
-                self._drains.pop(rec.instance_id, None)
-                self.removed.add(rec.instance_id)
-                self.record_event(f"{rec.instance_id}: forgotten (silent for {self.settings.forget_after_s:g}s)")
+                self._forget(rec.instance_id, f"silent for {self.settings.forget_after_s:g}s")
+
+    def _forget(self, instance_id: str, why: str) -> None:
+        del self.records[instance_id]
+        self._drains.pop(instance_id, None)
+        self._counters.pop(instance_id, None)
+        self.removed.add(instance_id)
+        self.record_event(f"{instance_id}: forgotten ({why})")
 
     def _evaluate_mode(self, now_s: float) -> None:
         """PD <-> FALLBACK (hybrid fallback) from the alive instances of each pool."""

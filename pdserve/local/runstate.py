@@ -69,6 +69,14 @@ class RunState:
 
     def add(self, name: str, pgid: int) -> None:
         self.groups[name] = pgid
+        self._write()
+
+    def remove(self, name: str) -> None:
+        """A process of the run stopped on purpose (the planner's scale-down)."""
+        self.groups.pop(name, None)
+        self._write()
+
+    def _write(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"owner": os.getpid(), "groups": self.groups}))

@@ -2,7 +2,9 @@
 
 Starts the Controller (in-memory store), one NodeAgent with every instance of
 the prefill, decode and hybrid pools (it launches the engines, pinned to each
-pool's ``cpuAffinity`` cores) and, when this build has one, the Coordinator on
+pool's ``cpuAffinity`` cores; with ``spec.planner.enabled`` one NodeAgent per engine,
+and the run starts and stops engines as the planner asks: ``local/agents.py``) and,
+when this build has one, the Coordinator on
 ``--host``/``--port`` with the spec's settings (``component_args.coordinator_argv``,
 the operator's mapping too). ``--model`` and ``--kv-cache-bytes`` change the spec
 before anything starts, so every component runs the same changed spec.
@@ -30,9 +32,7 @@ import argparse
 import contextlib
 import errno
 import importlib
-import json
 import os
-import re
 import secrets
 import signal
 import socket
@@ -40,21 +40,16 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
-
-import grpc
 
 from pdserve.api import PDCluster
 from pdserve.api.cluster import ModelSpec
 from pdserve.api.common import bytes_arg
 from pdserve.api.component_args import coordinator_argv
-from pdserve.api.instance import instance_name
 from pdserve.api.manifest import default_cluster, dump_manifest
 from pdserve.api.proto import controller_pb2 as pb
-from pdserve.api.proto import controller_pb2_grpc as pb_grpc
+from pdserve.local.agents import POOLS, LocalAgents, get_view
 from pdserve.local.runstate import RunState, default_run_dir, stop_in_order
 from pdserve.runtime import extras
 from pdserve.runtime.gguf_file import is_gguf
@@ -66,11 +61,9 @@ from pdserve.runtime.model_source import (
     resolve_dtype,
 )
 from pdserve.runtime.model_source import check as check_model_source
-from pdserve.runtime.security import TOKEN_FILE_ENV, SecuritySettings, create_channel
+from pdserve.runtime.security import TOKEN_FILE_ENV, SecuritySettings
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
-POOLS = ("prefill", "decode", "hybrid")
-STATUS_TIMEOUT_S = 1.0
 
 
 class StartError(RuntimeError):
@@ -240,6 +233,13 @@ class Launcher:
     def dead(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.poll() is not None]
 
+    def stop_one(self, name: str) -> None:
+        """Stop one process of the run (the planner's scale-down) and forget it."""
+        proc = self.procs.pop(name)
+        stop_in_order([proc.pid])
+        proc.wait()
+        self.state.remove(name)
+
     def stop(self) -> None:
         """Newest first, each in turn: a component stops its own children (the NodeAgent
         its engines) before the one it talks to (the Controller) goes away."""
@@ -254,30 +254,6 @@ def tail(path: Path, num_lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
     except OSError:
         return ""
-
-
-def get_view(address: str, security: SecuritySettings) -> pb.ClusterView | None:
-    import asyncio
-
-    async def go():
-        async with create_channel(address, security) as channel:
-            return await pb_grpc.ControllerStub(channel).GetView(
-                pb.WatchViewRequest(coordinator_id="pdserve-up"), timeout=2, metadata=security.metadata())
-
-    try:
-        return asyncio.run(go())
-    except grpc.RpcError:
-        return None
-
-
-def get_engine_status(http_port: int) -> list[dict]:
-    """The NodeAgent's ``/status`` engines; [] while it does not answer."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status",
-                                    timeout=STATUS_TIMEOUT_S) as reply:
-            return json.load(reply)["engines"]
-    except (OSError, urllib.error.URLError, ValueError, KeyError):
-        return []
 
 
 def describe_start_failure(engine: dict) -> str:
@@ -341,12 +317,6 @@ def pool_sizes(cluster: PDCluster) -> dict[str, int]:
     return {pool: getattr(cluster.spec, pool).replicas for pool in POOLS}
 
 
-def instance_args(cluster: PDCluster) -> list[str]:
-    """The NodeAgent's ``--instance ID=POOL`` flags: one per replica of every pool."""
-    return [f"--instance={instance_name(cluster.metadata.name, pool, i)}={pool}"
-            for pool, num in pool_sizes(cluster).items() for i in range(num)]
-
-
 def describe_pools(sizes: dict[str, int]) -> str:
     return " + ".join(f"{num} {pool}" for pool, num in sizes.items() if num)
 
@@ -371,19 +341,20 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     launcher.state.write_addresses(controller=controller)
     # Every engine serves its Prometheus metrics on a free port (its line in the
     # NodeAgent's log says which), as the operator's engine Pods do on theirs.
-    instances, engine_args = instance_args(cluster), []
+    engine_args = []
     if spec.engine.backend == "embedded":
         engine_args.append("--engine-arg=--metrics-port=0")
     if spec.kv_pool.enabled:
         if (pool := start_kv_pool(launcher)) is None:
             return 0
         engine_args.append(f"--engine-arg=--kv-pool={pool}")
-    launcher.spawn("nodeagent", ["nodeagent", "-f", str(spec_file), "--controller", controller,
-                                 "--host", "127.0.0.1", "--agent-id", f"{name}-local", "--pin-cpus",
-                                 *instances, *engine_args])
-    if (line := launcher.wait_line("nodeagent", "supervising", 60)) is None:
+    agents = LocalAgents(name, spec_file, controller, security, sizes, engine_args,
+                         one_per_engine=spec.planner.enabled, spawn=launcher.spawn,
+                         wait_ready=lambda agent: launcher.wait_line(agent, "supervising", 60),
+                         stop=launcher.stop_one, say=_say)
+    if not agents.start_all():
         return 0
-    agent_http_port = int(re.search(r"http port (\d+)", line).group(1))
+    instances = agents.instances()
     if has_coordinator():
         launcher.spawn("coordinator", coordinator_argv(cluster, args.host, args.port, controller))
         launcher.state.write_addresses(coordinator=f"http://{url_host(args.host)}:{args.port}")
@@ -392,16 +363,18 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     while not stop.is_set():
         if dead := launcher.dead():
             raise StartError(f"{dead[0]} exited:\n{tail(launcher.log_path(dead[0]))}")
-        failing = [e for e in get_engine_status(agent_http_port) if e["failing_to_start"]]
+        failing = [e for e in agents.engine_status() if e["failing_to_start"]]
         if failing and not is_up:
             raise StartError("\n".join(map(describe_start_failure, failing))
-                             + f"\n(whole output: {launcher.log_path('nodeagent')})")
+                             + f"\n(whole output: {launcher.log_path(failing[0]['agent'])})")
         for engine in failing:
             if engine["instance_id"] not in reported:
                 print(f"warning: {describe_start_failure(engine)}", flush=True)
         reported = {e["instance_id"] for e in failing}
         view = get_view(controller, security)
-        progress = describe(view, sizes)
+        if is_up and view is not None and view.HasField("planner"):
+            agents.follow(view.planner)
+        progress = describe(view, agents.sizes)
         if progress != last:
             print(f"[{time.monotonic() - started:5.1f}s] {progress}", flush=True)
             last = progress

@@ -54,6 +54,22 @@ def test_an_instance_forgotten_and_registered_again_is_drained_afresh():
     assert [x.kind for x in c.apply_heartbeat("agent", [report("d0", num_running=2)], 42.0)] == ["drain"]
 
 
+def test_a_drained_instance_that_goes_silent_left_and_is_not_a_failover():
+    c = Cluster(ClusterSettings(), now_s=0.0)
+    c.started_s = -100.0
+    c.apply_heartbeat("agent", [report("d0"), report("d1")], 1.0)
+    c.request_drain("d0", 5.0)
+    c.apply_heartbeat("agent", [report("d0"), report("d1")], 2.0)  # delivers the drain
+    for now in (3.0, 4.0, 5.0, 6.0, 7.0):  # d0 stopped; d1 beats on
+        c.apply_heartbeat("agent", [report("d1")], now)
+        c.tick(now)
+    assert "d0" not in c.records and "d0" in c.removed
+    assert c.num_failovers == 0 and any("d0: forgotten (stopped after its drain)" in e for e in c.events)
+    for now in range(8, 30):  # silence without a drain still fails over
+        c.tick(float(now))
+    assert c.records["d1"].health == "FAILED" and c.num_failovers == 1
+
+
 def test_acknowledging_a_replacement_clears_the_failure_history_and_forget_drops_all():
     c = Cluster(ClusterSettings(), now_s=0.0)
     c.apply_heartbeat("agent", [report("d0")], 1.0)
