@@ -256,6 +256,8 @@ class Cluster:
         """The SLO planner's tick: what the engines did since the last one, then its
         decision; a switch changes the engine's assigned role (``_send_role_commands``
         drains and switches it), a scale changes the pool size the actuators follow."""
+        if not self.mode.has_been_complete:
+            return  # still starting: not idle, not measurable
         self.planner.observe(self._observe(now_s, now_s - self._planned_s))
         if self.mode.mode != fallback.PD or any(r.command_sent_s for r in self.records.values()):
             return  # fallback, or a switch under way: its effect is not measurable yet
@@ -306,7 +308,7 @@ class Cluster:
             if r.assigned_role not in (planner.PREFILL, planner.DECODE) or r.health == FAILED:
                 continue
             alive[r.pool] += 1
-            if r.health == health.DRAINING:
+            if r.health == health.DRAINING or r.instance_id in self._drains:  # leaving
                 state = planner.DRAINING
             elif r.health == READY and r.role == self.target_role(r):
                 state = planner.READY

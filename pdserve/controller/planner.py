@@ -48,12 +48,15 @@ Actions, cheapest first, one at a time:
 2. the total is short: +1 in the pool short by the larger share, unless that pool has
    a pending engine (then wait: more Pods would pend too);
 3. the total is over: -1 in the pool with a surplus, only when the load re-predicted
-   on one engine fewer still meets the SLO with ``headroom`` to spare.
+   on one engine fewer still meets the SLO with ``headroom`` to spare, and the other
+   pool is not itself close to its target (then the surplus engine is kept: it is the
+   other pool's cheapest capacity, a switch away).
 
 Anti-oscillation: a decision acts only after it was the same for ``stable_ticks``
 ticks in a row; after an action nothing more until ``cooldown_s`` has passed (the
 effect is measured before the next move); too few requests (``min_requests``) change
-nothing but scale-downs of an idle cluster, never below the minimums. In
+nothing but scale-downs of a cluster idle for a whole window (not one just started),
+never below the minimums. In
 ``advisory`` mode the decision is reported and never acted on.
 """
 
@@ -163,6 +166,7 @@ class Model:
     step_a_s: float             # tpot = a + b * batch
     step_b_s: float
     decode_batch: float = 0.0   # measured, mean over the decode steps
+    span_s: float = 0.0         # the seconds the window's observations cover
 
     @property
     def measured_tpot_s(self) -> float:
@@ -203,7 +207,7 @@ def learn(observations, now_s: float, window_s: float) -> Model:
     t = total(observations)
     n = int(t.num_prefills)
     if n == 0:
-        return Model(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return Model(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, span_s=t.span_s)
     recent = total(o for o in observations if o.at_s >= now_s - window_s / 4)
     a, b = fit_line(t.num_steps, t.batch, t.step_s, t.batch_sq, t.batch_step_s)
     return Model(
@@ -213,7 +217,7 @@ def learn(observations, now_s: float, window_s: float) -> Model:
         prefill_tok_s=t.prompt_tokens / t.prefill_busy_s if t.prefill_busy_s > 0 else 0.0,
         prefill_queue_s=t.prefill_queue_s / n, kv_s=t.kv_s / t.num_kv if t.num_kv else 0.0,
         step_a_s=max(a, 0.0), step_b_s=max(b, 0.0),
-        decode_batch=t.batch / t.num_steps if t.num_steps else 0.0)
+        decode_batch=t.batch / t.num_steps if t.num_steps else 0.0, span_s=t.span_s)
 
 
 def predicted_ttft_s(m: Model, num_prefill: int) -> float:
@@ -300,7 +304,7 @@ class Planner:
         if m.num_requests < s.min_requests:
             # too little traffic to learn from: keep what runs, within the bounds
             want = {PREFILL: have[PREFILL], DECODE: have[DECODE]}
-            if m.num_requests == 0:  # idle: the minimums do
+            if m.num_requests == 0 and m.span_s >= 0.9 * s.window_s:  # idle for a whole window
                 want = {PREFILL: s.min_prefill, DECODE: s.min_decode}
         else:
             p = wanted_prefill(m, s.ttft_ms / 1e3)
@@ -355,16 +359,23 @@ class Planner:
             if have[PREFILL] + have[DECODE] + pending[PREFILL] + pending[DECODE] >= s.max_engines:
                 return None, f"{summary}: at the budget of {s.max_engines} engines"
             return Action("scale", role, +1), f"{summary}: {role} is short"
-        # 3. the total is over: -1 only if the load re-predicted on one fewer meets the SLO
+        # 3. the total is over: -1 only if the load re-predicted on one fewer meets the SLO,
+        # and the other pool is not close to its own target (the surplus engine is its
+        # cheapest capacity: a switch, no new Pod, once it needs it)
         for role in sorted((r for r in (PREFILL, DECODE) if short[r] < 0), key=lambda r: short[r]):
-            fewer = have[role] - 1
-            if role == PREFILL:
-                fits = predicted_ttft_s(m, fewer) <= s.headroom * s.ttft_ms / 1e3
-            else:
-                fits = predicted_tpot_s(m, fewer, s.tpot_ms / 1e3) <= s.headroom * s.tpot_ms / 1e3
-            if m.num_requests == 0 or fits:
-                return Action("scale", role, -1), f"{summary}: the load fits on {fewer} {role} engine(s)"
+            other = DECODE if role == PREFILL else PREFILL
+            if m.num_requests and not self._comfortable(m, other, have[other]):
+                return None, f"{summary}: a {role} surplus kept, {other} runs close to its target"
+            if m.num_requests == 0 or self._comfortable(m, role, have[role] - 1):
+                return Action("scale", role, -1), f"{summary}: the load fits on {have[role] - 1} {role} engine(s)"
         return None, f"{summary}: a surplus, but one engine fewer would come too close to the SLO"
+
+    def _comfortable(self, m: Model, role: str, num: int) -> bool:
+        """The load predicted on ``num`` engines of ``role`` stays under ``headroom`` of its target."""
+        s = self.settings
+        if role == PREFILL:
+            return predicted_ttft_s(m, num) <= s.headroom * s.ttft_ms / 1e3
+        return predicted_tpot_s(m, num, s.tpot_ms / 1e3) <= s.headroom * s.tpot_ms / 1e3
 
 
 def _key(action: Action) -> tuple[str, str, int]:

@@ -158,8 +158,22 @@ def test_advisory_mode_reports_and_never_acts():
     assert d.action is None and d.reason.startswith("advisory: would add one prefill engine")
 
 
-def test_an_idle_cluster_shrinks_to_the_minimums_one_engine_at_a_time():
-    planner = Planner(PlannerSettings(stable_ticks=1, cooldown_s=0, min_prefill=1, min_decode=1))
+def test_an_idle_cluster_shrinks_to_the_minimums_one_engine_at_a_time_once_idle_a_whole_window():
+    planner = Planner(PlannerSettings(stable_ticks=1, cooldown_s=0, min_prefill=1, min_decode=1, window_s=60))
     engines = fleet(3, 2)
-    d = planner.decide(engines, 1000.0)
+    planner.observe(Observation(1000.0, span_s=30.0))  # just started: half a window seen
+    assert planner.decide(engines, 1000.0).action is None
+    planner.observe(Observation(1030.0, span_s=30.0))
+    d = planner.decide(engines, 1030.0)
     assert d.wanted == {PREFILL: 1, DECODE: 1} and d.action.kind == "scale" and d.action.delta == -1
+
+
+def test_a_surplus_engine_is_kept_while_the_other_pool_runs_close_to_its_target():
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=5, max_engines=16))
+    # 0.4 prompts/s of 2800 tokens: 1 P meets the TTFT (0.99 s) but above 0.8 of it; D idle
+    d = ticks(planner, fleet(1, 2), 1000.0, 1, rate=0.4, prompt=2800, output=10)[-1]
+    assert d.wanted == {PREFILL: 1, DECODE: 1} and d.action is None
+    assert "decode surplus kept, prefill runs close to its target" in d.reason
+    # a light prefill load: the decode surplus goes
+    d = ticks(planner, fleet(1, 2), 2000.0, 1, rate=0.4, prompt=500, output=10)[-1]
+    assert d.action == Action("scale", DECODE, -1), d.reason
