@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rebalance-window", type=float, default=30.0, help="seconds of imbalance before a role switch")
     p.add_argument("--rebalance-min-interval", type=float, default=120.0, help="seconds between role switches")
     p.add_argument("--no-rebalance", action="store_true", help="never switch roles")
+    p.add_argument("--planner", choices=("spec", "off", "advisory", "on"), default="spec",
+                   help="the SLO planner: as spec.planner says, or off, advisory (decide and report "
+                        "only) or on, overriding it")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
@@ -105,24 +108,27 @@ def build_settings(args: argparse.Namespace, cluster: PDCluster, identity: str) 
         cluster_name=cluster.metadata.name, identity=identity, leader_ttl_s=args.leader_ttl,
         lease_ttl_s=args.lease_ttl,
         cluster=ClusterSettings(thresholds=thresholds, fallback=fb, rebalance=rebalance,
-                                planner=planner_settings(spec),
+                                planner=planner_settings(spec, args.planner),
                                 replicas=tuple((r, getattr(spec, r).replicas) for r in POOL_ROLES),
                                 replace_after_failures=args.replace_after_failures,
                                 replace_window_s=args.replace_window,
                                 forget_after_s=max(args.lease_ttl, thresholds.interval_s * 20)))
 
 
-def planner_settings(spec) -> PlannerSettings | None:
-    """``spec.planner`` with ``spec.slo`` (2000 ms TTFT, 100 ms TPOT when unset); None when off."""
+def planner_settings(spec, override: str = "spec") -> PlannerSettings | None:
+    """``spec.planner`` with ``spec.slo`` (2000 ms TTFT, 100 ms TPOT when unset), turned
+    on, off or advisory by ``override`` (``--planner``); None when off."""
     p = spec.planner
-    if not p.enabled:
+    enabled = p.enabled if override == "spec" else override != "off"
+    if not enabled:
         return None
+    advisory = {"spec": p.advisory, "on": False, "advisory": True}[override]
     return PlannerSettings(
         ttft_ms=spec.slo.ttft_ms or 2000.0, tpot_ms=spec.slo.tpot_ms or 100.0,
         interval_s=p.interval_seconds, window_s=p.window_seconds, cooldown_s=p.cooldown_seconds,
         stable_ticks=p.stable_intervals, min_requests=p.min_requests, min_prefill=p.min_prefill,
         max_prefill=p.max_prefill, min_decode=p.min_decode, max_decode=p.max_decode,
-        max_engines=p.max_engines, advisory=p.advisory)
+        max_engines=p.max_engines, advisory=advisory)
 
 
 def listen_host(args: argparse.Namespace) -> str:

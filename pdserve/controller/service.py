@@ -130,6 +130,35 @@ class ControllerCollector:
         store = GaugeMetricFamily("pdserve_controller_store_ok", "1 while the state store answers")
         store.add_metric([], float(c.election.is_store_ok and c.persister.is_store_ok))
         yield store
+        view = cluster.planner_view() if cluster else None
+        if view is not None:
+            yield from planner_metrics(view)
+
+
+def planner_metrics(p):
+    """``pdserve_controller_planner_*``: the SLO planner's last decision (leader only)."""
+    engines = GaugeMetricFamily("pdserve_controller_planner_engines",
+                                "Engines by role: wanted for the SLO, asked for (pool sizes the actuators run)",
+                                labels=["role", "kind"])
+    for role in ("prefill", "decode"):
+        engines.add_metric([role, "wanted"], getattr(p, f"wanted_{role}"))
+        engines.add_metric([role, "asked"], getattr(p, f"replicas_{role}"))
+    yield engines
+    actions = CounterMetricFamily("pdserve_controller_planner_actions", "Planner actions taken (switches and scales)")
+    actions.add_metric([], p.num_actions)
+    yield actions
+    for name, doc, value in (
+            ("request_rate", "Prompts prefilled per second over the planner's window", p.request_rate),
+            ("measured_ttft_seconds", "Queue + prefill + exposed KV transfer per request, over the window",
+             p.measured_ttft_s),
+            ("measured_tpot_seconds", "Decode step time at the measured batch, over the window", p.measured_tpot_s),
+            ("ttft_target_seconds", "The TTFT target the planner plans for", p.ttft_target_s),
+            ("tpot_target_seconds", "The TPOT target the planner plans for", p.tpot_target_s),
+            ("prefill_tokens_per_second", "One prefill engine's speed as learnt", p.prefill_tokens_per_s),
+            ("advisory", "1 when the planner only reports", float(p.advisory))):
+        gauge = GaugeMetricFamily(f"pdserve_controller_planner_{name}", doc)
+        gauge.add_metric([], value)
+        yield gauge
 
 
 def create_http_app(controller: Controller) -> web.Application:

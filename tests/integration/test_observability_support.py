@@ -65,7 +65,8 @@ class LocalCluster:
     def _start(self, env: dict, coordinator_args: tuple[str, ...]) -> None:
         ctl = self._spawn(["controller", "--store", "memory://", "--host", "127.0.0.1",
                            "--port", "0", "--http-port", "0", "--heartbeat-interval", "0.5",
-                           "--startup-grace", "60", "--no-rebalance"], env)
+                           "--startup-grace", "60", "--no-rebalance",
+                           "--planner", "advisory"], env)  # its metrics feed the dashboard's planner row
         m = ctl.wait_for(r"controller serving on (\S+:\d+) \(http (\S+:\d+)")
         self.controller, controller_http = m.group(1), m.group(2)
         # The engines share a KV pool, whose master Prometheus scrapes too.

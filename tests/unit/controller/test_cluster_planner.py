@@ -160,3 +160,38 @@ def test_the_planners_pool_sizes_survive_a_change_of_leader():
 
     import asyncio
     asyncio.run(scenario())
+
+
+def test_the_planner_is_the_spec_s_unless_the_command_line_turns_it_on_off_or_advisory():
+    from pdserve.api.cluster import PDClusterSpec
+    from pdserve.controller.cli import planner_settings
+
+    spec = PDClusterSpec.model_validate({"model": {"preset": "tiny"}, "slo": {"ttftMs": 500},
+                                         "planner": {"enabled": True, "maxEngines": 4}})
+    on = planner_settings(spec)
+    assert on.ttft_ms == 500 and on.tpot_ms == 100 and on.max_engines == 4 and not on.advisory
+    assert planner_settings(spec, "off") is None
+    assert planner_settings(spec, "advisory").advisory
+    off = spec.model_copy(update={"planner": spec.planner.model_copy(update={"enabled": False})})
+    assert planner_settings(off) is None and planner_settings(off, "on") is not None
+
+
+def test_the_planners_metrics_say_what_it_wants_asks_and_measured():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.controller.service import planner_metrics
+
+    c = make_cluster()
+    run(c, Engines({"p0": "prefill", "d0": "decode", "d1": "decode", "d2": "decode"}), 0, 40,
+        rate=1.5, prompt=2000, output=10)
+
+    class One:
+        def collect(self):
+            return planner_metrics(c.planner_view())
+
+    registry = CollectorRegistry()
+    registry.register(One())
+    text = generate_latest(registry).decode()
+    assert 'pdserve_controller_planner_engines{kind="asked",role="decode"} 3.0' in text
+    assert "pdserve_controller_planner_actions_total 1.0" in text
+    assert "pdserve_controller_planner_ttft_target_seconds 1.0" in text
