@@ -53,6 +53,7 @@ class LocalAgents:
         self._spawn, self._wait_ready, self._stop, self._say = spawn, wait_ready, stop, say
         self.http_ports: dict[str, int] = {}           # agent name -> its /status port
         self._draining: dict[str, float] = {}          # instance id -> drain deadline (monotonic)
+        self._num_actions_said = 0
 
     def instances(self) -> list[tuple[str, str]]:
         """(instance id, pool) of every engine the run has now."""
@@ -82,7 +83,11 @@ class LocalAgents:
 
     # --- following the planner ---------------------------------------------------
     def follow(self, planner: pb.PlannerView) -> None:
-        """Called on every view: one step towards the pool sizes the planner asks for."""
+        """Called on every view: says each new planner action, then takes one step
+        towards the pool sizes the planner asks for."""
+        if planner.num_actions > self._num_actions_said:
+            self._num_actions_said = planner.num_actions
+            self._say(f"planner: {planner.last_action} ({planner.reason})")
         if not self.one_per_engine or planner.advisory:
             return
         for pool in PLANNED_POOLS:
