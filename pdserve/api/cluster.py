@@ -2,9 +2,10 @@
 
 Owns the spec (model, engine settings, the prefill, decode and hybrid pools, KV
 transfer, routing, fallback, SLOs, request timeouts, control plane, heartbeats, the
-Secrets the operator mounts) and the status (conditions, counts, mode). The same models load
-local-mode YAML and define the CRD. A cluster whose only replicas are hybrid is the colocated baseline: every
-engine serves whole requests, nothing is disaggregated.
+Secrets the operator mounts) and the status (conditions, counts, mode, the SLO
+planner's last decision). The same models load local-mode YAML and define the CRD.
+A cluster whose only replicas are hybrid is the colocated baseline: every engine
+serves whole requests, nothing is disaggregated.
 
 Invariants: every cross-field rule exists twice, as a CEL rule in ``RULES`` (for
 the apiserver) and as a pydantic validator (for local mode and the operator);
@@ -13,6 +14,7 @@ the rule tables below keep the two side by side and a test checks they agree.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -521,6 +523,42 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": [
                 raise ValueError(rule["message"])
 
 
+class PlannerStatus(StatusModel):
+    """The SLO planner's last decision, as the Controller's view published it when the
+    operator last read it (``spec.planner.enabled`` only).
+
+    While the planner is enabled and not advisory it owns ``spec.prefill.replicas``
+    and ``spec.decode.replicas``, as a HorizontalPodAutoscaler owns a Deployment's
+    replicas: on every pass the operator sets them to ``replicasPrefill`` and
+    ``replicasDecode`` (kept within ``spec.planner``'s minimums and maximums), so a
+    change of either by hand is undone; change the planner's bounds instead, or
+    disable it (the last sizes stay, and are the user's again)."""
+
+    advisory: bool = False
+    wanted_prefill: int = Field(default=0, ge=0)
+    """Prefill engines the measured load needs for the SLO."""
+    wanted_decode: int = Field(default=0, ge=0)
+    replicas_prefill: int = Field(default=0, ge=0)
+    """The prefill pool size the planner asks for (the spec follows it)."""
+    replicas_decode: int = Field(default=0, ge=0)
+    reason: str = ""
+    """Why the last decision is what it is, in the planner's words."""
+    last_action: str | None = None
+    """The planner's last action, e.g. ``remove one prefill engine``."""
+    last_action_time: datetime | None = None
+    """When it acted."""
+    num_actions: int = Field(default=0, ge=0)
+    """Actions since the planner started (one Event each)."""
+    request_rate: float = Field(default=0.0, ge=0)
+    """Prompts prefilled per second over the planner's window."""
+    measured_ttft_seconds: float = Field(default=0.0, ge=0)
+    ttft_target_seconds: float = Field(default=0.0, ge=0)
+    measured_tpot_seconds: float = Field(default=0.0, ge=0)
+    tpot_target_seconds: float = Field(default=0.0, ge=0)
+    prefill_tokens_per_second: float = Field(default=0.0, ge=0)
+    """One prefill engine's measured speed."""
+
+
 class PDClusterStatus(StatusModel):
     observed_generation: int | None = Field(default=None, ge=0)
     mode: Literal["PD", "Fallback", "Colocated"] | None = None
@@ -535,6 +573,12 @@ class PDClusterStatus(StatusModel):
     ready_hybrid: int = Field(default=0, ge=0)
     coordinator_url: str | None = None
     """In-cluster URL of the Coordinator's OpenAI-compatible API."""
+    planner: PlannerStatus | None = None
+    """The SLO planner's last decision; absent while ``spec.planner`` is off. While it is
+    on and not advisory, the planner owns ``spec.prefill.replicas`` and
+    ``spec.decode.replicas``: the operator sets them to ``replicasPrefill`` and
+    ``replicasDecode`` (within ``spec.planner``'s bounds) on every pass, and a change by
+    hand is set back."""
 
 
 class PDCluster(ApiModel):

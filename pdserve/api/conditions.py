@@ -16,9 +16,10 @@ from pydantic import Field
 
 from pdserve.api.common import StatusModel
 
-ConditionType = Literal["Ready", "Progressing", "Degraded", "HybridFallback", "Doctor"]
+ConditionType = Literal["Ready", "Progressing", "Degraded", "HybridFallback", "Doctor", "Planner"]
 ConditionStatus = Literal["True", "False", "Unknown"]
-CONDITION_TYPES: tuple[str, ...] = ("Ready", "Progressing", "Degraded", "HybridFallback", "Doctor")
+CONDITION_TYPES: tuple[str, ...] = ("Ready", "Progressing", "Degraded", "HybridFallback", "Doctor",
+                                    "Planner")
 
 # metav1.Condition's reason syntax: CamelCase, no spaces.
 REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
@@ -28,7 +29,7 @@ class Condition(StatusModel):
     """One observation about the object, as in ``metav1.Condition``."""
 
     type: ConditionType
-    """Ready, Progressing, Degraded, HybridFallback or Doctor."""
+    """Ready, Progressing, Degraded, HybridFallback, Doctor or Planner."""
     status: ConditionStatus
     """True, False or Unknown."""
     reason: str = Field(min_length=1, max_length=1024, pattern=REASON_PATTERN)

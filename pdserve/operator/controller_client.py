@@ -4,9 +4,11 @@ Owns one channel per Controller address and the calls the operator makes:
 ``drain`` (before deleting a scaled-down instance), ``list_replacements`` /
 ``ack_replacement`` (instances the Controller wants recreated), ``view`` (mode, and
 the routable instances' role and last heartbeat, for the PDCluster and PDInstance
-status; their engine addresses, for the doctor's checks) and ``forget`` (on PDCluster deletion: nothing of the cluster stays in the
-store). Each call presents the cluster's own token (``tokens.py``); TLS material,
-when configured, is the operator's own (its environment).
+status; their engine addresses, for the doctor's checks; the SLO planner's last
+decision, whose pool sizes the PDCluster follows) and ``forget`` (on PDCluster
+deletion: nothing of the cluster stays in the store). Each call presents the
+cluster's own token (``tokens.py``); TLS material, when configured, is the
+operator's own (its environment).
 
 Invariants: every call has a deadline; every failure (unreachable, standby,
 refused) raises ``ControllerUnavailable``, which reconcile treats as "not now":
@@ -51,6 +53,7 @@ class ControllerView:
     mode: str  # PD | FALLBACK | COLOCATED
     routable: dict[str, RoutableInstance] = field(default_factory=dict)
     instances: tuple[pb.InstanceView, ...] = ()  # as sent: engine addresses etc., for the doctor
+    planner: pb.PlannerView | None = None  # None while the Controller runs no planner
 
 
 class ControllerClient:
@@ -84,11 +87,12 @@ class ControllerClient:
         return (await self._call("ForgetCluster", pb.ForgetClusterRequest())).num_keys_deleted
 
     async def view(self) -> ControllerView:
-        """The mode and the routable instances (the view lists READY ones only)."""
+        """The mode, the routable instances (the view lists READY ones only) and the
+        planner's last decision."""
         reply = await self._call("GetView", pb.WatchViewRequest(coordinator_id="operator"))
         return ControllerView(reply.mode, {
             i.instance_id: RoutableInstance(i.role, i.last_heartbeat_unix_s) for i in reply.instances},
-            tuple(reply.instances))
+            tuple(reply.instances), reply.planner if reply.HasField("planner") else None)
 
 
 class ControllerClients:

@@ -61,11 +61,15 @@ def _http_probe(path: str, port: str, period_s: int) -> dict:
 
 def controller_settings(cluster: PDCluster) -> dict:
     """What ``pdserve controller`` reads from the cluster file (``controller/cli.py``
-    ``build_settings``): the cluster name, heartbeats, fallback, which pools exist."""
+    ``build_settings``): the cluster name, heartbeats, fallback, which pools exist, and
+    with the planner on, its settings and the SLO it plans for. The pool sizes are its
+    start only (the planner keeps its own after that): scaling rolls no Controller."""
     spec = cluster.spec
+    planner = ({"planner": spec.planner.to_manifest(), "slo": spec.slo.to_manifest()}
+               if spec.planner.enabled else {})
     return {"name": cluster.metadata.name, "heartbeat": spec.heartbeat.to_manifest(),
             "fallback": spec.fallback.to_manifest(),
-            "pools": [p for p in b.POOLS if getattr(spec, p).replicas > 0]}
+            "pools": [p for p in b.POOLS if getattr(spec, p).replicas > 0], **planner}
 
 
 def build_controller_deployment(cluster: PDCluster, settings: OperatorSettings) -> dict:

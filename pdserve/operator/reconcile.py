@@ -6,15 +6,19 @@ doctor's latest findings (``doctor.DoctorRuns``), so running it again changes no
 Order of a pass: the cluster token Secret (``_create_token_secret``, create only);
 the static objects of ``desired.build_static_objects`` (cluster and engine files,
 Services, Controller and Coordinator Deployments, PodDisruptionBudgets:
-``_apply_static``); PDInstances (``_create_instances``; ``_scale_down``: drain
-surplus, then delete); the Controller's replacement requests
-(``_apply_replacements``: delete the Pod, acknowledge); engine Pods
-(``_apply_engine_pods``, the one place that creates Pods, built by
-``pods.build_engine_pod``: recreate failed ones, roll stale ones, create missing
-ones); static objects no longer built (``_prune``); PDInstance status (from the
-Pods and the Controller's view); PDCluster status, with the ``Doctor`` condition from
-the latest doctor findings; last, a doctor run starts in the background when one is
-due (``DoctorRuns.start_if_due``: the pass never waits for it).
+``_apply_static``); the Controller's view and, with ``spec.planner`` on, the SLO
+planner's pool sizes (``_follow_planner``: replicas that differ are patched into the
+spec and the pass starts again from the patched PDCluster, so that one pass builds
+everything from one spec; ``planner_follow.py`` says who owns those fields);
+PDInstances (``_create_instances``; ``_scale_down``: drain surplus, then delete); the
+Controller's replacement requests (``_apply_replacements``: delete the Pod,
+acknowledge); engine Pods (``_apply_engine_pods``, the one place that creates Pods,
+built by ``pods.build_engine_pod``: recreate failed ones, roll stale ones, create
+missing ones); static objects no longer built (``_prune``); PDInstance status (from
+the Pods and the Controller's view); PDCluster status, with the ``Doctor`` condition
+from the latest doctor findings, and the planner's section and ``Planner`` condition
+(an Event for its actions since the last status); last, a doctor run starts in the
+background when one is due (``DoctorRuns.start_if_due``: the pass never waits for it).
 
 Rollout of engine settings: each pool's Pods carry the hash of what they run
 (``pods.engine_pod_hash``); a change of it replaces the pool's Pods one at a time,
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from pdserve.api import PDCluster
@@ -50,6 +54,13 @@ from pdserve.operator.controller_client import (
 from pdserve.operator.desired import PRUNED, build_static_objects, engine_pod_hashes
 from pdserve.operator.doctor import DoctorRuns, apply_doctor_condition
 from pdserve.operator.kube import KubeClient, KubeError, is_subset
+from pdserve.operator.planner_follow import (
+    ReplicaPlan,
+    apply_planner_status,
+    describe_patch,
+    plan_replicas,
+    planner_event,
+)
 from pdserve.operator.pods import build_engine_pod
 from pdserve.operator.rollout import EnginePod, choose_replacements
 from pdserve.operator.settings import OperatorSettings
@@ -137,7 +148,7 @@ class Reconciler:
                 return []
             return await self._reconcile(fresh)
 
-    async def _reconcile(self, body: dict) -> list[Event]:
+    async def _reconcile(self, body: dict, follow_planner: bool = True) -> list[Event]:
         generation = body["metadata"].get("generation")
         try:
             cluster = self.parse(body)
@@ -159,20 +170,31 @@ class Reconciler:
         # no call to a Controller that has no available replica (it would only time out)
         ctrl = (self.controllers.for_cluster(name, ns, token)
                 if is_available(obs.deployments.get("controller")) else None)
-        await self._create_instances(cluster, obs, events)
-        await self._scale_down(cluster, obs, ctrl, events)
-        await self._apply_replacements(cluster, obs, ctrl, events)
-        await self._apply_engine_pods(cluster, obs, events)
-        await self._prune(cluster, obs, {_name(o) for o in static})
         view: ControllerView | None = None
         try:
             view = await ctrl.view() if ctrl else None
         except ControllerUnavailable:
             view = None
+        plan = plan_replicas(cluster, view.planner if view else None)
+        if follow_planner and plan is not None and plan.patch is not None:
+            patched, plan = await self._follow_planner(cluster, plan, events)
+            if patched is not None:
+                return events + await self._reconcile(patched, follow_planner=False)
+            if plan.patch is not None:
+                return events  # deleted meanwhile
+        await self._create_instances(cluster, obs, events)
+        await self._scale_down(cluster, obs, ctrl, events)
+        await self._apply_replacements(cluster, obs, ctrl, events)
+        await self._apply_engine_pods(cluster, obs, events)
+        await self._prune(cluster, obs, {_name(o) for o in static})
         obs.controller_mode = view.mode if view else None
         await self._write_instance_statuses(cluster, obs, view)
         status = build_status(cluster, generation, body.get("status"), obs, self.clock())
         status = apply_doctor_condition(status, self.doctor.latest((ns, name)), generation, self.clock())
+        status = apply_planner_status(status, cluster, view, plan, generation, self.clock())
+        due = planner_event(body.get("status"), view.planner if view else None, cluster)
+        if due is not None:
+            events.append(Event("Normal", *due))
         await self._write_status(body, status)
         if view is not None:
             self.doctor.start_if_due((ns, name), is_condition_true(parse_conditions(status), "Ready"),
@@ -199,6 +221,24 @@ class Reconciler:
             if obj["kind"] == "Deployment":
                 deployments[obj["spec"]["template"]["metadata"]["labels"][b.COMPONENT_LABEL]] = observed
         return deployments
+
+    async def _follow_planner(self, cluster: PDCluster, plan: ReplicaPlan,
+                              events: list[Event]) -> tuple[dict | None, ReplicaPlan]:
+        """Patch the spec's replicas to the planner's sizes (``plan.patch``). Returns the
+        patched PDCluster and the plan; None when the PDCluster is gone, or with the plan
+        marked refused (no patch) when the apiserver will not take them: the pass goes
+        on with the spec as it is and the ``Planner`` condition says why (the next pass
+        asks again)."""
+        meta = cluster.metadata
+        try:
+            patched = await self.kube.patch("PDCluster", meta.namespace, meta.name, plan.patch)
+        except KubeError as exc:
+            if exc.is_transient:
+                raise
+            return None, replace(plan, patch=None, refused=f"the API refused them: {exc}")
+        if patched is not None:
+            events.append(Event("Normal", "FollowedPlanner", describe_patch(cluster, plan)))
+        return patched, plan
 
     async def _create_instances(self, cluster: PDCluster, obs: Observation, events: list[Event]) -> None:
         for name, (pool, ordinal) in b.desired_instances(cluster).items():

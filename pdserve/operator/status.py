@@ -16,6 +16,8 @@ Owns the meaning of each condition:
   its engines run whole requests by design, and ``mode`` says Colocated.
 - Doctor: set by reconcile after ``build_status``, from the doctor's background
   checks (``doctor.py`` owns its meaning).
+- Planner: set by reconcile after ``build_status``, from the SLO planner's view
+  (``planner_follow.py`` owns its meaning, and ``status.planner``).
 
 A PDInstance's health (``build_instance_status``): the Controller's view lists its
 READY instances only, so the operator reads them as ``Ready`` (with their role and
@@ -96,7 +98,7 @@ def instance_phase(pod: dict | None, is_draining: bool) -> str:
     return "Running" if phase == "Running" else "Pending"
 
 
-def _rfc3339(unix_s: float) -> str:
+def rfc3339(unix_s: float) -> str:
     return datetime.fromtimestamp(unix_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -131,7 +133,7 @@ def build_instance_status(name: str, old: dict | None, pod: dict | None, is_drai
             heard = datetime.fromtimestamp(seen.last_heartbeat_unix_s, UTC)
             if (health != "Ready" or role != seen.role
                     or _seconds_since(beat, heard) >= HEARTBEAT_WRITE_PERIOD_S):
-                beat = _rfc3339(seen.last_heartbeat_unix_s)
+                beat = rfc3339(seen.last_heartbeat_unix_s)
             health, role = "Ready", seen.role or role
             routed = ("True", "InControllerView", "the Controller routes requests to it")
         else:

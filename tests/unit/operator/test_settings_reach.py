@@ -41,6 +41,7 @@ CONTROLLER_ONLY = [
     {"fallback": {"hysteresisSeconds": 5}},
     {"heartbeat": {"suspectAfterMissed": 5, "failedAfterMissed": 20}},
     {"controller": {"replicas": 2, "resources": {"requests": {"cpu": "1"}}}},
+    {"planner": {"enabled": True}},
 ]
 
 
@@ -95,6 +96,15 @@ def test_scaling_rolls_nothing_but_a_pool_appearing_reaches_the_controller():
     # the Controller decides fallback by which pools exist
     assert template(build_controller_deployment(cluster(hybrid={"replicas": 1}), SETTINGS)) != template(
         build_controller_deployment(base, SETTINGS))
+
+
+def test_with_the_planner_on_its_settings_and_the_slo_roll_the_controller_but_scaling_does_not():
+    on = {"planner": {"enabled": True, "intervalSeconds": 1}}
+    base = build_controller_deployment(cluster(**on), SETTINGS)
+    for change in ({"planner": {**on["planner"], "cooldownSeconds": 5}}, {"slo": {"ttftMs": 400}}):
+        assert template(build_controller_deployment(cluster(**{**on, **change}), SETTINGS)) != template(base)
+    for change in ({"prefill": {"replicas": 5}}, {"decode": {"replicas": 3}}):
+        assert template(build_controller_deployment(cluster(**{**on, **change}), SETTINGS)) == template(base)
 
 
 @pytest.mark.parametrize(("change", "pools"), [
