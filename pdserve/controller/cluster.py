@@ -25,6 +25,7 @@ sent once per leadership term (a new leader sends it again); the view
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -37,6 +38,12 @@ from pdserve.controller.planner import Decision, Observation, Planner, PlannerSe
 from pdserve.controller.rebalance import PoolMember, RebalancePolicy, RebalanceSettings
 
 log = logging.getLogger(__name__)
+
+
+def _ordinal(rec: InstanceRecord) -> tuple[int, str]:
+    """A pool member's place: the number ending its id (``<cluster>-<pool>-<n>``)."""
+    tail = rec.instance_id.rsplit("-", 1)[-1]
+    return (int(tail) if tail.isdigit() else -1, rec.instance_id)
 
 
 # the planner's Observation field -> the heartbeat's cumulative counter it differences
@@ -319,6 +326,12 @@ class Cluster:
         for pool in (planner.PREFILL, planner.DECODE):
             engines += [planner.Engine(f"{pool}-pending-{i}", pool, planner.PENDING)
                         for i in range(self.replicas.get(pool, 0) - alive[pool])]
+            # asked away but not drained yet: the actuators remove a pool's highest ordinals
+            members = sorted((r for r in self.records.values() if r.pool == pool and r.health != FAILED
+                              and r.assigned_role in (planner.PREFILL, planner.DECODE)), key=_ordinal)
+            leaving = {r.instance_id for r in members[max(self.replicas.get(pool, 0), 0):]}
+            engines = [dataclasses.replace(e, state=planner.DRAINING) if e.instance_id in leaving else e
+                       for e in engines]
         return engines
 
     def planner_view(self) -> pb.PlannerView | None:
@@ -328,6 +341,7 @@ class Cluster:
         m = d.model if d is not None else None
         return pb.PlannerView(
             advisory=s.advisory, reason=d.reason if d else "no decision yet",
+            is_balanced=d is not None and d.wanted == d.have,
             wanted_prefill=d.wanted[planner.PREFILL] if d else 0,
             wanted_decode=d.wanted[planner.DECODE] if d else 0,
             replicas_prefill=self.replicas.get(planner.PREFILL, 0),

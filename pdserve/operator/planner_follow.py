@@ -14,9 +14,8 @@ PDInstances, a smaller one has its highest ordinals drained and deleted.
 
 - ``plan_replicas``: the merge patch that makes the two replicas fields the planner's
   ``replicasPrefill`` / ``replicasDecode``, kept within ``spec.planner``'s minimums
-  and maximums (at least 1, so never below 0). The planner may go on counting an
-  engine it asked to remove until the engine drains, and ask again; the bounds keep
-  that from emptying a pool. Sizes the spec's own rules refuse (a pool with GPUs on
+  and maximums (at least 1, so never below 0): a guard, the planner keeps within
+  them itself. Sizes the spec's own rules refuse (a pool with GPUs on
   the embedded engine, say) are not written, and the condition says why. Nothing to
   follow (None) while the planner is off or advisory, or the Controller sends no
   planner.
@@ -24,8 +23,8 @@ PDInstances, a smaller one has its highest ordinals drained and deleted.
   rounded (to the millisecond, the thousandth of a request per second) so that a
   steady cluster's status does not change at every pass.
 - ``build_planner_condition``: the ``Planner`` condition:
-  - True, ``Balanced``: the last decision needs no action (the planner's reason ends
-    with "balanced") and the spec holds the planner's sizes;
+  - True, ``Balanced``: the last decision needs no action (``is_balanced``: the
+    engines it wants run) and the spec holds the planner's sizes;
   - False, ``Rebalancing``: the planner wants another split or size, and waits for
     its signal to hold, its cooldown or a pending engine, or acts;
   - False, ``Advisory``: advisory mode, and the planner would act (it never does);
@@ -129,11 +128,6 @@ def build_planner_status(planner: pb.PlannerView) -> dict:
     }
 
 
-def is_balanced(planner: pb.PlannerView) -> bool:
-    """The planner's words for a decision that wants neither a switch nor a size change."""
-    return planner.reason.rstrip().endswith("balanced")
-
-
 def build_planner_condition(cluster: PDCluster, planner: pb.PlannerView | None,
                             plan: ReplicaPlan | None) -> tuple[str, str, str]:
     """(status, reason, message) of the ``Planner`` condition, from a Controller that
@@ -145,7 +139,7 @@ def build_planner_condition(cluster: PDCluster, planner: pb.PlannerView | None,
     if plan is not None and plan.refused:
         return ("False", "ReplicasRefused", f"the planner asks for {planner.replicas_prefill} prefill and "
                 f"{planner.replicas_decode} decode engines; {plan.refused}")
-    if is_balanced(planner) and (plan is None or plan.patch is None):
+    if planner.is_balanced and (plan is None or plan.patch is None):
         return "True", "Balanced", message
     if planner.advisory or cluster.spec.planner.advisory:
         return "False", "Advisory", message

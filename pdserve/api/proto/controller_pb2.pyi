@@ -163,7 +163,7 @@ class ClusterView(_message.Message):
     def __init__(self, version: _Optional[int] = ..., mode: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceView, _Mapping]]] = ..., leader: _Optional[str] = ..., recent_events: _Optional[_Iterable[str]] = ..., planner: _Optional[_Union[PlannerView, _Mapping]] = ...) -> None: ...
 
 class PlannerView(_message.Message):
-    __slots__ = ("advisory", "wanted_prefill", "wanted_decode", "replicas_prefill", "replicas_decode", "reason", "last_action", "last_action_unix_s", "num_actions", "request_rate", "measured_ttft_s", "measured_tpot_s", "prefill_tokens_per_s", "ttft_target_s", "tpot_target_s")
+    __slots__ = ("advisory", "wanted_prefill", "wanted_decode", "replicas_prefill", "replicas_decode", "reason", "last_action", "last_action_unix_s", "num_actions", "request_rate", "measured_ttft_s", "measured_tpot_s", "prefill_tokens_per_s", "ttft_target_s", "tpot_target_s", "is_balanced")
     ADVISORY_FIELD_NUMBER: _ClassVar[int]
     WANTED_PREFILL_FIELD_NUMBER: _ClassVar[int]
     WANTED_DECODE_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class PlannerView(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
     TPOT_TARGET_S_FIELD_NUMBER: _ClassVar[int]
+    IS_BALANCED_FIELD_NUMBER: _ClassVar[int]
     advisory: bool
     wanted_prefill: int
     wanted_decode: int
@@ -194,7 +195,8 @@ class PlannerView(_message.Message):
     prefill_tokens_per_s: float
     ttft_target_s: float
     tpot_target_s: float
-    def __init__(self, advisory: _Optional[bool] = ..., wanted_prefill: _Optional[int] = ..., wanted_decode: _Optional[int] = ..., replicas_prefill: _Optional[int] = ..., replicas_decode: _Optional[int] = ..., reason: _Optional[str] = ..., last_action: _Optional[str] = ..., last_action_unix_s: _Optional[float] = ..., num_actions: _Optional[int] = ..., request_rate: _Optional[float] = ..., measured_ttft_s: _Optional[float] = ..., measured_tpot_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., ttft_target_s: _Optional[float] = ..., tpot_target_s: _Optional[float] = ...) -> None: ...
+    is_balanced: bool
+    def __init__(self, advisory: _Optional[bool] = ..., wanted_prefill: _Optional[int] = ..., wanted_decode: _Optional[int] = ..., replicas_prefill: _Optional[int] = ..., replicas_decode: _Optional[int] = ..., reason: _Optional[str] = ..., last_action: _Optional[str] = ..., last_action_unix_s: _Optional[float] = ..., num_actions: _Optional[int] = ..., request_rate: _Optional[float] = ..., measured_ttft_s: _Optional[float] = ..., measured_tpot_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., ttft_target_s: _Optional[float] = ..., tpot_target_s: _Optional[float] = ..., is_balanced: _Optional[bool] = ...) -> None: ...
 
 class WatchViewRequest(_message.Message):
     __slots__ = ("coordinator_id", "cluster_token")

@@ -195,3 +195,15 @@ def test_the_planners_metrics_say_what_it_wants_asks_and_measured():
     assert 'pdserve_controller_planner_engines{kind="asked",role="decode"} 3.0' in text
     assert "pdserve_controller_planner_actions_total 1.0" in text
     assert "pdserve_controller_planner_ttft_target_seconds 1.0" in text
+
+
+def test_an_idle_cluster_loses_one_engine_per_pool_above_its_minimum_and_not_one_more():
+    """The engine asked away counts as leaving until the actuator stops it: the
+    planner does not ask again (and again) while the operator has not drained it yet."""
+    quick = PlannerSettings(interval_s=1, window_s=5, stable_ticks=2, cooldown_s=0, min_prefill=1, min_decode=1)
+    c = make_cluster(planner=quick, replicas=(("prefill", 2), ("decode", 1)))
+    engines = Engines({"p-prefill-0": "prefill", "p-prefill-1": "prefill", "d-decode-0": "decode"})
+    run(c, engines, 0, 30, rate=0.0, prompt=100, output=10)
+    p = c.view("me").planner
+    assert (p.replicas_prefill, p.replicas_decode, p.num_actions) == (1, 1, 1), p.reason
+    assert [e.state for e in c._planner_engines() if e.instance_id == "p-prefill-1"] == ["draining"]

@@ -43,7 +43,8 @@ def planned(**planner):
 def view(prefill: int = 1, decode: int = 1, reason: str = SHRINK, num_actions: int = 1,
          last_action: str = "remove one prefill engine", **fields) -> pb.PlannerView:
     return pb.PlannerView(replicas_prefill=prefill, replicas_decode=decode, wanted_prefill=1, wanted_decode=1,
-                          reason=reason, num_actions=num_actions, last_action=last_action,
+                          reason=reason, is_balanced=reason == BALANCED, num_actions=num_actions,
+                          last_action=last_action,
                           last_action_unix_s=1767225600.0 if num_actions else 0.0, **fields)
 
 
