@@ -5,8 +5,8 @@ thread each) with the same SLO; ``pdserve bench`` then runs three phases back to
 each a closed loop whose mix differs:
 
 - prompt-heavy: 1024-token prompts, 8 output tokens;
-- output-heavy: 32-token prompts, 128 output tokens;
-- mixed: prompts of 32 to 1024 tokens, 8 to 128 output tokens.
+- output-heavy: 128-token prompts, 128 output tokens, 32 streams;
+- mixed: prompts of 64 to 1024 tokens, 8 to 128 output tokens.
 
 Arms: ``1P+2D`` and ``2P+1D`` static (planner off), and ``planner`` (starting at
 1P+2D, ``spec.planner`` on, same engine budget of three). Rounds alternate the arms'
@@ -37,8 +37,8 @@ from pdserve.runtime.security import SecuritySettings
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 PHASES = {  # name: (prompt tokens, output tokens, concurrency)
     "prompt-heavy": ("1024", "8", 4),
-    "output-heavy": ("32", "128", 8),
-    "mixed": ("uniform:32:1024", "uniform:8:128", 6),
+    "output-heavy": ("128", "128", 32),
+    "mixed": ("uniform:64:1024", "uniform:8:128", 8),
 }
 ARMS = {"1P+2D": (1, 2, False), "2P+1D": (2, 1, False), "planner": (1, 2, True)}
 
@@ -111,12 +111,15 @@ def main() -> int:
     p.add_argument("--phase-seconds", type=float, default=90.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--ttft-ms", type=int, default=2500)
-    p.add_argument("--tpot-ms", type=int, default=150)
+    p.add_argument("--tpot-ms", type=int, default=100)
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--json", type=Path, help="write every arm's phases")
+    p.add_argument("--workdir", type=Path, help="keep the specs, logs and reports here (default: a temporary one)")
     args = p.parse_args()
     results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory(prefix="planner-goodput-") as tmp:
+        tmp = args.workdir or tmp
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for r in range(args.rounds):
             order = list(ARMS) if r % 2 == 0 else list(reversed(ARMS))
             print(f"round {r + 1}: {', '.join(order)}", flush=True)

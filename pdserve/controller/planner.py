@@ -20,7 +20,8 @@ profile):
 - prefill speed ``r`` (tokens/s of one P engine): prompt tokens computed over prefill
   seconds;
 - decode step time against batch, ``tpot = a + b * batch`` (least squares over every
-  decode step of the window; a flat line when the batches seen do not vary);
+  decode step of the window when its batches spread enough to fit a line; else the
+  line through the origin and the measured mean, ``decode_line``);
 - demand: request rate ``lam`` (the larger of the whole window's and its last
   quarter's, each over the seconds its observations cover, so a rise is followed at
   once and a fall only once it lasts), mean
@@ -67,6 +68,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 PREFILL, DECODE = "prefill", "decode"
+MIN_BATCH_SPREAD = 0.2  # below it, the decode line goes through the origin (``decode_line``)
 READY, STARTING, PENDING, DRAINING = "ready", "starting", "pending", "draining"
 
 
@@ -201,6 +203,24 @@ def fit_line(n: float, sx: float, sy: float, sxx: float, sxy: float) -> tuple[fl
     return (sy - b * sx) / n, b
 
 
+def decode_line(t: Observation) -> tuple[float, float]:
+    """Decode step time against batch, ``(a, b)``. The least-squares line only when the
+    window's batches spread (their coefficient of variation at least
+    ``MIN_BATCH_SPREAD``) and the line is sane (``0 <= a <=`` the mean step, ``b > 0``):
+    a line fitted to batches that barely vary extrapolates its intercept from noise.
+    Otherwise the line through the origin and the measured mean (``a = 0``: each stream
+    costs the same share of a step), which predicts a slower step at a larger batch
+    than any line with an intercept, so it errs towards more decode engines."""
+    if t.num_steps <= 0 or t.batch <= 0:
+        return 0.0, 0.0
+    mean_batch, mean_step = t.batch / t.num_steps, t.step_s / t.num_steps
+    spread = math.sqrt(max(0.0, t.batch_sq / t.num_steps - mean_batch ** 2)) / mean_batch
+    a, b = fit_line(t.num_steps, t.batch, t.step_s, t.batch_sq, t.batch_step_s)
+    if spread >= MIN_BATCH_SPREAD and b > 0 and 0 <= a <= mean_step:
+        return a, b
+    return 0.0, mean_step / mean_batch
+
+
 def learn(observations, now_s: float, window_s: float) -> Model:
     """The model of the window's observations (already limited to the window)."""
     observations = list(observations)
@@ -209,14 +229,14 @@ def learn(observations, now_s: float, window_s: float) -> Model:
     if n == 0:
         return Model(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, span_s=t.span_s)
     recent = total(o for o in observations if o.at_s >= now_s - window_s / 4)
-    a, b = fit_line(t.num_steps, t.batch, t.step_s, t.batch_sq, t.batch_step_s)
+    a, b = decode_line(t)
     return Model(
         num_requests=n, rate=max(n / (t.span_s or window_s), recent.num_prefills / (recent.span_s or window_s / 4)),
         prompt_tokens=t.prompt_tokens / n,
         output_tokens=t.output_tokens / t.num_finished if t.num_finished else 0.0,
         prefill_tok_s=t.prompt_tokens / t.prefill_busy_s if t.prefill_busy_s > 0 else 0.0,
         prefill_queue_s=t.prefill_queue_s / n, kv_s=t.kv_s / t.num_kv if t.num_kv else 0.0,
-        step_a_s=max(a, 0.0), step_b_s=max(b, 0.0),
+        step_a_s=a, step_b_s=b,
         decode_batch=t.batch / t.num_steps if t.num_steps else 0.0, span_s=t.span_s)
 
 
@@ -339,6 +359,7 @@ class Planner:
                 want: dict[str, int]) -> tuple[Action | None, str]:
         s = self.settings
         short = {r: want[r] - have[r] for r in (PREFILL, DECODE)}
+        leaving = {r: sum(e.role == r and e.state == DRAINING for e in engines) for r in (PREFILL, DECODE)}
         summary = f"want {want[PREFILL]} P + {want[DECODE]} D, have {have[PREFILL]} P + {have[DECODE]} D"
         if short[PREFILL] == 0 and short[DECODE] == 0:
             return None, f"{summary}: balanced"
@@ -356,7 +377,9 @@ class Planner:
             role = max(gains, key=lambda r: (short[r] / max(want[r], 1), r == PREFILL))
             if pending[role]:
                 return None, f"{summary}: {pending[role]} {role} engine(s) pending: waiting for them"
-            if have[PREFILL] + have[DECODE] + pending[PREFILL] + pending[DECODE] >= s.max_engines:
+            if leaving[role]:  # asked away and not gone: growing the pool again would flap
+                return None, f"{summary}: a {role} engine is still leaving: waiting for it"
+            if len([e for e in engines if e.role in (PREFILL, DECODE)]) >= s.max_engines:
                 return None, f"{summary}: at the budget of {s.max_engines} engines"
             return Action("scale", role, +1), f"{summary}: {role} is short"
         # 3. the total is over: -1 only if the load re-predicted on one fewer meets the SLO,

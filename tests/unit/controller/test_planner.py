@@ -9,6 +9,7 @@ import random
 
 from pdserve.controller.planner import (
     DECODE,
+    DRAINING,
     PENDING,
     PREFILL,
     READY,
@@ -17,8 +18,10 @@ from pdserve.controller.planner import (
     Observation,
     Planner,
     PlannerSettings,
+    decode_line,
     learn,
     predicted_tpot_s,
+    total,
     wanted_decode,
     wanted_prefill,
 )
@@ -37,7 +40,7 @@ def load(planner: Planner, now_s: float, rate: float, prompt: int, output: int, 
         planner.observe(Observation.of_request(
             at_s=now_s - planner.settings.window_s + (i + 0.5) / rate, prompt_tokens=prompt,
             output_tokens=output, prefill_s=prompt / prefill_tok_s * jitter, kv_s=kv_s,
-            tpot_s=(step_a + step_b * (batch + i % 3)) * jitter, decode_batch=batch + i % 3))
+            tpot_s=(step_a + step_b * batch * (0.5 + i % 3 / 2)) * jitter, decode_batch=batch * (0.5 + i % 3 / 2)))
 
 
 def fleet(p: int, d: int, pending_p: int = 0, pending_d: int = 0) -> list[Engine]:
@@ -177,3 +180,28 @@ def test_a_surplus_engine_is_kept_while_the_other_pool_runs_close_to_its_target(
     # a light prefill load: the decode surplus goes
     d = ticks(planner, fleet(1, 2), 2000.0, 1, rate=0.4, prompt=500, output=10)[-1]
     assert d.action == Action("scale", DECODE, -1), d.reason
+
+
+def test_a_decode_line_fitted_to_batches_that_barely_vary_is_not_trusted():
+    # steps at batch 31-33 whose times carry noise: a free fit's intercept is noise
+    steps = [Observation.of_request(0.0, 10, 100, 0.1, tpot_s=t, decode_batch=b)
+             for b, t in ((31, 0.070), (32, 0.060), (33, 0.075), (32, 0.068))]
+    a, b = decode_line(total(steps))
+    t = total(steps)
+    assert a == 0.0 and abs(b - (t.step_s / t.num_steps) / (t.batch / t.num_steps)) < 1e-12
+    # batches that spread: the fitted line
+    spread = [Observation.of_request(0.0, 10, 100, 0.1, tpot_s=0.010 + 0.002 * b, decode_batch=b) for b in (2, 8, 16)]
+    a, b = decode_line(total(spread))
+    assert abs(a - 0.010) < 1e-9 and abs(b - 0.002) < 1e-9
+
+
+def test_engines_still_leaving_hold_their_budget_and_their_pool_waits_for_them():
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=3))
+    leaving_d = [Engine("d9", DECODE, DRAINING)]
+    # prefill is short; 1 P + 1 D ready and a D leaving: the budget of 3 is taken
+    d = ticks(planner, fleet(1, 1) + leaving_d, 1000.0, 1, rate=3.0, prompt=2000, output=20)[-1]
+    assert d.action is None and "at the budget of 3" in d.reason, d.reason
+    # decode is short while one of its engines is leaving: no +1 D until it is gone
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=5, max_engines=8))
+    d = ticks(planner, fleet(1, 1) + leaving_d, 2000.0, 1, rate=0.2, prompt=200, output=10000, batch=40)[-1]
+    assert d.wanted[DECODE] > 1 and d.action is None and "still leaving" in d.reason, d.reason
