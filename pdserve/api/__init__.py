@@ -12,6 +12,7 @@ from pdserve.api.manifest import (
     load_manifest,
     parse_manifest,
 )
+from pdserve.api.pool import PDPool, PDPoolSpec, PDPoolStatus
 
 __all__ = [
     "Condition",
@@ -22,6 +23,9 @@ __all__ = [
     "PDInstance",
     "PDInstanceSpec",
     "PDInstanceStatus",
+    "PDPool",
+    "PDPoolSpec",
+    "PDPoolStatus",
     "default_cluster",
     "dump_manifest",
     "get_condition",

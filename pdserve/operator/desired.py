@@ -3,8 +3,8 @@
 Owns the composition of the builders (``builders``, ``pods``, ``deployments``):
 ``build_static_objects`` is exactly what ``Reconciler._apply_static`` applies on every
 pass (create, or merge-patch where it differs), and ``static_kinds`` the kinds it
-prunes by label; the token Secret (create-only), PDInstances and engine Pods follow
-their own rules in ``reconcile.py``. Tests and the chart checks build the same lists
+prunes by label; the token Secret (create-only), PDPools, PDInstances and engine Pods
+follow their own rules in ``reconcile.py``. Tests and the chart checks build the same lists
 from here rather than mirroring them.
 
 Invariants: pure; an object whose pool has no replicas is not in the list (reconcile
@@ -20,6 +20,7 @@ from pdserve.operator.deployments import (
     build_coordinator_deployment,
     build_kv_pool_deployment,
 )
+from pdserve.operator.pdpools import build_pdpools
 from pdserve.operator.pods import build_engine_config_map, build_engine_pod, engine_pod_hash
 from pdserve.operator.settings import OperatorSettings
 
@@ -51,12 +52,14 @@ def engine_pod_hashes(cluster: PDCluster, settings: OperatorSettings) -> dict[st
 
 def build_cluster_objects(cluster: PDCluster, settings: OperatorSettings, token: str,
                           instance_uids: dict[str, str]) -> list[dict]:
-    """Every object of a settled cluster: the static ones, the token Secret, and one
-    PDInstance and one engine Pod per desired instance (``instance_uids``: name -> the
-    PDInstance's uid, the Pod's owner). What the chart tests validate and check RBAC on."""
+    """Every object of a settled cluster: the static ones, the token Secret, the PDPools,
+    and one PDInstance and one engine Pod per desired instance (``instance_uids``: name
+    -> the PDInstance's uid, the Pod's owner). What the chart tests validate and check
+    RBAC on."""
     desired = b.desired_instances(cluster)
     return [*build_static_objects(cluster, settings),
             b.build_token_secret(cluster, token),
+            *build_pdpools(cluster),
             *(b.build_instance(cluster, pool, ordinal) for pool, ordinal in desired.values()),
             *(build_engine_pod(cluster, name, pool, instance_uids.get(name), settings)
               for name, (pool, _) in desired.items())]

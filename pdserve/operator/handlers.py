@@ -1,7 +1,8 @@
 """The kopf handlers: thin adapters from kopf's triggers to ``Reconciler``.
 
 Owns ``register``: which triggers reconcile a PDCluster (create, update, resume,
-a resync timer, and any change of its Pods or PDInstances), the delete handler
+a resync timer, and any change of its Pods, PDInstances or PDPools: a PDPool's
+scale is read by the PDCluster's pass, ``pdpools.py``), the delete handler
 (kopf's finalizer keeps the PDCluster until ``Reconciler.finalize`` returns), the
 mapping of errors onto kopf's retry semantics, events and metrics.
 
@@ -29,7 +30,7 @@ CHILD_LABELS = {b.CLUSTER_LABEL: kopf.PRESENT}
 
 def _post(body, events: list[Event]) -> None:
     for e in events:
-        kopf.event(body, type=e.type, reason=e.reason, message=e.message)
+        kopf.event(e.about or body, type=e.type, reason=e.reason, message=e.message)
 
 
 def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, metrics: OperatorMetrics,
@@ -85,6 +86,7 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, metrics: O
     @kopf.on.event("", "v1", "pods", labels=CHILD_LABELS, registry=registry)
     @kopf.on.event("discovery.k8s.io", "v1", "endpointslices", labels=CHILD_LABELS, registry=registry)
     @kopf.on.event(*PDCLUSTERS[:2], "pdinstances", labels=CHILD_LABELS, registry=registry)
+    @kopf.on.event(*PDCLUSTERS[:2], "pdpools", labels=CHILD_LABELS, registry=registry)
     async def child_changed(namespace, labels, logger, **_) -> None:
         try:
             cluster = await reconciler.kube.get("PDCluster", namespace, labels[b.CLUSTER_LABEL])

@@ -32,6 +32,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("apis/policy/v1", "poddisruptionbudgets"),
     "PDCluster": (f"apis/{API_VERSION}", "pdclusters"),
     "PDInstance": (f"apis/{API_VERSION}", "pdinstances"),
+    "PDPool": (f"apis/{API_VERSION}", "pdpools"),
 }
 
 

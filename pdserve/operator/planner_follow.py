@@ -7,9 +7,10 @@ reads it once a pass and applies what the pure functions here return.
 Ownership: while ``spec.planner`` is enabled and not advisory, the planner owns
 ``spec.prefill.replicas`` and ``spec.decode.replicas``, as a HorizontalPodAutoscaler
 owns a Deployment's replicas: the operator sets them to the planner's sizes on
-every pass, so a change by hand is set back. To size the pools by hand, change
-``spec.planner``'s bounds, or turn the planner off (the sizes it left stay, and are
-the user's again). The usual scale paths then do the work: a larger pool gets new
+every pass, so a change by hand is set back, and so is a scale of those pools'
+PDPools (``pdpools.py``: an autoscaler and the planner must not both size a pool).
+To size the pools by hand, change ``spec.planner``'s bounds, or turn the planner off
+(the sizes it left stay, and are the user's again). The usual scale paths then do the work: a larger pool gets new
 PDInstances, a smaller one has its highest ordinals drained and deleted.
 
 - ``plan_replicas``: the merge patch that makes the two replicas fields the planner's
@@ -90,16 +91,27 @@ def plan_replicas(cluster: PDCluster, planner: pb.PlannerView | None) -> Replica
                if getattr(cluster.spec, pool).replicas != n}
     if not changed:
         return ReplicaPlan(want, notes=notes)
-    manifest = cluster.to_manifest()
-    manifest.pop("status", None)
-    for pool, fields in changed.items():
-        manifest["spec"][pool] = {**manifest["spec"].get(pool, {}), **fields}
-    try:
-        parse_manifest(manifest, PDCluster, "the planner's pool sizes")
-    except ManifestError as exc:
-        return ReplicaPlan(want, refused="the spec's rules refuse them: " + "; ".join(exc.problems),
+    problems = replicas_problems(cluster, {pool: want[pool] for pool in changed})
+    if problems:
+        return ReplicaPlan(want, refused="the spec's rules refuse them: " + "; ".join(problems),
                            notes=notes)
     return ReplicaPlan(want, patch={"spec": changed}, notes=notes)
+
+
+def replicas_problems(cluster: PDCluster, replicas: dict[str, int]) -> list[str]:
+    """Why the spec's rules refuse ``cluster`` with the pools' ``replicas`` (pool -> size)
+    changed; [] when they take it. The same validation as the apiserver's (the models'
+    validators mirror the CRD's rules). Called by ``plan_replicas`` and, for a PDPool's
+    scale, by ``pdpools.sync_pool``."""
+    manifest = cluster.to_manifest()
+    manifest.pop("status", None)
+    for pool, n in replicas.items():
+        manifest["spec"][pool] = {**manifest["spec"].get(pool, {}), "replicas": n}
+    try:
+        parse_manifest(manifest, PDCluster, "the pool sizes")
+    except ManifestError as exc:
+        return list(exc.problems)
+    return []
 
 
 def describe_patch(cluster: PDCluster, plan: ReplicaPlan) -> str:

@@ -3,21 +3,25 @@ write status. Level-triggered: it reads everything each time and keeps no state
 between calls except per-cluster locks, the operator's key (read once) and the
 doctor's latest findings (``doctor.DoctorRuns``), so running it again changes nothing.
 
-Order of a pass: the cluster token Secret (``_create_token_secret``, create only);
-the static objects of ``desired.build_static_objects`` (cluster and engine files,
+Order of a pass: the cluster token Secret (``_create_token_secret``, create only); the
+static objects of ``desired.build_static_objects`` (cluster and engine files,
 Services, Controller and Coordinator Deployments, PodDisruptionBudgets:
 ``_apply_static``); the Controller's view and, with ``spec.planner`` on, the SLO
 planner's pool sizes (``_follow_planner``: replicas that differ are patched into the
 spec and the pass starts again from the patched PDCluster, so that one pass builds
-everything from one spec; ``planner_follow.py`` says who owns those fields);
-PDInstances (``_create_instances``; ``_scale_down``: drain surplus, then delete); the
-Controller's replacement requests (``_apply_replacements``: delete the Pod,
-acknowledge); engine Pods (``_apply_engine_pods``, the one place that creates Pods,
-built by ``pods.build_engine_pod``: recreate failed ones, roll stale ones, create
-missing ones); static objects no longer built (``_prune``); PDInstance status (from
-the Pods and the Controller's view); PDCluster status, with the ``Doctor`` condition
-from the latest doctor findings, and the planner's section and ``Planner`` condition
-(an Event for its actions since the last status); last, a doctor run starts in the
+everything from one spec; ``planner_follow.py`` says who owns those fields); the
+PDPools (``_sync_pdpools``: created where missing; a scale request written into the
+spec, the pass then starting again from the patched PDCluster as for the planner, or
+refused; otherwise set to the spec's sizes: ``pdpools.py`` has the rule); PDInstances
+(``_create_instances``; ``_scale_down``: drain surplus, then delete); the Controller's
+replacement requests (``_apply_replacements``: delete the Pod, acknowledge); engine
+Pods (``_apply_engine_pods``, the one place that creates Pods, built by
+``pods.build_engine_pod``: recreate failed ones, roll stale ones, create missing
+ones); static objects no longer built (``_prune``); PDInstance status (from the Pods
+and the Controller's view); PDCluster status, with the ``Doctor`` condition from the
+latest doctor findings, and the planner's section and ``Planner`` condition (an Event
+for its actions since the last status); the PDPools' status (engines, ready engines,
+selector, the spec's size they were synced with); last, a doctor run starts in the
 background when one is due (``DoctorRuns.start_if_due``: the pass never waits for it).
 
 Rollout of engine settings: each pool's Pods carry the hash of what they run
@@ -32,6 +36,9 @@ Secret but its own key (cluster tokens are derived from it: ``tokens.py``); a
 Controller that does not answer never stops the pass (drains wait for their
 deadline instead); an instance is deleted only after the Controller says it is
 drained, or its drain deadline passed, or its Pod is not running (nothing to drain).
+
+Past 500 lines on purpose: it is every API call of a pass, in order, and nothing
+else; each decision is a pure function of the modules named above.
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ from datetime import UTC, datetime
 from pdserve.api import PDCluster
 from pdserve.api.conditions import is_condition_true
 from pdserve.api.manifest import ManifestError, parse_manifest
+from pdserve.api.pool import pdpool_name
 from pdserve.operator import builders as b
+from pdserve.operator import pdpools
 from pdserve.operator.controller_client import (
     ControllerClient,
     ControllerClients,
@@ -90,6 +99,7 @@ class Event:
     type: str      # Normal | Warning
     reason: str
     message: str
+    about: dict | None = None  # the object it is posted on (a body); None: the PDCluster
 
 
 def _name(obj: dict) -> str:
@@ -148,7 +158,10 @@ class Reconciler:
                 return []
             return await self._reconcile(fresh)
 
-    async def _reconcile(self, body: dict, follow_planner: bool = True) -> list[Event]:
+    async def _reconcile(self, body: dict, may_patch_spec: bool = True) -> list[Event]:
+        """One pass over ``body``. ``may_patch_spec``: whether the pass may write the
+        planner's or a PDPools' replicas into the spec (a pass that did starts again from
+        the patched PDCluster, without it: no loop)."""
         generation = body["metadata"].get("generation")
         try:
             cluster = self.parse(body)
@@ -176,12 +189,17 @@ class Reconciler:
         except ControllerUnavailable:
             view = None
         plan = plan_replicas(cluster, view.planner if view else None)
-        if follow_planner and plan is not None and plan.patch is not None:
+        if may_patch_spec and plan is not None and plan.patch is not None:
             patched, plan = await self._follow_planner(cluster, plan, events)
             if patched is not None:
-                return events + await self._reconcile(patched, follow_planner=False)
+                return events + await self._reconcile(patched, may_patch_spec=False)
             if plan.patch is not None:
                 return events  # deleted meanwhile
+        pools = await self._list_pdpools(cluster)
+        if pools is not None:
+            patched = await self._sync_pdpools(cluster, pools, events, may_patch_spec)
+            if patched is not None:
+                return events + await self._reconcile(patched, may_patch_spec=False)
         await self._create_instances(cluster, obs, events)
         await self._scale_down(cluster, obs, ctrl, events)
         await self._apply_replacements(cluster, obs, ctrl, events)
@@ -196,6 +214,8 @@ class Reconciler:
         if due is not None:
             events.append(Event("Normal", *due))
         await self._write_status(body, status)
+        if pools is not None:
+            await self._write_pdpool_statuses(cluster, pools, obs, status)
         if view is not None:
             self.doctor.start_if_due((ns, name), is_condition_true(parse_conditions(status), "Ready"),
                                      view.instances, token)
@@ -239,6 +259,92 @@ class Reconciler:
         if patched is not None:
             events.append(Event("Normal", "FollowedPlanner", describe_patch(cluster, plan)))
         return patched, plan
+
+    async def _list_pdpools(self, cluster: PDCluster) -> dict[str, dict] | None:
+        """The cluster's PDPools by pool; None while their CRD is not installed (helm
+        installs a chart's CRDs once and never upgrades them: an upgraded operator may
+        run before ``kubectl apply -f crds/``), and the pass goes on without them."""
+        name = cluster.metadata.name
+        try:
+            found = await self.kube.list("PDPool", cluster.metadata.namespace,
+                                         {b.CLUSTER_LABEL: name, b.COMPONENT_LABEL: pdpools.COMPONENT})
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return {p["spec"]["pool"]: p for p in found
+                if _name(p) == pdpool_name(name, p["spec"].get("pool", ""))}
+
+    async def _sync_pdpools(self, cluster: PDCluster, pools: dict[str, dict], events: list[Event],
+                            may_patch_spec: bool) -> dict | None:
+        """Each pool's PDPool by ``pdpools.sync_pool``: create a missing one, write an
+        accepted scale request into the PDCluster (with ``may_patch_spec``; else the next
+        pass does), refuse the others with a Warning on the PDPool, and set ``spec.replicas``
+        to the PDCluster's size where no request is pending. Returns the patched
+        PDCluster, None when this pass did not patch it. ``pools`` is updated in place."""
+        ns, patched = cluster.metadata.namespace, None
+        for pool in b.POOLS:
+            pdpool = pools.get(pool)
+            if pdpool is None:
+                created = await self._create_pdpool(cluster, pool, events)
+                if created is not None:
+                    pools[pool] = created
+                continue
+            sync = pdpools.sync_pool(cluster, pool, pdpool)
+            if sync.is_accepted:
+                if not may_patch_spec:
+                    continue
+                try:
+                    result = await self.kube.patch("PDCluster", ns, cluster.metadata.name,
+                                                   {"spec": {pool: {"replicas": sync.asked}}})
+                except KubeError as exc:
+                    if exc.is_transient:
+                        raise
+                    sync = replace(sync, refused=f"the API refused it: {exc}")
+                else:
+                    if result is None:
+                        return None  # the PDCluster is gone
+                    events.append(Event("Normal", "ScaledByPool", pdpools.describe_scale(cluster, sync)))
+                    patched, cluster = result, self.parse(result)
+                    continue
+            if sync.refused:
+                events.append(Event("Warning", "ScaleRefused", pdpools.describe_refusal(sync), about=pdpool))
+            if pdpool["spec"].get("replicas") != sync.cluster_replicas:
+                pools[pool] = await self._set_pdpool_replicas(pdpool, sync.cluster_replicas)
+        return patched
+
+    async def _create_pdpool(self, cluster: PDCluster, pool: str, events: list[Event]) -> dict | None:
+        body = pdpools.build_pdpool(cluster, pool)
+        try:
+            created = await self.kube.create(body)
+        except KubeError as exc:
+            if exc.status != 409:  # 409: made meanwhile; the next pass reads it
+                raise
+            return None
+        events.append(Event("Normal", "Created", f"created PDPool {_name(body)}"))
+        return created
+
+    async def _set_pdpool_replicas(self, pdpool: dict, replicas: int) -> dict:
+        """``spec.replicas`` of ``pdpool`` set to ``replicas``, if nobody scaled it since it
+        was read (its resourceVersion): a scale made meanwhile is a request the next pass
+        reads (its event starts that pass)."""
+        meta = pdpool["metadata"]
+        patch = {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "spec": {"replicas": replicas}}
+        try:
+            return await self.kube.patch("PDPool", meta["namespace"], meta["name"], patch) or pdpool
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            return pdpool
+
+    async def _write_pdpool_statuses(self, cluster: PDCluster, pools: dict[str, dict], obs: Observation,
+                                     status: dict) -> None:
+        for pool, pdpool in pools.items():
+            want = pdpools.build_pdpool_status(cluster, pdpool, list(obs.pods.values()),
+                                               status[f"ready{pool.capitalize()}"])
+            if not is_subset(want, pdpool.get("status") or {}):
+                await self.kube.patch("PDPool", cluster.metadata.namespace, _name(pdpool), {"status": want},
+                                      subresource="status")
 
     async def _create_instances(self, cluster: PDCluster, obs: Observation, events: list[Event]) -> None:
         for name, (pool, ordinal) in b.desired_instances(cluster).items():

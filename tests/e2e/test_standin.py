@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import yaml
 
-from tests.e2e.standin import condition_status, wait_for
+from tests.e2e.standin import KubectlError, condition_status, wait_for
 from tests.kube_tools import tool_path
 
 pytestmark = pytest.mark.timeout(120)
@@ -384,3 +384,48 @@ def test_real_clients_reach_the_api_through_the_kubeconfig(cluster):
     assert [(p.metadata.name, p.status.phase) for p in pods] == [("kubectl-pod", "Running")]
     assert "deleted" in run("delete", "pod", "kubectl-pod")  # waits until the object is gone
     assert cluster.kubectl.get("Pod", "kubectl-pod") is None
+
+
+WIDGETS = {  # a CRD of no one's, with a scale subresource on fields of its own choosing
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "widgets.example.com"},
+    "spec": {"group": "example.com", "scope": "Namespaced",
+             "names": {"kind": "Widget", "plural": "widgets", "singular": "widget", "listKind": "WidgetList"},
+             "versions": [{"name": "v1", "served": True, "storage": True,
+                           "subresources": {"status": {}, "scale": {
+                               "specReplicasPath": ".spec.size", "statusReplicasPath": ".status.size",
+                               "labelSelectorPath": ".status.selector"}},
+                           "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                               "spec": {"type": "object", "properties": {"size": {"type": "integer"}}},
+                               "status": {"type": "object", "properties": {
+                                   "size": {"type": "integer"}, "selector": {"type": "string"}}}}}}}]}}
+
+
+def test_a_custom_resources_scale_subresource_serves_kubectl_scale(cluster):
+    """A CRD's ``subresources.scale``: its objects answer ``GET .../scale`` with an
+    autoscaling/v1 Scale, take a merge patch of it (a stale resourceVersion refused) and
+    ``kubectl scale``, which finds the subresource through discovery."""
+    kubectl = tool_path("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is not installed: `make k8s-tools` puts it into .venv/bin")
+    k = cluster.kubectl
+    k.apply(WIDGETS)
+    k.apply({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}, "spec": {"size": 1}})
+    k.patch("Widget", "w", {"status": {"size": 1, "selector": "app=w"}}, subresource="status")
+    scale = k.get("Widget", "w", subresource="scale")
+    assert (scale["apiVersion"], scale["kind"], scale["metadata"]["name"]) == ("autoscaling/v1", "Scale", "w")
+    assert (scale["spec"], scale["status"]) == ({"replicas": 1}, {"replicas": 1, "selector": "app=w"})
+
+    scaled = k.patch("Widget", "w", {"spec": {"replicas": 3}}, subresource="scale")
+    assert scaled["kind"] == "Scale" and scaled["spec"]["replicas"] == 3
+    widget = k.get("Widget", "w")
+    assert widget["spec"] == {"size": 3} and widget["status"] == {"size": 1, "selector": "app=w"}
+    with pytest.raises(KubectlError) as refused:
+        k.patch("Widget", "w", {"metadata": {"resourceVersion": scale["metadata"]["resourceVersion"]},
+                                "spec": {"replicas": 4}}, subresource="scale")
+    assert refused.value.status == 409
+
+    out = subprocess.run([str(kubectl), "--kubeconfig", str(cluster.kubeconfig), "scale", "widget/w",
+                          "--replicas", "5"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "scaled" in out.stdout, out.stderr
+    assert k.get("Widget", "w")["spec"] == {"size": 5}

@@ -1,7 +1,8 @@
 """A one-machine Kubernetes stand-in for end-to-end tests (DESIGN.md: "Tested on one
 machine by a cluster stand-in").
 
-The API server is the emulator (``tests/kmock_emulator.py``); around it run a kubelet
+The API server is the emulator (``tests/kmock_emulator.py``, with the scale
+subresource of custom resources added by ``scale``); around it run a kubelet
 that starts every Pod's containers as real processes (``kubelet``, ``containers``,
 ``podinit``, ``probes``, ``volumes``), the controllers a control plane would run
 (``controllers``: Deployments, Endpoints, garbage collection, volume binding), and

@@ -1,10 +1,10 @@
 """``Cluster``: the one-machine Kubernetes stand-in, as a context manager.
 
 One background thread runs one event loop holding everything: the API emulator
-(``tests.kmock_emulator.StrictEmulator``, plain HTTP on 127.0.0.1), its TLS endpoint
-on the node IP (what kubeconfig and in-cluster clients use), the kubelet, the
-Deployment, Endpoints, garbage-collection and volume controllers, and the Service
-proxy. Tests talk to it from their own thread through ``Cluster.kubectl``.
+(``tests.kmock_emulator.StrictEmulator`` plus the scale subresource of CRDs,
+``scale.ScalingEmulator``; plain HTTP on 127.0.0.1), its TLS endpoint on the node IP
+(what kubeconfig and in-cluster clients use), the kubelet, the Deployment, Endpoints,
+garbage-collection and volume controllers, and the Service proxy. Tests talk to it from their own thread through ``Cluster.kubectl``.
 
 Start: prerequisites checked (root, nsenter, openssl, a C compiler: else
 ``StandinUnavailable``, which the fixture turns into a skip); the socket shim built;
@@ -20,8 +20,9 @@ PersistentVolumeClaim), tls/, kubeconfig.
 
 Real clients: the kubeconfig (https to the node IP, the stand-in's CA, a token nobody
 checks) works for kopf, the kubernetes Python client and kubectl's get, apply
-(``--validate=false``: no OpenAPI document is served), wait, logs and delete; not
-for ``kubectl exec``/``port-forward`` (no streaming protocols), protobuf requests
+(``--validate=false``: no OpenAPI document is served), scale (custom resources with a
+scale subresource), wait, logs and delete; not for ``kubectl exec``/``port-forward``
+(no streaming protocols), protobuf requests
 (``kubectl create <kind>``) or server-side printing (``kubectl get`` shows NAME and
 AGE only). Tests use ``Cluster.kubectl`` instead.
 """
@@ -60,8 +61,8 @@ from tests.e2e.standin.network import (
     hosts_file,
     make_certificates,
 )
+from tests.e2e.standin.scale import ScalingEmulator
 from tests.e2e.standin.volumes import SERVICE_ACCOUNT_TOKEN
-from tests.kmock_emulator import StrictEmulator
 
 NODE_NAME = "standin"
 API_PORT = 6443
@@ -111,7 +112,7 @@ class Cluster:
         self.kubectl: Kubectl | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.kubelet: Kubelet | None = None
-        self.emulator: StrictEmulator | None = None
+        self.emulator: ScalingEmulator | None = None
         self._thread: threading.Thread | None = None
         self._ready, self._stopping = threading.Event(), None
         self._failure: BaseException | None = None
@@ -157,7 +158,7 @@ class Cluster:
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
-        self.emulator = emulator = StrictEmulator(with_pdserve_crds=False, service_ips=addresses(11))
+        self.emulator = emulator = ScalingEmulator(with_pdserve_crds=False, service_ips=addresses(11))
         async with emulator, kmock.Server(emulator) as server:
             self.api_url = str(server.url).rstrip("/")
             api = Api(emulator, self.api_url)

@@ -119,8 +119,9 @@ class Kubectl:
         return self._call("POST", self._path(doc["kind"], m.get("namespace") or namespace,
                                              api_version=doc.get("apiVersion")), json=doc)
 
-    def get(self, kind: str, name: str, namespace: str | None = None) -> dict | None:
-        return self._call("GET", self._path(kind, namespace, name))
+    def get(self, kind: str, name: str, namespace: str | None = None,
+            subresource: str | None = None) -> dict | None:
+        return self._call("GET", self._path(kind, namespace, name, subresource))
 
     def list(self, kind: str, namespace: str | None = None, labels: dict | str | None = None,
              fields: str | None = None, all_namespaces: bool = False) -> list[dict]:

@@ -54,7 +54,8 @@ def test_crd_is_structural_and_well_formed(kind):
     assert structural_violations(schema) == []
     assert "$ref" not in yaml.safe_dump(schema) and "title:" not in yaml.safe_dump(schema)
     assert crd["spec"]["group"] == "pdserve.io" and version["name"] == "v1alpha1"
-    assert version["subresources"] == {"status": {}}
+    scale = {"scale": KINDS[kind].scale} if KINDS[kind].scale else {}
+    assert version["subresources"] == {"status": {}, **scale}
     assert crd["metadata"]["name"] == f"{crd['spec']['names']['plural']}.pdserve.io"
 
 
@@ -273,3 +274,48 @@ def test_the_vllm_backend_rules_agree_between_the_crd_and_the_models(changes, re
     assert any(refused in e for e in errors), errors
     with pytest.raises(ValueError, match=refused.replace(".", r"\.")):
         PDCluster.model_validate(manifest)
+
+
+def _pdpool(**spec) -> dict:
+    return {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDPool", "metadata": {"name": "tiny-decode"},
+            "spec": {"cluster": "tiny", "pool": "decode", "replicas": 1, **spec},
+            "status": {"replicas": 1, "readyReplicas": 1, "observedClusterReplicas": 1,
+                       "selector": "pdserve.io/cluster=tiny,pdserve.io/component=engine,pdserve.io/pool=decode"}}
+
+
+def test_pdpool_has_a_scale_subresource_on_fields_its_schema_declares():
+    crd = build_crd("PDPool")
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["pdp"]
+    schema = version["schema"]["openAPIV3Schema"]
+    for key, where in version["subresources"]["scale"].items():
+        node = schema
+        for part in where.lstrip(".").split("."):
+            node = node["properties"][part]
+        # the apiserver reads replicas as an integer and the selector as a string
+        assert node["type"] == ("string" if key == "labelSelectorPath" else "integer"), key
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Cluster", "Pool", "Desired", "Current", "Ready", "Age"]
+
+
+def test_pdpool_manifest_is_admitted_scaled_and_keeps_its_identity():
+    from pdserve.api import PDPool
+
+    schema = build_crd("PDPool")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    stored, errors = admit(schema, _pdpool())
+    assert errors == []
+    assert PDPool.model_validate(stored).status.observed_cluster_replicas == 1
+    # a scale (kubectl scale, an HPA) changes spec.replicas only: taken
+    assert admit(schema, _pdpool(replicas=3), old=stored)[1] == []
+    # the identity never changes; on create there is nothing to compare with
+    for field, value in (("cluster", "other"), ("pool", "prefill")):
+        _, errors = admit(schema, _pdpool(**{field: value}), old=stored)
+        assert errors == [f"spec.{field}: spec.{field} is immutable"], errors
+        assert admit(schema, _pdpool(**{field: value}))[1] == []
+    for bad in ({"replicas": -1}, {"replicas": 1025}, {"pool": "router"}, {"cluster": ""}):
+        assert admit(schema, _pdpool(**bad))[1], bad
+        with pytest.raises(ValueError):
+            PDPool.model_validate(_pdpool(**bad))

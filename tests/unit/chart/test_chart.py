@@ -140,6 +140,11 @@ def test_operator_rbac_is_least_privilege(helm):
     assert {"watch", "patch"} <= grants[("pdserve.io", "pdclusters")]
     assert {"patch"} <= grants[("pdserve.io", "pdclusters/status")]
     assert grants[("pdserve.io", "pdinstances/finalizers")] == {"update"}
+    # PDPools: created, synced both ways and their status written; their scale
+    # subresource is the autoscalers' (their own roles grant */scale), never the operator's
+    assert {"create", "watch", "patch"} <= grants[("pdserve.io", "pdpools")]
+    assert {"patch"} <= grants[("pdserve.io", "pdpools/status")]
+    assert ("pdserve.io", "pdpools/scale") not in grants
     assert {"create", "delete"} <= grants[("", "pods")] & grants[("apps", "deployments")]
     assert grants[("", "events")] == {"create", "patch"}
     assert grants[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}

@@ -2,7 +2,7 @@
 settings the chart gives it, is one a Kubernetes apiserver of each supported version
 takes: Pods, Services, Deployments, the ConfigMaps, the token Secret and the
 PodDisruptionBudgets against the versions' OpenAPI schemas (strict), PDInstances
-against the chart's CRD. Both etcd set-ups are covered (the Controller's replicas and store differ).
+and PDPools against the chart's CRDs. Both etcd set-ups are covered (the Controller's replicas and store differ).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def settings(request, helm):
 def test_operator_objects_are_valid(settings, example, version):
     objects = operator_objects(load_example(example), settings)
     assert {o["kind"] for o in objects} == {"ConfigMap", "Secret", "Service", "Deployment",
-                                            "PodDisruptionBudget", "PDInstance", "Pod"}
+                                            "PodDisruptionBudget", "PDInstance", "PDPool", "Pod"}
     for obj in objects:
         assert validation_errors(obj, version) == [], f"{obj['kind']} {obj['metadata']['name']}"
 

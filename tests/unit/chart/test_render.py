@@ -42,6 +42,7 @@ def test_default_release_installs_crds_operator_rbac_etcd_and_dashboards(helm):
     assert helm.template().names == {
         ("CustomResourceDefinition", "pdclusters.pdserve.io"),
         ("CustomResourceDefinition", "pdinstances.pdserve.io"),
+        ("CustomResourceDefinition", "pdpools.pdserve.io"),
         ("ServiceAccount", "r-pdserve"),
         ("ClusterRole", "r-pdserve-operator"), ("ClusterRoleBinding", "r-pdserve-operator"),
         ("Role", "r-pdserve-operator-key"), ("RoleBinding", "r-pdserve-operator-key"),
