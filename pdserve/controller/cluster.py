@@ -279,8 +279,8 @@ class Cluster:
             self.dirty.add(rec.instance_id)
             self.record_event(f"{rec.instance_id}: role switch {before} -> {rec.assigned_role} "
                               f"(planner: {d.reason})", logging.WARNING)
-        else:
-            pool = d.action.role
+        else:  # +1: a new engine of the role's pool; -1: the pool of the engine that leaves
+            pool = self.records[d.action.instance_id].pool if d.action.delta < 0 else d.action.role
             self.replicas[pool] = max(0, self.replicas.get(pool, 0) + d.action.delta)
             self.meta_dirty = True
             self.record_event(f"planner: {self.last_action}: {pool} pool to {self.replicas[pool]} "
@@ -326,11 +326,16 @@ class Cluster:
         for pool in (planner.PREFILL, planner.DECODE):
             engines += [planner.Engine(f"{pool}-pending-{i}", pool, planner.PENDING)
                         for i in range(self.replicas.get(pool, 0) - alive[pool])]
-            # asked away but not drained yet: the actuators remove a pool's highest ordinals
+            # asked away but not drained yet: the actuators remove a pool's highest ordinals,
+            # so only the highest one staying may leave next, and never a pool's last
             members = sorted((r for r in self.records.values() if r.pool == pool and r.health != FAILED
                               and r.assigned_role in (planner.PREFILL, planner.DECODE)), key=_ordinal)
-            leaving = {r.instance_id for r in members[max(self.replicas.get(pool, 0), 0):]}
-            engines = [dataclasses.replace(e, state=planner.DRAINING) if e.instance_id in leaving else e
+            staying = max(self.replicas.get(pool, 0), 0)
+            leaving = {r.instance_id for r in members[staying:]}
+            next_out = members[staying - 1].instance_id if 1 < staying <= len(members) else None
+            engines = [dataclasses.replace(e, state=planner.DRAINING) if e.instance_id in leaving
+                       else dataclasses.replace(e, can_leave=e.instance_id == next_out)
+                       if e.instance_id in {r.instance_id for r in members} else e
                        for e in engines]
         return engines
 

@@ -48,7 +48,8 @@ Actions, cheapest first, one at a time:
    a surplus (its least busy) to the other role: no new Pod;
 2. the total is short: +1 in the pool short by the larger share, unless that pool has
    a pending engine (then wait: more Pods would pend too);
-3. the total is over: -1 in the pool with a surplus, only when the load re-predicted
+3. the total is over: -1 in the role with a surplus (one of its engines that may leave:
+   the actuators remove a pool's highest ordinal, and a pool keeps one), only when the load re-predicted
    on one engine fewer still meets the SLO with ``headroom`` to spare, and the other
    pool is not itself close to its target (then the surplus engine is kept: it is the
    other pool's cheapest capacity, a switch away).
@@ -144,6 +145,7 @@ class Engine:
     state: str          # ready | starting | pending | draining
     num_running: int = 0
     num_waiting: int = 0
+    can_leave: bool = True  # a scale-down may remove it (the actuators remove a pool's highest ordinal)
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ class Action:
     kind: str           # switch | scale
     role: str           # the role that gains (switch, scale +1) or loses (scale -1)
     delta: int = 0      # scale: +1 or -1
-    instance_id: str = ""  # switch: the engine that changes role
+    instance_id: str = ""  # switch: the engine that changes role; scale -1: the one that leaves
 
 
 @dataclass(frozen=True)
@@ -389,8 +391,15 @@ class Planner:
             other = DECODE if role == PREFILL else PREFILL
             if m.num_requests and not self._comfortable(m, other, have[other]):
                 return None, f"{summary}: a {role} surplus kept, {other} runs close to its target"
-            if m.num_requests == 0 or self._comfortable(m, role, have[role] - 1):
-                return Action("scale", role, -1), f"{summary}: the load fits on {have[role] - 1} {role} engine(s)"
+            if not (m.num_requests == 0 or self._comfortable(m, role, have[role] - 1)):
+                continue
+            leavers = [e for e in engines if e.role == role and e.state == READY and e.can_leave]
+            if not leavers:
+                return None, (f"{summary}: a {role} surplus, but none of its engines can leave (a pool "
+                              "gives up its highest ordinal and keeps one)")
+            e = min(leavers, key=lambda e: (e.num_running + e.num_waiting, e.instance_id))
+            return (Action("scale", role, -1, instance_id=e.instance_id),
+                    f"{summary}: the load fits on {have[role] - 1} {role} engine(s)")
         return None, f"{summary}: a surplus, but one engine fewer would come too close to the SLO"
 
     def _comfortable(self, m: Model, role: str, num: int) -> bool:

@@ -207,3 +207,18 @@ def test_an_idle_cluster_loses_one_engine_per_pool_above_its_minimum_and_not_one
     p = c.view("me").planner
     assert (p.replicas_prefill, p.replicas_decode, p.num_actions) == (1, 1, 1), p.reason
     assert [e.state for e in c._planner_engines() if e.instance_id == "p-prefill-1"] == ["draining"]
+
+
+def test_a_scale_down_takes_the_pool_of_an_engine_that_may_leave_never_a_pools_last():
+    quick = PlannerSettings(interval_s=1, window_s=5, stable_ticks=2, cooldown_s=0, min_prefill=1, min_decode=1)
+    c = make_cluster(planner=quick, replicas=(("prefill", 1), ("decode", 2)))
+    # d-decode-0 was switched to prefill: 2 P by role, but the prefill pool has one engine
+    engines = Engines({"p-prefill-0": "prefill", "d-decode-0": "prefill", "d-decode-1": "decode"})
+    for rec_id in ("d-decode-0",):
+        engines.counters[rec_id] = {}
+    run(c, engines, 0, 2, rate=0.0, prompt=100, output=10)
+    c.records["d-decode-0"].assigned_role = "prefill"
+    run(c, engines, 2, 30, rate=0.0, prompt=100, output=10)
+    p = c.view("me").planner
+    assert (p.replicas_prefill, p.replicas_decode) == (1, 2), p.reason
+    assert "none of its engines can leave" in p.reason and p.num_actions == 0

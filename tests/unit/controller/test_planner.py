@@ -140,7 +140,7 @@ def test_scale_down_only_when_the_load_fits_on_one_engine_fewer():
     planner = Planner(settings)
     # a light load on 4 D: 1 is wanted, and 3 would still leave room
     decisions = ticks(planner, fleet(1, 4), 1000.0, 1, rate=0.5, prompt=200, output=100, batch=4)
-    assert decisions[-1].action == Action("scale", DECODE, -1), decisions[-1].reason
+    assert decisions[-1].action == Action("scale", DECODE, -1, instance_id="d0"), decisions[-1].reason
     m = decisions[-1].model
     assert predicted_tpot_s(m, 3, 0.05) <= 0.8 * 0.05
 
@@ -179,7 +179,7 @@ def test_a_surplus_engine_is_kept_while_the_other_pool_runs_close_to_its_target(
     assert "decode surplus kept, prefill runs close to its target" in d.reason
     # a light prefill load: the decode surplus goes
     d = ticks(planner, fleet(1, 2), 2000.0, 1, rate=0.4, prompt=500, output=10)[-1]
-    assert d.action == Action("scale", DECODE, -1), d.reason
+    assert d.action == Action("scale", DECODE, -1, instance_id="d0"), d.reason
 
 
 def test_a_decode_line_fitted_to_batches_that_barely_vary_is_not_trusted():
@@ -205,3 +205,12 @@ def test_engines_still_leaving_hold_their_budget_and_their_pool_waits_for_them()
     planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=5, max_engines=8))
     d = ticks(planner, fleet(1, 1) + leaving_d, 2000.0, 1, rate=0.2, prompt=200, output=10000, batch=40)[-1]
     assert d.wanted[DECODE] > 1 and d.action is None and "still leaving" in d.reason, d.reason
+
+
+def test_a_surplus_whose_engines_cannot_leave_is_held():
+    planner = Planner(PlannerSettings(stable_ticks=1, cooldown_s=0, window_s=60))
+    engines = [Engine("p0", PREFILL, READY, can_leave=False), Engine("d0", DECODE, READY, can_leave=False),
+               Engine("d1", PREFILL, READY, can_leave=False)]  # a switched engine, not its pool's highest
+    planner.observe(Observation(1000.0, span_s=60.0))  # idle a whole window: wants 1 P + 1 D
+    d = planner.decide(engines, 1000.0)
+    assert d.action is None and "none of its engines can leave" in d.reason, d.reason
