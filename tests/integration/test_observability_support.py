@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.runtime.kv_pool_master import READY_LINE as KV_POOL_READY
+from tests.etcd import free_port
 from tests.procs import PDSERVE, Proc
 from tests.unit.coordinator.harness import ALWAYS_PD_ARGS
 
@@ -30,12 +30,6 @@ PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 SCRAPE_INTERVAL_S = 1
 INSTANCES = {"obs-p0": "prefill", "obs-d0": "decode"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout_s: float = 5.0) -> str:
