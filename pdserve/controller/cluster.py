@@ -333,9 +333,10 @@ class Cluster:
             staying = max(self.replicas.get(pool, 0), 0)
             leaving = {r.instance_id for r in members[staying:]}
             next_out = members[staying - 1].instance_id if 1 < staying <= len(members) else None
+            in_pool = {r.instance_id for r in members}
             engines = [dataclasses.replace(e, state=planner.DRAINING) if e.instance_id in leaving
                        else dataclasses.replace(e, can_leave=e.instance_id == next_out)
-                       if e.instance_id in {r.instance_id for r in members} else e
+                       if e.instance_id in in_pool else e
                        for e in engines]
         return engines
 
