@@ -27,7 +27,6 @@ Thresholds: ``INTERVAL_S`` 60 s between runs, ``DEADLINE_S`` 30 s per run,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -43,6 +42,7 @@ from pdserve.runtime.security import SecuritySettings
 INTERVAL_S = 60.0
 DEADLINE_S = 30.0
 MESSAGE_MAX_CHARS = 4000
+FORGET_WAIT_S = 5.0  # forget waits this long for a cancelled run to end
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +132,9 @@ class DoctorRuns:
             known.pop(key, None)
         self._ready.discard(key)
         if task is not None:
+            # bounded: a check that ignores its cancellation must not hold the finalizer
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait({task}, timeout=FORGET_WAIT_S)
 
     async def close(self) -> None:
         """Called once when the operator stops."""

@@ -175,8 +175,10 @@ def test_up_runs_vllm_prefill_and_decode_behind_the_coordinator(tmp_path):
 
         # the doctor: every check passes, and its test request went through the pair
         # (D took a fresh prompt from P over NIXL)
+        # (each vLLM's NIXL progress thread polls without a pause: on a two-core host the
+        # doctor shares both cores with them, and its imports alone can take a minute)
         doctor = subprocess.run([*PDSERVE, "doctor", "-f", str(spec_file(tmp_path)), "--run-dir",
-                                 str(run_dir), "--json"], capture_output=True, text=True, timeout=180)
+                                 str(run_dir), "--json"], capture_output=True, text=True, timeout=420)
         rows = {row["name"]: row for row in json.loads(doctor.stdout)}
         assert [row for row in rows.values() if row["status"] == "fail"] == [], doctor.stdout
         pair = [row for name, row in rows.items() if name.startswith("kv ") and "->" in name]

@@ -4,11 +4,13 @@ write (the checks themselves are faked: injected as ``checks``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 
 import pytest
 
 from pdserve.api.proto import controller_pb2 as cpb
+from pdserve.operator import doctor as doctor_module
 from pdserve.operator.doctor import DoctorRuns, apply_doctor_condition, build_doctor_condition
 from pdserve.runtime.doctor_checks import FAIL, PASS, WARN, Check
 
@@ -120,3 +122,26 @@ async def test_a_raising_check_is_a_finding_and_forget_cancels():
     await hanging.forget(KEY)
     assert hanging.latest(KEY) is None and not hanging._tasks
     await runs.close()
+
+
+@pytest.mark.asyncio
+async def test_forget_does_not_wait_forever_for_a_run_that_ignores_its_cancellation(monkeypatch):
+    monkeypatch.setattr(doctor_module, "FORGET_WAIT_S", 0.2)
+    release = asyncio.Event()
+
+    async def stubborn(instances, security):
+        while not release.is_set():
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                continue  # swallows every cancellation
+        return []
+
+    runs = DoctorRuns(checks=stubborn)
+    runs.start_if_due(KEY, True, INSTANCES, "tok")
+    await asyncio.sleep(0.02)
+    started = time.monotonic()
+    await runs.forget(KEY)
+    assert 0.2 <= time.monotonic() - started < 2.0 and runs.latest(KEY) is None
+    release.set()
+    await asyncio.sleep(0.1)
