@@ -52,7 +52,11 @@ Actions, cheapest first, one at a time:
    the actuators remove a pool's highest ordinal, and a pool keeps one), only when the load re-predicted
    on one engine fewer still meets the SLO with ``headroom`` to spare, and the other
    pool is not itself close to its target (then the surplus engine is kept: it is the
-   other pool's cheapest capacity, a switch away).
+   other pool's cheapest capacity, a switch away). Both hold for the window's load and
+   for its last quarter's alone: when the mix shifts (long prompts to long outputs),
+   the window still averages the old phase in, and the engine it would call a surplus
+   is the one the new phase needs; kept, it is switched once the window shows it,
+   instead of removed and started again one cooldown later.
 
 Anti-oscillation: a decision acts only after it was the same for ``stable_ticks``
 ticks in a row; after an action nothing more until ``cooldown_s`` has passed (the
@@ -296,10 +300,11 @@ class Planner:
         while self.observations and self.observations[0].at_s < now_s - s.window_s:
             self.observations.popleft()
         model = learn(self.observations, now_s, s.window_s)
+        recent = learn((o for o in self.observations if o.at_s >= now_s - s.window_s / 4), now_s, s.window_s / 4)
         have = {r: sum(e.role == r and e.state in (READY, STARTING) for e in engines) for r in (PREFILL, DECODE)}
         pending = {r: sum(e.role == r and e.state == PENDING for e in engines) for r in (PREFILL, DECODE)}
         wanted, unreachable = self._wanted(model, have)
-        action, reason = self._action(engines, model, have, pending, wanted)
+        action, reason = self._action(engines, model, have, pending, wanted, recent)
         if unreachable:
             reason = f"{unreachable}; {reason}"
         # hysteresis: the same action for stable_ticks ticks, then act, then cool down
@@ -358,8 +363,12 @@ class Planner:
         return want, "; ".join(notes)
 
     def _action(self, engines: list[Engine], m: Model, have: dict[str, int], pending: dict[str, int],
-                want: dict[str, int]) -> tuple[Action | None, str]:
+                want: dict[str, int], recent: Model | None = None) -> tuple[Action | None, str]:
         s = self.settings
+        # a scale-down must fit the window's load and its last quarter's: after the mix
+        # shifts, the window still averages in the old phase, and the engine it calls a
+        # surplus is the one the new phase needs (a switch keeps it; -1 then +1 restarts it)
+        loads = [m] if recent is None or recent.num_requests < max(3, s.min_requests // 4) else [m, recent]
         short = {r: want[r] - have[r] for r in (PREFILL, DECODE)}
         leaving = {r: sum(e.role == r and e.state == DRAINING for e in engines) for r in (PREFILL, DECODE)}
         summary = f"want {want[PREFILL]} P + {want[DECODE]} D, have {have[PREFILL]} P + {have[DECODE]} D"
@@ -389,9 +398,9 @@ class Planner:
         # cheapest capacity: a switch, no new Pod, once it needs it)
         for role in sorted((r for r in (PREFILL, DECODE) if short[r] < 0), key=lambda r: short[r]):
             other = DECODE if role == PREFILL else PREFILL
-            if m.num_requests and not self._comfortable(m, other, have[other]):
+            if m.num_requests and not all(self._comfortable(x, other, have[other]) for x in loads):
                 return None, f"{summary}: a {role} surplus kept, {other} runs close to its target"
-            if not (m.num_requests == 0 or self._comfortable(m, role, have[role] - 1)):
+            if not (m.num_requests == 0 or all(self._comfortable(x, role, have[role] - 1) for x in loads)):
                 continue
             leavers = [e for e in engines if e.role == role and e.state == READY and e.can_leave]
             if not leavers:

@@ -214,3 +214,30 @@ def test_a_surplus_whose_engines_cannot_leave_is_held():
     planner.observe(Observation(1000.0, span_s=60.0))  # idle a whole window: wants 1 P + 1 D
     d = planner.decide(engines, 1000.0)
     assert d.action is None and "none of its engines can leave" in d.reason, d.reason
+
+
+def test_a_shift_from_long_prompts_to_long_outputs_switches_the_surplus_engine_rather_than_removing_it():
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=3))
+
+    def phase(start_s: float, end_s: float, prompt: int, output: int, rate: float = 1.2) -> None:
+        for i in range(int((end_s - start_s) * rate)):
+            batch = 8.0 * (0.5 + i % 3 / 2)
+            planner.observe(Observation.of_request(
+                at_s=start_s + (i + 0.5) / rate, prompt_tokens=prompt, output_tokens=output,
+                prefill_s=prompt / 4000, kv_s=0.02, tpot_s=0.010 + 0.001 * batch, decode_batch=batch))
+
+    # 45 s of 2000-token prompts with 10 outputs (2 P wanted), then 15 s of 100-token
+    # prompts with 800 outputs (2 D wanted): the window averages to 1 P + 1 D, and its
+    # P surplus is what the last quarter's decode load needs
+    phase(940.0, 985.0, prompt=2000, output=10)
+    phase(985.0, 1000.0, prompt=100, output=800)
+    d = planner.decide(fleet(2, 1), 1000.0)
+    assert d.wanted == {PREFILL: 1, DECODE: 1} and d.action is None, d.reason
+    assert "prefill surplus kept, decode runs close to its target" in d.reason
+    # the window alone fits the decode load on one engine; the last quarter does not
+    recent = learn([o for o in planner.observations if o.at_s >= 985.0], 1000.0, 15.0)
+    assert predicted_tpot_s(d.model, 1, 0.05) <= 0.8 * 0.05 < predicted_tpot_s(recent, 1, 0.05)
+    # once the window holds the new phase, the surplus engine changes role: one action
+    phase(1000.0, 1060.0, prompt=100, output=800)
+    d = planner.decide(fleet(2, 1), 1060.0)
+    assert d.wanted == {PREFILL: 1, DECODE: 2} and d.action == Action("switch", DECODE, instance_id="p0"), d.reason
