@@ -113,15 +113,20 @@ def main() -> int:
     p.add_argument("--ttft-ms", type=int, default=2500)
     p.add_argument("--tpot-ms", type=int, default=100)
     p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--output-streams", type=int, default=PHASES["output-heavy"][2],
+                   help="concurrent streams of the output-heavy phase")
+    p.add_argument("--arms", default=",".join(ARMS), help="the arms to run, comma-separated (a probe)")
     p.add_argument("--json", type=Path, help="write every arm's phases")
     p.add_argument("--workdir", type=Path, help="keep the specs, logs and reports here (default: a temporary one)")
     args = p.parse_args()
-    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    PHASES["output-heavy"] = (*PHASES["output-heavy"][:2], args.output_streams)
+    arms = [a for a in ARMS if a in args.arms.split(",")]
+    results: dict[str, list[dict]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="planner-goodput-") as tmp:
         tmp = args.workdir or tmp
         Path(tmp).mkdir(parents=True, exist_ok=True)
         for r in range(args.rounds):
-            order = list(ARMS) if r % 2 == 0 else list(reversed(ARMS))
+            order = arms if r % 2 == 0 else list(reversed(arms))
             print(f"round {r + 1}: {', '.join(order)}", flush=True)
             for arm in order:
                 results[arm].append(run_arm(arm, args, Path(tmp), seed=r + 1))
@@ -136,10 +141,12 @@ def main() -> int:
         overall = [sum(rd[ph]["good"] for ph in PHASES) / sum(rd[ph]["seconds"] for ph in PHASES) for rd in rounds]
         actions = " / ".join(",".join(str(rd[ph]["actions"]) for ph in PHASES) for rd in rounds)
         print(f"| {arm} | " + " | ".join(cells) + f" | {' / '.join(f'{o:.3f}' for o in overall)} | {actions} |")
-    best_static = max(statistics.median(sum(rd[ph]["good"] for ph in PHASES) for rd in results[a])
-                      for a in ARMS if not ARMS[a][2])
-    planner = statistics.median(sum(rd[ph]["good"] for ph in PHASES) for rd in results["planner"])
-    print(f"\nplanner / best static split, overall (median good requests): {planner / best_static:.2f}x")
+    statics = [a for a in arms if not ARMS[a][2]]
+    if "planner" in results and statics:
+        best_static = max(statistics.median(sum(rd[ph]["good"] for ph in PHASES) for rd in results[a])
+                          for a in statics)
+        planner = statistics.median(sum(rd[ph]["good"] for ph in PHASES) for rd in results["planner"])
+        print(f"\nplanner / best static split, overall (median good requests): {planner / best_static:.2f}x")
     return 0
 
 
