@@ -22,6 +22,7 @@ from .rounds import Rounds
 log = logging.getLogger(__name__)
 
 MAX_SLOW_PROBES = 3  # consecutive timed-out probes before a silent engine is unroutable
+FIRST_PROBE_TIMEOUT_S = 2.0  # an engine not seen yet: the probe opens its connection too
 
 
 class StaticDiscovery(Rounds):
@@ -47,7 +48,9 @@ class StaticDiscovery(Rounds):
 
     async def _probe(self, address: str) -> EngineEndpoint:
         engine = self.registry.engine(address)
-        timeout_s = max(0.2, min(2.0, self.interval_s))
+        known = self.registry.get(address) is not None
+        # an engine's first probe also opens its connection: a short poll's bound is too tight
+        timeout_s = max(0.2, min(2.0, self.interval_s)) if known else FIRST_PROBE_TIMEOUT_S
         try:
             health, stats = await asyncio.gather(
                 engine.health(timeout_s=timeout_s), engine.stats(timeout_s=timeout_s)
