@@ -372,6 +372,10 @@ class PlannerSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": PLANN
     enabled: bool = False
     advisory: bool = False
     """Decide and report (status, Events, metrics) but never act."""
+    overload_switching: bool = True
+    """With the planner off: switch one engine to the other role when its pool is
+    overloaded (queue or KV usage) and the other idle. False: the split stays as the
+    pools' replicas say (a fixed P:D ratio)."""
     min_prefill: int = Field(default=1, ge=1)
     max_prefill: int = Field(default=8, ge=1)
     min_decode: int = Field(default=1, ge=1)

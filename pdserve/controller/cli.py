@@ -103,7 +103,7 @@ def build_settings(args: argparse.Namespace, cluster: PDCluster, identity: str) 
     rebalance = RebalanceSettings(window_s=args.rebalance_window,
                                   min_interval_s=args.rebalance_min_interval,
                                   reverse_cooldown_s=5 * args.rebalance_min_interval,
-                                  enabled=not args.no_rebalance)
+                                  enabled=not args.no_rebalance and spec.planner.overload_switching)
     return ControllerSettings(
         cluster_name=cluster.metadata.name, identity=identity, leader_ttl_s=args.leader_ttl,
         lease_ttl_s=args.lease_ttl,

@@ -191,6 +191,23 @@ def test_controller_settings_configure_only_the_pd_pools_with_replicas():
     assert configured(hybrid={"replicas": 1}) == ("prefill", "decode")
 
 
+def test_a_fixed_split_turns_overload_switching_off_and_the_flag_wins():
+    import argparse
+
+    from pdserve.api import parse_manifest
+    from pdserve.controller.cli import add_arguments, build_settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def switching(flags: list[str], **planner) -> bool:
+        spec = parse_manifest({"kind": "PDCluster", "metadata": {"name": "x"},
+                               "spec": {"model": {"preset": "tiny"}, "planner": planner}})
+        return build_settings(parser.parse_args(flags), spec, "me").cluster.rebalance.enabled
+    assert switching([]) and not switching([], overloadSwitching=False)
+    assert not switching(["--no-rebalance"], overloadSwitching=True)
+
+
 def test_the_engines_max_model_len_reaches_the_view_and_the_coordinators_endpoints():
     from pdserve.coordinator.instances import InstanceRegistry
     from pdserve.coordinator.watcher import instances_from_view
