@@ -321,8 +321,11 @@ class Cluster:
                 state = planner.READY
             else:
                 state = planner.STARTING
+            used = r.load.get("num_kv_blocks_used", 0)
             engines.append(planner.Engine(r.instance_id, r.assigned_role, state,
-                                          r.load.get("num_running", 0), r.load.get("num_waiting", 0)))
+                                          r.load.get("num_running", 0), r.load.get("num_waiting", 0),
+                                          kv_blocks_used=used,
+                                          kv_blocks_total=used + r.load.get("num_kv_blocks_free", 0)))
         for pool in (planner.PREFILL, planner.DECODE):
             engines += [planner.Engine(f"{pool}-pending-{i}", pool, planner.PENDING)
                         for i in range(self.replicas.get(pool, 0) - alive[pool])]

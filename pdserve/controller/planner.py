@@ -39,7 +39,11 @@ Wanted engines:
 - decode: one D engine holds at most ``B = (tpot_target - a) / b`` streams within the
   TPOT target; by Little's law ``lam * out * tpot_target`` streams are in flight, so
   ``N >= that / B``; likewise one more than runs when the measured step time at the
-  measured batch breaks the target;
+  measured batch breaks the target. And the streams' KV must fit: the READY D
+  engines' blocks in use now over ``KV_TARGET`` of one engine's cache, one more than
+  runs when one is ``KV_FULL`` (a full D turns requests away, so its use under-reads
+  the demand). On a CPU, where a step costs nearly the same at any batch, it is the
+  KV cache, not the step time, that a decode pool runs out of first;
 - both within ``[min, max]`` per pool and ``max_engines`` in all (a budget too small
   for both is shared in proportion to what each wants).
 
@@ -74,6 +78,8 @@ from dataclasses import dataclass, field
 
 PREFILL, DECODE = "prefill", "decode"
 MIN_BATCH_SPREAD = 0.2  # below it, the decode line goes through the origin (``decode_line``)
+KV_TARGET = 0.8  # D engines are wanted so that their KV caches run at most this full
+KV_FULL = 0.95   # a D engine this full turns requests away: its pool under-reads the demand
 READY, STARTING, PENDING, DRAINING = "ready", "starting", "pending", "draining"
 
 
@@ -150,6 +156,8 @@ class Engine:
     num_running: int = 0
     num_waiting: int = 0
     can_leave: bool = True  # a scale-down may remove it (the actuators remove a pool's highest ordinal)
+    kv_blocks_used: int = 0  # its KV cache now (0 total: not reported)
+    kv_blocks_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -290,6 +298,7 @@ class Planner:
     observations: deque[Observation] = field(default_factory=deque)
     _last: tuple[Action | None, int] = (None, 0)   # the decision seen last and how many ticks in a row
     _acted_s: float = -math.inf
+    _kv: tuple[int, float, bool] = (0, 0.0, False)  # this tick's ``decode_kv``
 
     def observe(self, observation: Observation) -> None:
         self.observations.append(observation)
@@ -303,7 +312,7 @@ class Planner:
         recent = learn((o for o in self.observations if o.at_s >= now_s - s.window_s / 4), now_s, s.window_s / 4)
         have = {r: sum(e.role == r and e.state in (READY, STARTING) for e in engines) for r in (PREFILL, DECODE)}
         pending = {r: sum(e.role == r and e.state == PENDING for e in engines) for r in (PREFILL, DECODE)}
-        wanted, unreachable = self._wanted(model, have)
+        wanted, unreachable = self._wanted(model, have, engines)
         action, reason = self._action(engines, model, have, pending, wanted, recent)
         if unreachable:
             reason = f"{unreachable}; {reason}"
@@ -323,11 +332,12 @@ class Planner:
         self._last = (None, 0)
         return Decision(wanted, have, action, reason, model)
 
-    def _wanted(self, m: Model, have: dict[str, int]) -> tuple[dict[str, int], str]:
+    def _wanted(self, m: Model, have: dict[str, int], engines: list[Engine]) -> tuple[dict[str, int], str]:
         """Engines per role for the SLO, within the bounds and the budget; the reason
         when the SLO cannot be met by engines alone."""
         s = self.settings
         notes = []
+        self._kv = decode_kv(engines)
         if m.num_requests < s.min_requests:
             # too little traffic to learn from: keep what runs, within the bounds
             want = {PREFILL: have[PREFILL], DECODE: have[DECODE]}
@@ -351,6 +361,16 @@ class Planner:
             if d is not None and d <= have[DECODE] and m.measured_tpot_s > s.tpot_ms / 1e3:
                 notes.append(f"measured TPOT {m.measured_tpot_s * 1e3:.0f} ms over the target")
                 d = have[DECODE] + 1
+            # the streams' KV must fit the D engines' caches: a full one refuses requests
+            used, per_engine, is_full = self._kv
+            if per_engine:
+                d_kv = math.ceil(used / (KV_TARGET * per_engine) - 1e-9)
+                if is_full and d_kv <= have[DECODE]:
+                    d_kv = have[DECODE] + 1
+                if d_kv > d:
+                    notes.append(f"decode KV {used} blocks, {per_engine:.0f} per engine"
+                                 + (", one full" if is_full else ""))
+                    d = d_kv
             want = {PREFILL: p, DECODE: d}
         want = {PREFILL: min(max(want[PREFILL], s.min_prefill), s.max_prefill),
                 DECODE: min(max(want[DECODE], s.min_decode), s.max_decode)}
@@ -416,7 +436,20 @@ class Planner:
         s = self.settings
         if role == PREFILL:
             return predicted_ttft_s(m, num) <= s.headroom * s.ttft_ms / 1e3
+        used, per_engine, _ = self._kv
+        if per_engine and used > s.headroom * KV_TARGET * num * per_engine:
+            return False
         return predicted_tpot_s(m, num, s.tpot_ms / 1e3) <= s.headroom * s.tpot_ms / 1e3
+
+
+def decode_kv(engines: list[Engine]) -> tuple[int, float, bool]:
+    """The READY decode engines' KV now: (blocks used in all, mean blocks per engine, one
+    of them at least ``KV_FULL``); (0, 0.0, False) when none reports its cache."""
+    ready = [e for e in engines if e.role == DECODE and e.state == READY and e.kv_blocks_total > 0]
+    if not ready:
+        return 0, 0.0, False
+    return (sum(e.kv_blocks_used for e in ready), sum(e.kv_blocks_total for e in ready) / len(ready),
+            any(e.kv_blocks_used >= KV_FULL * e.kv_blocks_total for e in ready))
 
 
 def _key(action: Action) -> tuple[str, str, int]:

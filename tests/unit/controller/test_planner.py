@@ -241,3 +241,30 @@ def test_a_shift_from_long_prompts_to_long_outputs_switches_the_surplus_engine_r
     phase(1000.0, 1060.0, prompt=100, output=800)
     d = planner.decide(fleet(2, 1), 1060.0)
     assert d.wanted == {PREFILL: 1, DECODE: 2} and d.action == Action("switch", DECODE, instance_id="p0"), d.reason
+
+
+def test_decode_engines_are_sized_by_their_kv_caches_too_and_a_full_one_asks_for_one_more():
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=5, max_engines=4))
+
+    def with_kv(p: int, d: int, used: list[int], total: int = 1000) -> list[Engine]:
+        return ([Engine(f"p{i}", PREFILL, READY) for i in range(p)]
+                + [Engine(f"d{i}", DECODE, READY, kv_blocks_used=u, kv_blocks_total=total)
+                   for i, u in enumerate(used)][:d])
+
+    # a light load the step line fits on one D engine; its cache at 50%: one is enough
+    d = ticks(planner, with_kv(1, 1, [500]), 1000.0, 1, rate=0.5, prompt=100, output=100, batch=2.0)[-1]
+    assert d.wanted[DECODE] == 1 and d.action is None, d.reason
+    # the same load with the cache 90% full: 900 / (0.8 * 1000) -> 2 engines
+    d = ticks(planner, with_kv(1, 1, [900]), 2000.0, 1, rate=0.5, prompt=100, output=100, batch=2.0)[-1]
+    assert d.wanted[DECODE] == 2 and "decode KV 900 blocks" in d.reason, d.reason
+    assert d.action == Action("scale", DECODE, +1), d.reason
+    # two D engines, one full: the pool under-reads its demand, one more is wanted
+    planner = Planner(planner.settings)
+    d = ticks(planner, with_kv(1, 2, [960, 300]), 3000.0, 1, rate=0.5, prompt=100, output=100, batch=2.0)[-1]
+    assert d.wanted[DECODE] == 3 and "one full" in d.reason, d.reason
+    # a decode surplus is not removed while the KV in use would not fit one engine fewer
+    planner = Planner(planner.settings)
+    d = ticks(planner, with_kv(1, 2, [400, 400]), 4000.0, 1, rate=0.5, prompt=100, output=100, batch=2.0)[-1]
+    assert d.wanted[DECODE] == 1 and d.action is None, d.reason
+    d = ticks(planner, with_kv(1, 2, [100, 100]), 5000.0, 1, rate=0.5, prompt=100, output=100, batch=2.0)[-1]
+    assert d.action == Action("scale", DECODE, -1, instance_id="d0"), d.reason
