@@ -4,17 +4,21 @@ Each arm is a ``pdserve up -f`` cluster of three engines (the ``small`` preset, 
 thread each) with the same SLO; ``pdserve bench`` then runs three phases back to back,
 each a closed loop whose mix differs:
 
-- prompt-heavy: 1024-token prompts, 8 output tokens;
-- output-heavy: 128-token prompts, 128 output tokens, 32 streams;
-- mixed: prompts of 64 to 1024 tokens, 8 to 128 output tokens.
+- prompt-heavy: 1024-token prompts, 8 output tokens, 6 streams: one prefill engine
+  cannot keep the TTFT target;
+- output-heavy: 32-token prompts, 256 output tokens, 96 streams: their KV does not fit
+  one decode engine's cache (a CPU decode step costs nearly the same at any batch, so
+  here the cache, not the step time, is what a second decode engine adds);
+- mixed: prompts of 64 to 1024 tokens, 8 to 128 output tokens, 8 streams.
 
-Arms: ``1P+2D`` and ``2P+1D`` static (planner off), and ``planner`` (starting at
-1P+2D, ``spec.planner`` on, same engine budget of three). Rounds alternate the arms'
+Arms: ``1P+2D`` and ``2P+1D`` static (planner off and ``overloadSwitching: false``: no
+role switch of any kind), and ``planner`` (starting at 1P+2D, ``spec.planner`` on, same
+engine budget of three). Rounds alternate the arms'
 order (A B C, then C B A). Goodput is the requests meeting both the TTFT and the TPOT
 target per second of the phase; overall is all good requests over all phases' time.
 After each phase the planner's action count is read from the Controller's view.
 
-Rerun: .venv/bin/python benchmarks/planner_goodput.py --phase-seconds 90 --rounds 2
+Rerun: .venv/bin/python benchmarks/planner_goodput.py --phase-seconds 90 --rounds 2 --json results.json
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from pdserve.runtime.security import SecuritySettings
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 PHASES = {  # name: (prompt tokens, output tokens, concurrency)
-    "prompt-heavy": ("1024", "8", 4),
-    "output-heavy": ("128", "128", 32),
+    "prompt-heavy": ("1024", "8", 6),
+    "output-heavy": ("32", "256", 96),
     "mixed": ("uniform:64:1024", "uniform:8:128", 8),
 }
 ARMS = {"1P+2D": (1, 2, False), "2P+1D": (2, 1, False), "planner": (1, 2, True)}
@@ -49,7 +53,8 @@ def spec(name: str, prefill: int, decode: int, planner: bool, ttft_ms: int, tpot
                      "prefill": {"replicas": prefill, "threads": 1},
                      "decode": {"replicas": decode, "threads": 1},
                      "slo": {"ttftMs": ttft_ms, "tpotMs": tpot_ms},
-                     "planner": {"enabled": planner, "intervalSeconds": 2, "windowSeconds": 20,
+                     # static arms: no role switch of any kind (the split is the arm's)
+                     "planner": {"enabled": planner, "overloadSwitching": planner, "intervalSeconds": 2, "windowSeconds": 20,
                                  "stableIntervals": 2, "cooldownSeconds": 10, "minRequests": 5,
                                  "minPrefill": 1, "maxPrefill": 2, "minDecode": 1, "maxDecode": 2,
                                  "maxEngines": 3}}}

@@ -64,7 +64,9 @@ Actions, cheapest first, one at a time:
 
 Anti-oscillation: a decision acts only after it was the same for ``stable_ticks``
 ticks in a row; after an action nothing more until ``cooldown_s`` has passed (the
-effect is measured before the next move); too few requests (``min_requests``) change
+effect is measured before the next move); what the requests measured (TTFT, TPOT, a
+full D) counts only from those seen since the last action, as does the comfort a
+scale-down needs: the window before it holds the queue the action answered; too few requests (``min_requests``) change
 nothing but scale-downs of a cluster idle for a whole window (not one just started),
 never below the minimums. In
 ``advisory`` mode the decision is reported and never acted on.
@@ -312,8 +314,12 @@ class Planner:
         recent = learn((o for o in self.observations if o.at_s >= now_s - s.window_s / 4), now_s, s.window_s / 4)
         have = {r: sum(e.role == r and e.state in (READY, STARTING) for e in engines) for r in (PREFILL, DECODE)}
         pending = {r: sum(e.role == r and e.state == PENDING for e in engines) for r in (PREFILL, DECODE)}
-        wanted, unreachable = self._wanted(model, have, engines)
-        action, reason = self._action(engines, model, have, pending, wanted, recent)
+        # what the requests measured, only since the last action: the window before it
+        # holds the load the action answered (the queue it built, the old phase's mix)
+        since = learn((o for o in self.observations if o.at_s > self._acted_s), now_s, s.window_s)
+        measured = since if since.num_requests >= max(3, s.min_requests // 4) else None
+        wanted, unreachable = self._wanted(model, have, engines, measured)
+        action, reason = self._action(engines, model, have, pending, wanted, recent, measured)
         if unreachable:
             reason = f"{unreachable}; {reason}"
         # hysteresis: the same action for stable_ticks ticks, then act, then cool down
@@ -332,9 +338,11 @@ class Planner:
         self._last = (None, 0)
         return Decision(wanted, have, action, reason, model)
 
-    def _wanted(self, m: Model, have: dict[str, int], engines: list[Engine]) -> tuple[dict[str, int], str]:
+    def _wanted(self, m: Model, have: dict[str, int], engines: list[Engine],
+                measured: Model | None = None) -> tuple[dict[str, int], str]:
         """Engines per role for the SLO, within the bounds and the budget; the reason
-        when the SLO cannot be met by engines alone."""
+        when the SLO cannot be met by engines alone. ``measured``: the requests since the
+        last action (None: too few yet), which alone may say a pool is saturated."""
         s = self.settings
         notes = []
         self._kv = decode_kv(engines)
@@ -355,17 +363,17 @@ class Planner:
                              "more engines do not help")
                 d = s.max_decode
             # a saturated pool under-reads the demand: what the requests measured decides
-            if p is not None and p <= have[PREFILL] and m.measured_ttft_s > s.ttft_ms / 1e3:
-                notes.append(f"measured TTFT {m.measured_ttft_s * 1e3:.0f} ms over the target")
+            if measured and p <= have[PREFILL] and measured.measured_ttft_s > s.ttft_ms / 1e3:
+                notes.append(f"measured TTFT {measured.measured_ttft_s * 1e3:.0f} ms over the target")
                 p = have[PREFILL] + 1
-            if d is not None and d <= have[DECODE] and m.measured_tpot_s > s.tpot_ms / 1e3:
-                notes.append(f"measured TPOT {m.measured_tpot_s * 1e3:.0f} ms over the target")
+            if measured and d <= have[DECODE] and measured.measured_tpot_s > s.tpot_ms / 1e3:
+                notes.append(f"measured TPOT {measured.measured_tpot_s * 1e3:.0f} ms over the target")
                 d = have[DECODE] + 1
             # the streams' KV must fit the D engines' caches: a full one refuses requests
             used, per_engine, is_full = self._kv
             if per_engine:
                 d_kv = math.ceil(used / (KV_TARGET * per_engine) - 1e-9)
-                if is_full and d_kv <= have[DECODE]:
+                if is_full and measured and d_kv <= have[DECODE]:
                     d_kv = have[DECODE] + 1
                 if d_kv > d:
                     notes.append(f"decode KV {used} blocks, {per_engine:.0f} per engine"
@@ -383,7 +391,8 @@ class Planner:
         return want, "; ".join(notes)
 
     def _action(self, engines: list[Engine], m: Model, have: dict[str, int], pending: dict[str, int],
-                want: dict[str, int], recent: Model | None = None) -> tuple[Action | None, str]:
+                want: dict[str, int], recent: Model | None = None,
+                measured: Model | None = None) -> tuple[Action | None, str]:
         s = self.settings
         # a scale-down must fit the window's load and its last quarter's: after the mix
         # shifts, the window still averages in the old phase, and the engine it calls a
@@ -422,6 +431,10 @@ class Planner:
                 return None, f"{summary}: a {role} surplus kept, {other} runs close to its target"
             if not (m.num_requests == 0 or all(self._comfortable(x, role, have[role] - 1) for x in loads)):
                 continue
+            # the requests since the last action must show the pool comfortable too: the
+            # window's rate under-reads a pool that was saturated until then
+            if m.num_requests and not (measured and self._measured_comfortable(measured, role)):
+                continue
             leavers = [e for e in engines if e.role == role and e.state == READY and e.can_leave]
             if not leavers:
                 return None, (f"{summary}: a {role} surplus, but none of its engines can leave (a pool "
@@ -430,6 +443,13 @@ class Planner:
             return (Action("scale", role, -1, instance_id=e.instance_id),
                     f"{summary}: the load fits on {have[role] - 1} {role} engine(s)")
         return None, f"{summary}: a surplus, but one engine fewer would come too close to the SLO"
+
+    def _measured_comfortable(self, measured: Model, role: str) -> bool:
+        """What the requests measured stays under ``headroom`` of ``role``'s target."""
+        s = self.settings
+        if role == PREFILL:
+            return measured.measured_ttft_s <= s.headroom * s.ttft_ms / 1e3
+        return measured.measured_tpot_s <= s.headroom * s.tpot_ms / 1e3
 
     def _comfortable(self, m: Model, role: str, num: int) -> bool:
         """The load predicted on ``num`` engines of ``role`` stays under ``headroom`` of its target."""

@@ -268,3 +268,32 @@ def test_decode_engines_are_sized_by_their_kv_caches_too_and_a_full_one_asks_for
     assert d.wanted[DECODE] == 1 and d.action is None, d.reason
     d = ticks(planner, with_kv(1, 2, [100, 100]), 5000.0, 1, rate=0.5, prompt=100, output=100, batch=2.0)[-1]
     assert d.action == Action("scale", DECODE, -1, instance_id="d0"), d.reason
+
+
+def test_after_an_action_only_what_was_measured_since_says_a_pool_is_saturated_or_spare():
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, cooldown_s=0, min_requests=8,
+                                      max_engines=4, window_s=60))
+
+    def requests(start_s: float, n: int, queue_s: float) -> None:
+        for i in range(n):  # 400-token prompts at 4000 tok/s: 0.1 s of prefill each
+            planner.observe(Observation.of_request(at_s=start_s + i, prompt_tokens=400, output_tokens=10,
+                                                   prefill_s=0.1, prefill_queue_s=queue_s, kv_s=0.02,
+                                                   tpot_s=0.012, decode_batch=2.0))
+
+    # prompts that queued 2 s at one P engine: the rate alone says one is enough, what
+    # they measured says it is saturated
+    requests(940.0, 30, queue_s=2.0)
+    d = planner.decide(fleet(1, 1), 1000.0)
+    assert d.action == Action("scale", PREFILL, +1) and "measured TTFT" in d.reason, d.reason
+    # the next tick: the window still holds those queued prompts, nothing new is measured:
+    # no second +1, and no -1 of the engine just added either
+    d = planner.decide(fleet(2, 1), 1001.0)
+    assert d.action is None and d.wanted[PREFILL] == 1, d.reason
+    # prompts since the action that still queue: one more
+    requests(1002.0, 4, queue_s=2.0)
+    d = planner.decide(fleet(2, 1), 1006.0)
+    assert d.action == Action("scale", PREFILL, +1), d.reason
+    # prompts since that answer at once: the surplus may go
+    requests(1007.0, 10, queue_s=0.0)
+    d = planner.decide(fleet(3, 1), 1020.0)
+    assert d.action is not None and (d.action.role, d.action.delta) == (PREFILL, -1), d.reason
