@@ -317,9 +317,12 @@ class Planner:
         # what the requests measured, only since the last action: the window before it
         # holds the load the action answered (the queue it built, the old phase's mix)
         since = learn((o for o in self.observations if o.at_s > self._acted_s), now_s, s.window_s)
-        measured = since if since.num_requests >= max(3, s.min_requests // 4) else None
+        few = max(3, s.min_requests // 4)  # enough requests for a quarter of the window
+        measured = since if since.num_requests >= few else None
         wanted, unreachable = self._wanted(model, have, engines, measured)
-        action, reason = self._action(engines, model, have, pending, wanted, recent, measured)
+        # the last quarter's own wants: a switch must agree with them (``_action``)
+        recent_wanted = self._wanted(recent, have, engines, measured, few)[0] if recent.num_requests >= few else None
+        action, reason = self._action(engines, model, have, pending, wanted, recent, measured, recent_wanted)
         if unreachable:
             reason = f"{unreachable}; {reason}"
         # hysteresis: the same action for stable_ticks ticks, then act, then cool down
@@ -339,14 +342,14 @@ class Planner:
         return Decision(wanted, have, action, reason, model)
 
     def _wanted(self, m: Model, have: dict[str, int], engines: list[Engine],
-                measured: Model | None = None) -> tuple[dict[str, int], str]:
+                measured: Model | None = None, min_requests: int | None = None) -> tuple[dict[str, int], str]:
         """Engines per role for the SLO, within the bounds and the budget; the reason
         when the SLO cannot be met by engines alone. ``measured``: the requests since the
         last action (None: too few yet), which alone may say a pool is saturated."""
         s = self.settings
         notes = []
         self._kv = decode_kv(engines)
-        if m.num_requests < s.min_requests:
+        if m.num_requests < (s.min_requests if min_requests is None else min_requests):
             # too little traffic to learn from: keep what runs, within the bounds
             want = {PREFILL: have[PREFILL], DECODE: have[DECODE]}
             if m.num_requests == 0 and m.span_s >= 0.9 * s.window_s:  # idle for a whole window
@@ -392,7 +395,8 @@ class Planner:
 
     def _action(self, engines: list[Engine], m: Model, have: dict[str, int], pending: dict[str, int],
                 want: dict[str, int], recent: Model | None = None,
-                measured: Model | None = None) -> tuple[Action | None, str]:
+                measured: Model | None = None,
+                recent_wanted: dict[str, int] | None = None) -> tuple[Action | None, str]:
         s = self.settings
         # a scale-down must fit the window's load and its last quarter's: after the mix
         # shifts, the window still averages in the old phase, and the engine it calls a
@@ -406,6 +410,12 @@ class Planner:
         # 1. the split is wrong: switch one engine (no new Pod)
         for gain, lose in ((PREFILL, DECODE), (DECODE, PREFILL)):
             if short[gain] > 0 and short[lose] < 0:
+                # the last quarter alone must want it too: after the mix shifts back, the
+                # window's average (and a budget shared in its proportions) still asks
+                # for the split the old phase needed
+                if recent_wanted and not (recent_wanted[gain] > have[gain] or recent_wanted[lose] < have[lose]):
+                    return None, (f"{summary}: {lose} has a surplus and {gain} is short over the window, "
+                                  f"not over its last quarter")
                 ready = [e for e in engines if e.role == lose and e.state == READY]
                 if ready:
                     e = min(ready, key=lambda e: (e.num_running + e.num_waiting, e.instance_id))

@@ -297,3 +297,18 @@ def test_after_an_action_only_what_was_measured_since_says_a_pool_is_saturated_o
     requests(1007.0, 10, queue_s=0.0)
     d = planner.decide(fleet(3, 1), 1020.0)
     assert d.action is not None and (d.action.role, d.action.delta) == (PREFILL, -1), d.reason
+
+
+def test_a_switch_the_window_wants_and_its_last_quarter_does_not_waits():
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=3))
+    for start, end, prompt, output in ((940.0, 985.0, 2000, 10), (985.0, 1000.0, 100, 800)):
+        for i in range(int((end - start) * 2.0)):
+            batch = 8.0 * (0.5 + i % 3 / 2)
+            planner.observe(Observation.of_request(
+                at_s=start + (i + 0.5) / 2.0, prompt_tokens=prompt, output_tokens=output,
+                prefill_s=prompt / 4000, kv_s=0.02, tpot_s=0.010 + 0.001 * batch, decode_batch=batch))
+    # just switched to 1 P + 2 D for the long outputs: the window, still three quarters
+    # long prompts, wants 2 P + 1 D; its last quarter wants what runs
+    d = planner.decide(fleet(1, 2), 1000.0)
+    assert d.wanted == {PREFILL: 2, DECODE: 1} and d.action is None, d.reason
+    assert "not over its last quarter" in d.reason
