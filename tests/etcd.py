@@ -39,14 +39,14 @@ the source port of any outgoing connection on the machine (a Coordinator diallin
 the very Controller that is about to listen on it)."""
 
 
-def free_port() -> int:
-    """A port that binds now on 127.0.0.1, outside the ephemeral range."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that binds now on ``host``, outside the ephemeral range."""
     rng = random.Random()
     for _ in range(200):
         port = rng.choice(FIXED_PORTS)
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind((host, port))
             except OSError:
                 continue
             return port

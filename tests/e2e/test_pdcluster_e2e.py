@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -32,6 +31,7 @@ import pytest
 import yaml
 
 from tests.e2e.standin import condition_status, wait_for
+from tests.etcd import free_port
 from tests.kube_tools import tool_path
 from tests.procs import REPO, Proc
 
@@ -46,12 +46,6 @@ body = json.dumps({"model": "tiny", "prompt": "Hello, Kubernetes", "max_tokens":
 request = urllib.request.Request(sys.argv[1], body, {"Content-Type": "application/json"})
 print(urllib.request.urlopen(request, timeout=60).read().decode())
 """
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
