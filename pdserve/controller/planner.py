@@ -66,8 +66,8 @@ Anti-oscillation: a decision acts only after it was the same for ``stable_ticks`
 ticks in a row; after an action nothing more until ``cooldown_s`` has passed (the
 effect is measured before the next move); what the requests measured (TTFT, TPOT, a
 full D) counts only from those seen since the last action, as does the comfort a
-scale-down needs: the window before it holds the queue the action answered; too few requests (``min_requests``) change
-nothing but scale-downs of a cluster idle for a whole window (not one just started),
+scale-down needs (the window before it holds the queue the action answered); too few
+requests (``min_requests``) change nothing but scale-downs of a cluster idle for a whole window (not one just started),
 never below the minimums. In
 ``advisory`` mode the decision is reported and never acted on.
 """
@@ -300,7 +300,7 @@ class Planner:
     observations: deque[Observation] = field(default_factory=deque)
     _last: tuple[Action | None, int] = (None, 0)   # the decision seen last and how many ticks in a row
     _acted_s: float = -math.inf
-    _kv: tuple[int, float, bool] = (0, 0.0, False)  # this tick's ``decode_kv``
+    _kv: tuple[int, float, bool] = (0, 0.0, False)  # this tick's ``decode_kv`` (set by ``decide``)
 
     def observe(self, observation: Observation) -> None:
         self.observations.append(observation)
@@ -319,9 +319,11 @@ class Planner:
         since = learn((o for o in self.observations if o.at_s > self._acted_s), now_s, s.window_s)
         few = max(3, s.min_requests // 4)  # enough requests for a quarter of the window
         measured = since if since.num_requests >= few else None
-        wanted, unreachable = self._wanted(model, have, engines, measured)
+        recent = recent if recent.num_requests >= few else None
+        self._kv = decode_kv(engines)
+        wanted, unreachable = self._wanted(model, have, measured)
         # the last quarter's own wants: a switch must agree with them (``_action``)
-        recent_wanted = self._wanted(recent, have, engines, measured, few)[0] if recent.num_requests >= few else None
+        recent_wanted = self._wanted(recent, have, measured, few)[0] if recent else None
         action, reason = self._action(engines, model, have, pending, wanted, recent, measured, recent_wanted)
         if unreachable:
             reason = f"{unreachable}; {reason}"
@@ -341,14 +343,13 @@ class Planner:
         self._last = (None, 0)
         return Decision(wanted, have, action, reason, model)
 
-    def _wanted(self, m: Model, have: dict[str, int], engines: list[Engine],
-                measured: Model | None = None, min_requests: int | None = None) -> tuple[dict[str, int], str]:
+    def _wanted(self, m: Model, have: dict[str, int], measured: Model | None = None,
+                min_requests: int | None = None) -> tuple[dict[str, int], str]:
         """Engines per role for the SLO, within the bounds and the budget; the reason
         when the SLO cannot be met by engines alone. ``measured``: the requests since the
         last action (None: too few yet), which alone may say a pool is saturated."""
         s = self.settings
         notes = []
-        self._kv = decode_kv(engines)
         if m.num_requests < (s.min_requests if min_requests is None else min_requests):
             # too little traffic to learn from: keep what runs, within the bounds
             want = {PREFILL: have[PREFILL], DECODE: have[DECODE]}
@@ -401,7 +402,7 @@ class Planner:
         # a scale-down must fit the window's load and its last quarter's: after the mix
         # shifts, the window still averages in the old phase, and the engine it calls a
         # surplus is the one the new phase needs (a switch keeps it; -1 then +1 restarts it)
-        loads = [m] if recent is None or recent.num_requests < max(3, s.min_requests // 4) else [m, recent]
+        loads = [m] if recent is None else [m, recent]
         short = {r: want[r] - have[r] for r in (PREFILL, DECODE)}
         leaving = {r: sum(e.role == r and e.state == DRAINING for e in engines) for r in (PREFILL, DECODE)}
         summary = f"want {want[PREFILL]} P + {want[DECODE]} D, have {have[PREFILL]} P + {have[DECODE]} D"
