@@ -29,6 +29,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -76,8 +78,13 @@ def run_arm(arm: str, args, workdir: Path, seed: int) -> dict:
         controller = RunState(run_dir).read_addresses()["controller"]
         security = SecuritySettings(token=(run_dir / TOKEN_FILE).read_text().strip())
         phases, actions_before = {}, 0
+        stop = threading.Event()
+        timeline = threading.Thread(target=_follow_planner, daemon=True, args=(
+            controller, security, workdir / f"{name}-{seed}-planner.jsonl", stop))
+        timeline.start()
         for k, (phase, (prompt, output, concurrency)) in enumerate(PHASES.items()):
             out = workdir / f"{name}-{seed}-{phase}.json"
+            _mark(workdir / f"{name}-{seed}-planner.jsonl", phase)
             subprocess.run([*PDSERVE, "bench", "--base-url", f"http://127.0.0.1:{args.port}",
                             "--prompt-tokens", prompt, "--output-tokens", output,
                             "--concurrency", str(concurrency), "--duration", str(args.phase_seconds),
@@ -98,10 +105,32 @@ def run_arm(arm: str, args, workdir: Path, seed: int) -> dict:
                   f"({phases[phase]['good']}/{phases[phase]['sent']} good, {phases[phase]['errors']} errors), "
                   f"TTFT p50 {phases[phase]['ttft_p50_ms']} ms, TPOT p50 {phases[phase]['tpot_p50_ms']} ms, "
                   f"actions {phases[phase]['actions']}, split after {phases[phase]['split']}", flush=True)
+        stop.set()
+        timeline.join(10)
         return phases
     finally:
         up.terminate()
         up.wait(120)
+
+
+def _follow_planner(controller: str, security, path: Path, stop: threading.Event) -> None:
+    """The planner's split, wants and reason every 2 s, one JSON line each (the workdir's
+    ``*-planner.jsonl``: when it saw a phase change and why it acted or held)."""
+    while not stop.wait(2.0):
+        view = get_view(controller, security)
+        if view is None or not view.HasField("planner"):
+            continue
+        p = view.planner
+        with path.open("a") as f:
+            f.write(json.dumps({"t": round(time.time(), 1), "split": _split(view),
+                                "wanted": f"{p.wanted_prefill}P+{p.wanted_decode}D",
+                                "ttft_s": round(p.measured_ttft_s, 3), "tpot_s": round(p.measured_tpot_s, 3),
+                                "reason": p.reason}) + "\n")
+
+
+def _mark(path: Path, phase: str) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps({"t": round(time.time(), 1), "phase": phase}) + "\n")
 
 
 def _split(view) -> str:

@@ -35,19 +35,31 @@ Wanted engines:
   ``s`` alone exceeds the budget no number of engines helps, and the planner says so
   rather than scaling. A saturated pool finishes only what it can, so the measured
   rate under-reads the demand: when the measured TTFT (queue + prefill + kv) breaks
-  the target, at least one engine more than runs is wanted;
+  the target while prompts queue at the P engines now, at least one engine more than
+  runs is wanted (not while a D engine is full: it holds P's prefilled KV back, and
+  P's queue is then D's);
 - decode: one D engine holds at most ``B = (tpot_target - a) / b`` streams within the
   TPOT target; by Little's law ``lam * out * tpot_target`` streams are in flight, so
   ``N >= that / B``; likewise one more than runs when the measured step time at the
   measured batch breaks the target. And the streams' KV must fit: the READY D
-  engines' blocks in use now over ``KV_TARGET`` of one engine's cache, one more than
-  runs when one is ``KV_FULL`` (a full D turns requests away, so its use under-reads
+  engines' blocks in use a quarter window on (at the rate they grew over the last
+  quarter: streams that start together fill the cache over their outputs' length)
+  over ``KV_TARGET`` of one engine's cache, one more than runs when one is ``KV_FULL`` (a full D turns requests away, so its use under-reads
   the demand). On a CPU, where a step costs nearly the same at any batch, it is the
   KV cache, not the step time, that a decode pool runs out of first;
 - both within ``[min, max]`` per pool and ``max_engines`` in all (a budget too small
   for both is shared in proportion to what each wants).
 
 Actions, cheapest first, one at a time:
+0. the mix has changed and a pool is saturated now: switch one READY engine to it when
+   the last quarter wants that pool grown and the other shrunk, and the window, which
+   still averages the old mix in for most of its length, does not want the opposite.
+   Saturated now (``_pressed``): the prompts queued at the P engines now, at the last
+   quarter's prefill time each, break the TTFT target (not while a D engine is full);
+   a D engine's cache is ``KV_FULL``, or all of them will be within a quarter window,
+   or the step time the last quarter's requests since the last action measured breaks
+   the TPOT target. Without it a phase change waited for the window to turn (three
+   quarters of it), then for the moved engine to fill;
 1. the total is right but the split is wrong: switch one READY engine of the pool with
    a surplus (its least busy) to the other role: no new Pod;
 2. the total is short: +1 in the pool short by the larger share, unless that pool has
@@ -76,7 +88,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 PREFILL, DECODE = "prefill", "decode"
 MIN_BATCH_SPREAD = 0.2  # below it, the decode line goes through the origin (``decode_line``)
@@ -160,6 +173,15 @@ class Engine:
     can_leave: bool = True  # a scale-down may remove it (the actuators remove a pool's highest ordinal)
     kv_blocks_used: int = 0  # its KV cache now (0 total: not reported)
     kv_blocks_total: int = 0
+
+
+class DecodeKV(NamedTuple):
+    """The READY decode engines' caches."""
+    used: int = 0               # blocks in use now, in all
+    per_engine: float = 0.0     # mean blocks per engine (0: none reports its cache)
+    is_full: bool = False       # one of them at least ``KV_FULL`` now
+    projected: int = 0          # ``used`` a quarter window on, at the last quarter's growth
+    is_full_soon: bool = False  # ``projected`` at least ``KV_FULL`` of them all
 
 
 @dataclass(frozen=True)
@@ -300,7 +322,9 @@ class Planner:
     observations: deque[Observation] = field(default_factory=deque)
     _last: tuple[Action | None, int] = (None, 0)   # the decision seen last and how many ticks in a row
     _acted_s: float = -math.inf
-    _kv: tuple[int, float, bool] = (0, 0.0, False)  # this tick's ``decode_kv`` (set by ``decide``)
+    _kv: DecodeKV = DecodeKV()  # this tick's decode caches (set by ``decide``)
+    _kv_seen: deque[tuple[float, frozenset, int]] = field(default_factory=deque)  # (at, READY D engines, used)
+    _queued: float = 0.0  # this tick's prompts waiting per READY P engine (set by ``decide``)
 
     def observe(self, observation: Observation) -> None:
         self.observations.append(observation)
@@ -319,12 +343,25 @@ class Planner:
         since = learn((o for o in self.observations if o.at_s > self._acted_s), now_s, s.window_s)
         few = max(3, s.min_requests // 4)  # enough requests for a quarter of the window
         measured = since if since.num_requests >= few else None
+        # the last quarter's demand on the window's speeds, however few its requests (none
+        # is news too: no prompt arrived): what the early switch (``_action``, 0.) follows
+        quarter = replace(recent, prefill_tok_s=model.prefill_tok_s or recent.prefill_tok_s, kv_s=model.kv_s,
+                          step_a_s=model.step_a_s, step_b_s=model.step_b_s,
+                          output_tokens=recent.output_tokens or model.output_tokens)
         recent = recent if recent.num_requests >= few else None
-        self._kv = decode_kv(engines)
+        # the last quarter's requests since the last action: whether a pool is saturated now
+        latest = learn((o for o in self.observations if o.at_s >= now_s - s.window_s / 4 and o.at_s > self._acted_s),
+                       now_s, s.window_s / 4)
+        self._kv = self._decode_kv(engines, now_s)
+        prefill = [e for e in engines if e.role == PREFILL and e.state == READY]
+        self._queued = sum(e.num_waiting for e in prefill) / len(prefill) if prefill else 0.0
         wanted, unreachable = self._wanted(model, have, measured)
         # the last quarter's own wants: a switch must agree with them (``_action``)
         recent_wanted = self._wanted(recent, have, measured, few)[0] if recent else None
-        action, reason = self._action(engines, model, have, pending, wanted, recent, measured, recent_wanted)
+        quarter_wanted = self._wanted(quarter, have, measured, 0)[0] if model.num_requests else None
+        pressed = self._pressed(quarter, latest if latest.num_requests >= few else None)
+        action, reason = self._action(engines, model, have, pending, wanted, recent, measured, recent_wanted,
+                                      pressed, quarter_wanted)
         if unreachable:
             reason = f"{unreachable}; {reason}"
         # hysteresis: the same action for stable_ticks ticks, then act, then cool down
@@ -366,22 +403,27 @@ class Planner:
                 notes.append(f"one decode step ({m.step_a_s * 1e3:.0f} ms) exceeds the TPOT target: "
                              "more engines do not help")
                 d = s.max_decode
-            # a saturated pool under-reads the demand: what the requests measured decides
-            if measured and p <= have[PREFILL] and measured.measured_ttft_s > s.ttft_ms / 1e3:
+            # a saturated pool under-reads the demand: what the requests measured decides.
+            # For prefill, while its prompts queue now (a backlog already cleared is not
+            # saturation) and no D engine is full (a full D holds P's prefilled KV back,
+            # and P's queue is then D's)
+            if (measured and p <= have[PREFILL] and measured.measured_ttft_s > s.ttft_ms / 1e3
+                    and self._queued >= 1 and not self._kv.is_full):
                 notes.append(f"measured TTFT {measured.measured_ttft_s * 1e3:.0f} ms over the target")
                 p = have[PREFILL] + 1
             if measured and d <= have[DECODE] and measured.measured_tpot_s > s.tpot_ms / 1e3:
                 notes.append(f"measured TPOT {measured.measured_tpot_s * 1e3:.0f} ms over the target")
                 d = have[DECODE] + 1
             # the streams' KV must fit the D engines' caches: a full one refuses requests
-            used, per_engine, is_full = self._kv
-            if per_engine:
-                d_kv = math.ceil(used / (KV_TARGET * per_engine) - 1e-9)
-                if is_full and measured and d_kv <= have[DECODE]:
+            kv = self._kv
+            if kv.per_engine:
+                d_kv = math.ceil(kv.projected / (KV_TARGET * kv.per_engine) - 1e-9)
+                if kv.is_full and measured and d_kv <= have[DECODE]:
                     d_kv = have[DECODE] + 1
                 if d_kv > d:
-                    notes.append(f"decode KV {used} blocks, {per_engine:.0f} per engine"
-                                 + (", one full" if is_full else ""))
+                    notes.append(f"decode KV {kv.used} blocks" + (
+                        f" ({kv.projected} a quarter window on)" if kv.projected > kv.used else "")
+                        + f", {kv.per_engine:.0f} per engine" + (", one full" if kv.is_full else ""))
                     d = d_kv
             want = {PREFILL: p, DECODE: d}
         want = {PREFILL: min(max(want[PREFILL], s.min_prefill), s.max_prefill),
@@ -397,8 +439,11 @@ class Planner:
     def _action(self, engines: list[Engine], m: Model, have: dict[str, int], pending: dict[str, int],
                 want: dict[str, int], recent: Model | None = None,
                 measured: Model | None = None,
-                recent_wanted: dict[str, int] | None = None) -> tuple[Action | None, str]:
+                recent_wanted: dict[str, int] | None = None,
+                pressed: dict[str, str] | None = None,
+                quarter_wanted: dict[str, int] | None = None) -> tuple[Action | None, str]:
         s = self.settings
+        pressed = pressed or {}
         # a scale-down must fit the window's load and its last quarter's: after the mix
         # shifts, the window still averages in the old phase, and the engine it calls a
         # surplus is the one the new phase needs (a switch keeps it; -1 then +1 restarts it)
@@ -406,6 +451,17 @@ class Planner:
         short = {r: want[r] - have[r] for r in (PREFILL, DECODE)}
         leaving = {r: sum(e.role == r and e.state == DRAINING for e in engines) for r in (PREFILL, DECODE)}
         summary = f"want {want[PREFILL]} P + {want[DECODE]} D, have {have[PREFILL]} P + {have[DECODE]} D"
+        # 0. the mix has changed and a pool is saturated now: the last quarter decides a
+        # switch the window (still averaging the old mix in) does not oppose
+        for gain, lose in ((PREFILL, DECODE), (DECODE, PREFILL)):
+            if (gain in pressed and quarter_wanted and quarter_wanted[gain] > have[gain]
+                    and quarter_wanted[lose] < have[lose] and short[gain] >= 0 and short[lose] <= 0):
+                ready = [e for e in engines if e.role == lose and e.state == READY]
+                if ready:
+                    e = min(ready, key=lambda e: (e.num_running + e.num_waiting, e.instance_id))
+                    return Action("switch", gain, instance_id=e.instance_id), \
+                        (f"{summary}; over the last quarter want {quarter_wanted[PREFILL]} P + "
+                         f"{quarter_wanted[DECODE]} D, and {gain} is saturated now ({pressed[gain]})")
         if short[PREFILL] == 0 and short[DECODE] == 0:
             return None, f"{summary}: balanced"
         # 1. the split is wrong: switch one engine (no new Pod)
@@ -455,6 +511,26 @@ class Planner:
                     f"{summary}: the load fits on {have[role] - 1} {role} engine(s)")
         return None, f"{summary}: a surplus, but one engine fewer would come too close to the SLO"
 
+    def _pressed(self, quarter: Model, latest: Model | None) -> dict[str, str]:
+        """The pools saturated now, each with what says so: the prompts queued at the P
+        engines now, at the last quarter's prefill time each, break the TTFT target (not
+        while a D engine is full: it holds P's prefilled KV back, and P's queue is then
+        D's); a D engine's cache is full, or the step time the last quarter's requests
+        since the last action measured breaks the TPOT target."""
+        s, out = self.settings, {}
+        tpot_s = s.tpot_ms / 1e3
+        if quarter.prefill_tok_s and not self._kv.is_full:
+            one_s = quarter.prompt_tokens / quarter.prefill_tok_s
+            if (self._queued + 1) * one_s + quarter.kv_s > s.ttft_ms / 1e3:
+                out[PREFILL] = f"{self._queued:.1f} prompts queued per P engine, {one_s * 1e3:.0f} ms each"
+        if self._kv.is_full:
+            out[DECODE] = "a D engine's cache is full"
+        elif self._kv.is_full_soon:
+            out[DECODE] = f"the D engines' caches full within a quarter window ({self._kv.projected} blocks)"
+        elif latest and latest.measured_tpot_s > tpot_s:
+            out[DECODE] = f"TPOT {latest.measured_tpot_s * 1e3:.0f} ms measured"
+        return out
+
     def _measured_comfortable(self, measured: Model, role: str) -> bool:
         """What the requests measured stays under ``headroom`` of ``role``'s target."""
         s = self.settings
@@ -467,10 +543,31 @@ class Planner:
         s = self.settings
         if role == PREFILL:
             return predicted_ttft_s(m, num) <= s.headroom * s.ttft_ms / 1e3
-        used, per_engine, _ = self._kv
-        if per_engine and used > s.headroom * KV_TARGET * num * per_engine:
+        kv = self._kv
+        if kv.per_engine and kv.projected > s.headroom * KV_TARGET * num * kv.per_engine:
             return False
         return predicted_tpot_s(m, num, s.tpot_ms / 1e3) <= s.headroom * s.tpot_ms / 1e3
+
+
+    def _decode_kv(self, engines: list[Engine], now_s: float) -> DecodeKV:
+        """``decode_kv``, and the blocks in use a quarter window on at the rate they grew
+        over the last quarter, on the same READY D engines (streams that started together
+        fill a cache over their outputs' length: full now is a switch too late)."""
+        used, per_engine, is_full = decode_kv(engines)
+        ready = frozenset(e.instance_id for e in engines
+                          if e.role == DECODE and e.state == READY and e.kv_blocks_total > 0)
+        quarter, seen = self.settings.window_s / 4, self._kv_seen
+        if seen and seen[-1][1] != ready:
+            seen.clear()  # another set of engines: their sum moved by a switch, not by streams
+        seen.append((now_s, ready, used))
+        while seen[0][0] < now_s - quarter:
+            seen.popleft()
+        at_s, _, then = seen[0]
+        projected = used
+        if now_s > at_s and used > then:
+            projected = round(used + (used - then) / (now_s - at_s) * quarter)
+        return DecodeKV(used, per_engine, is_full, projected,
+                        bool(ready) and projected >= KV_FULL * per_engine * len(ready))
 
 
 def decode_kv(engines: list[Engine]) -> tuple[int, float, bool]:

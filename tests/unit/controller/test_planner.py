@@ -18,6 +18,7 @@ from pdserve.controller.planner import (
     Observation,
     Planner,
     PlannerSettings,
+    Decision,
     decode_line,
     learn,
     predicted_tpot_s,
@@ -43,8 +44,9 @@ def load(planner: Planner, now_s: float, rate: float, prompt: int, output: int, 
             tpot_s=(step_a + step_b * batch * (0.5 + i % 3 / 2)) * jitter, decode_batch=batch * (0.5 + i % 3 / 2)))
 
 
-def fleet(p: int, d: int, pending_p: int = 0, pending_d: int = 0) -> list[Engine]:
-    return ([Engine(f"p{i}", PREFILL, READY, num_running=i) for i in range(p)]
+def fleet(p: int, d: int, pending_p: int = 0, pending_d: int = 0, waiting: int = 0) -> list[Engine]:
+    """``waiting``: prompts queued at each P engine now."""
+    return ([Engine(f"p{i}", PREFILL, READY, num_running=i, num_waiting=waiting) for i in range(p)]
             + [Engine(f"d{i}", DECODE, READY, num_running=i) for i in range(d)]
             + [Engine(f"pp{i}", PREFILL, PENDING) for i in range(pending_p)]
             + [Engine(f"pd{i}", DECODE, PENDING) for i in range(pending_d)])
@@ -280,18 +282,21 @@ def test_after_an_action_only_what_was_measured_since_says_a_pool_is_saturated_o
                                                    prefill_s=0.1, prefill_queue_s=queue_s, kv_s=0.02,
                                                    tpot_s=0.012, decode_batch=2.0))
 
-    # prompts that queued 2 s at one P engine: the rate alone says one is enough, what
-    # they measured says it is saturated
+    # prompts that queued 2 s at one P engine, and a backlog cleared by now: nothing
     requests(940.0, 30, queue_s=2.0)
     d = planner.decide(fleet(1, 1), 1000.0)
+    assert d.action is None and d.wanted[PREFILL] == 1, d.reason
+    # ... with prompts queued now: the rate alone says one is enough, what they measured
+    # says it is saturated
+    d = planner.decide(fleet(1, 1, waiting=3), 1000.5)
     assert d.action == Action("scale", PREFILL, +1) and "measured TTFT" in d.reason, d.reason
     # the next tick: the window still holds those queued prompts, nothing new is measured:
     # no second +1, and no -1 of the engine just added either
-    d = planner.decide(fleet(2, 1), 1001.0)
+    d = planner.decide(fleet(2, 1, waiting=3), 1001.0)
     assert d.action is None and d.wanted[PREFILL] == 1, d.reason
     # prompts since the action that still queue: one more
     requests(1002.0, 4, queue_s=2.0)
-    d = planner.decide(fleet(2, 1), 1006.0)
+    d = planner.decide(fleet(2, 1, waiting=3), 1006.0)
     assert d.action == Action("scale", PREFILL, +1), d.reason
     # prompts since that answer at once: the surplus may go
     requests(1007.0, 10, queue_s=0.0)
@@ -312,3 +317,107 @@ def test_a_switch_the_window_wants_and_its_last_quarter_does_not_waits():
     d = planner.decide(fleet(1, 2), 1000.0)
     assert d.wanted == {PREFILL: 2, DECODE: 1} and d.action is None, d.reason
     assert "not over its last quarter" in d.reason
+
+
+def phases(planner: Planner, *spans: tuple[float, float, int, int], rate: float = 2.0, queue_s: float = 0.0) -> None:
+    """Requests of each ``(start_s, end_s, prompt, output)`` span at ``rate`` per second."""
+    for start, end, prompt, output in spans:
+        for i in range(int((end - start) * rate)):
+            batch = 8.0 * (0.5 + i % 3 / 2)
+            planner.observe(Observation.of_request(
+                at_s=start + (i + 0.5) / rate, prompt_tokens=prompt, output_tokens=output,
+                prefill_s=prompt / 4000, prefill_queue_s=queue_s, kv_s=0.02,
+                tpot_s=0.010 + 0.001 * batch, decode_batch=batch))
+
+
+def test_a_pool_saturated_now_switches_on_the_last_quarter_while_the_window_still_holds_the_old_mix():
+    settings = PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=3)
+
+    def engines(p: int, d: int, kv_used: int, waiting: int = 0) -> list[Engine]:
+        return ([Engine(f"p{i}", PREFILL, READY, num_waiting=waiting) for i in range(p)]
+                + [Engine(f"d{i}", DECODE, READY, num_running=i, kv_blocks_used=kv_used, kv_blocks_total=1000)
+                   for i in range(d)])
+
+    # long prompts, then long outputs for the last quarter: the window (2 P wanted from
+    # the old mix, the budget shared) says what runs, 2 P + 1 D
+    def shift() -> Planner:
+        planner = Planner(settings)
+        phases(planner, (940.0, 985.0, 2000, 10), (985.0, 1000.0, 100, 800))
+        return planner
+    # ... and the one D engine's cache has room: nothing says decode is saturated, the window waits
+    d = shift().decide(engines(2, 1, kv_used=500), 1000.0)
+    assert d.action is None and d.wanted == {PREFILL: 2, DECODE: 1}, d.reason
+    # its cache full: the last quarter (1 P + 2 D) decides the switch now
+    d = shift().decide(engines(2, 1, kv_used=990), 1000.0)
+    assert d.action == Action("switch", DECODE, instance_id="p0"), d.reason
+    assert "a D engine's cache is full" in d.reason and "over the last quarter want 1 P + 2 D" in d.reason
+    # a third full, then half full 4 s on (50 blocks/s): full within a quarter window
+    # (15 s), the switch comes before it is
+    planner = shift()
+    first, d = (planner.decide(engines(2, 1, kv_used=used), now) for now, used in ((996.0, 300), (1000.0, 500)))
+    assert first.action is None, first.reason
+    assert d.action == Action("switch", DECODE, instance_id="p0"), d.reason
+    assert "caches full within a quarter window (1250 blocks)" in d.reason, d.reason
+    # half full and steady: nothing
+    planner = shift()
+    for now in (992.0, 996.0, 1000.0):
+        d = planner.decide(engines(2, 1, kv_used=500), now)
+    assert d.action is None, d.reason
+
+    # the other way: long outputs, then long prompts (2 P wanted by the last quarter); the
+    # prompts queued at the one P engine now break the TTFT target: the switch is now
+    def back(waiting: int) -> Decision:
+        planner = Planner(settings)
+        phases(planner, (940.0, 985.0, 100, 800), (985.0, 1000.0, 2000, 10), rate=2.5)
+        return planner.decide(engines(1, 2, kv_used=100, waiting=waiting), 1000.0)
+    d = back(waiting=0)
+    assert d.action is None, d.reason
+    d = back(waiting=4)
+    assert d.action == Action("switch", PREFILL, instance_id="d0"), d.reason
+    assert "4.0 prompts queued per P engine, 500 ms each" in d.reason
+
+
+def test_a_saturated_pool_the_last_quarter_does_not_want_grown_is_not_switched_to():
+    # steady long outputs on 1 P + 2 D, one D cache full: the last quarter wants no more
+    # P and no fewer D, so no switch (the KV rule asks for a third D through a scale)
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=3))
+    phases(planner, (940.0, 1000.0, 100, 800))
+    engines = [Engine("p0", PREFILL, READY, num_waiting=9)] + [
+        Engine(f"d{i}", DECODE, READY, kv_blocks_used=990, kv_blocks_total=1000) for i in range(2)]
+    d = planner.decide(engines, 1000.0)
+    assert d.action is None or d.action.kind != "switch", d.reason
+
+
+def test_prompts_queued_behind_a_full_decode_cache_are_decodes_shortage_not_prefills():
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=4))
+    # short prompts that queued 2 s at P, long outputs, P's queue now 6
+    phases(planner, (940.0, 1000.0, 100, 800), rate=0.5, queue_s=2.0)
+
+    def engines(kv_used: int) -> list[Engine]:
+        return [Engine("p0", PREFILL, READY, num_waiting=6),
+                Engine("d0", DECODE, READY, kv_blocks_used=kv_used, kv_blocks_total=1000)]
+    # D's cache has room: P is saturated (what was measured and what queues now)
+    d = planner.decide(engines(kv_used=500), 1000.0)
+    assert d.wanted[PREFILL] == 2 and d.action == Action("scale", PREFILL, +1), d.reason
+    # D's cache full: it holds P's prefilled KV back; decode is the one short
+    planner = Planner(planner.settings)
+    phases(planner, (940.0, 1000.0, 100, 800), rate=0.5, queue_s=2.0)
+    d = planner.decide(engines(kv_used=990), 1000.0)
+    assert d.wanted == {PREFILL: 1, DECODE: 2} and d.action == Action("scale", DECODE, +1), d.reason
+
+
+def test_streams_that_started_together_and_fill_the_decode_cache_switch_though_no_prompt_arrives_since():
+    # long prompts, then 40 long-output streams at once; they all decode, so no prompt
+    # arrives in the last quarter (5 s), while the one D engine's cache fills at 100 blocks/s
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, window_s=20, stable_ticks=1, min_requests=5,
+                                      max_engines=3))
+    phases(planner, (976.0, 989.0, 2000, 10))
+    phases(planner, (990.0, 991.2, 100, 800), rate=10.0)
+    engines = [Engine(f"p{i}", PREFILL, READY) for i in range(2)]
+    decisions = [planner.decide(engines + [Engine("d0", DECODE, READY, kv_blocks_used=used, kv_blocks_total=1000)],
+                                now) for now, used in ((996.0, 300), (998.0, 500), (1000.0, 700))]
+    # the first tick: the window (mostly long prompts) says what runs, and holds
+    assert decisions[0].action is None and decisions[0].wanted == {PREFILL: 2, DECODE: 1}, decisions[0].reason
+    d = decisions[1]
+    assert d.action == Action("switch", DECODE, instance_id="p0"), d.reason
+    assert "over the last quarter want 1 P + 2 D" in d.reason and "full within a quarter window" in d.reason
