@@ -44,9 +44,10 @@ Wanted engines:
   measured batch breaks the target. And the streams' KV must fit: the READY D
   engines' blocks in use a quarter window on (at the rate they grew over the last
   quarter: streams that start together fill the cache over their outputs' length)
-  over ``KV_TARGET`` of one engine's cache, one more than runs when one is ``KV_FULL`` (a full D turns requests away, so its use under-reads
-  the demand). On a CPU, where a step costs nearly the same at any batch, it is the
-  KV cache, not the step time, that a decode pool runs out of first;
+  over ``KV_TARGET`` of one engine's cache, one more than runs when one is
+  ``KV_FULL`` (a full D turns requests away, so its use under-reads the demand). On a
+  CPU, where a step costs nearly the same at any batch, it is the KV cache, not the
+  step time, that a decode pool runs out of first;
 - both within ``[min, max]`` per pool and ``max_engines`` in all (a budget too small
   for both is shared in proportion to what each wants).
 
@@ -515,8 +516,9 @@ class Planner:
         """The pools saturated now, each with what says so: the prompts queued at the P
         engines now, at the last quarter's prefill time each, break the TTFT target (not
         while a D engine is full: it holds P's prefilled KV back, and P's queue is then
-        D's); a D engine's cache is full, or the step time the last quarter's requests
-        since the last action measured breaks the TPOT target."""
+        D's); a D engine's cache is full, or all of them will be within a quarter window,
+        or the step time the last quarter's requests since the last action measured
+        breaks the TPOT target."""
         s, out = self.settings, {}
         tpot_s = s.tpot_ms / 1e3
         if quarter.prefill_tok_s and not self._kv.is_full:
@@ -547,7 +549,6 @@ class Planner:
         if kv.per_engine and kv.projected > s.headroom * KV_TARGET * num * kv.per_engine:
             return False
         return predicted_tpot_s(m, num, s.tpot_ms / 1e3) <= s.headroom * s.tpot_ms / 1e3
-
 
     def _decode_kv(self, engines: list[Engine], now_s: float) -> DecodeKV:
         """``decode_kv``, and the blocks in use a quarter window on at the rate they grew
