@@ -39,6 +39,11 @@ class BlockManager:
         # Prefix-cache counters, in tokens.
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        # Blocks the scheduler's preempted requests need to come back (set by the
+        # scheduler each step): a reservation for a KV transfer leaves them free, or a
+        # stream preempted on a full decode engine starves while new transfers take every
+        # block that frees up, until its client's idle deadline.
+        self.owed_blocks = 0
 
     # -- queries -------------------------------------------------------------
 
@@ -122,14 +127,16 @@ class BlockManager:
     # -- mutations -----------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None,
+        keep_free: int = 0,
     ) -> bool:
         """Make ``request``'s block table cover its computed tokens plus ``num_new_tokens``.
 
         Called by the scheduler each step for each scheduled request, and by the KV
         connector's decode side to reserve a request's destination blocks. ``cached_blocks``
-        (first admission only) are prefix-cache hits to share. All or nothing: on
-        False nothing changed and the caller may preempt someone and retry.
+        (first admission only) are prefix-cache hits to share. ``keep_free``: blocks the
+        allocation must leave free (a reservation leaves ``owed_blocks``). All or
+        nothing: on False nothing changed and the caller may preempt someone and retry.
         """
         cached_blocks = cached_blocks or []
         num_touched_free = sum(1 for b in cached_blocks if self._ref_count[b] == 0)
@@ -137,7 +144,7 @@ class BlockManager:
         num_needed = self.num_blocks_for(
             request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         ) - num_total_blocks
-        if max(num_needed, 0) > self.num_free_blocks - num_touched_free:
+        if max(num_needed, 0) > self.num_free_blocks - num_touched_free - keep_free:
             return False
         for block_id in cached_blocks:
             self._take(block_id)

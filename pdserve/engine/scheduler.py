@@ -21,7 +21,11 @@ Policy, in order:
    to the front of the waiting queue.
 4. Waiting requests are admitted while the token budget, the running cap
    (``max_num_seqs``) and the free blocks allow; none in a step that preempted
-   (admitting would just thrash), and none after the shortest one did not fit.
+   (admitting would just thrash), and none after the first one did not fit.
+   Preempted requests come first (their streams have stalled), then the shortest; the
+   blocks they need back are ``owed_blocks`` to the block manager, which a KV
+   transfer's reservation leaves free, so on a full decode engine new streams wait
+   for a preempted one instead of starving it.
 
 Thresholds: ``prefill_chunk_tokens`` (engine setting, 512 by default) and
 ``max_num_batched_tokens`` (2048). Cost: one sort of the prefilling requests per step.
@@ -114,7 +118,7 @@ class Scheduler:
         self._budget = min(self._budget, self.prefill_chunk_tokens)  # prefill tokens this step
         prefills = sorted((r for r in self.running if _remaining(r) > 1), key=_remaining)
         can_admit = True
-        waiting = iter(sorted(self.waiting, key=_remaining))
+        waiting = iter(sorted(self.waiting, key=_admission_order))
         candidate = next(waiting, None)
         while self._budget > 0 and (prefills or (candidate is not None and can_admit)):
             admit_next = candidate is not None and can_admit and (
@@ -126,6 +130,9 @@ class Scheduler:
             request = prefills.pop(0)
             if request in self.running:
                 self._schedule_running(request, batch)
+        bm = self.block_manager
+        bm.owed_blocks = sum(bm.num_blocks_for(r.num_tokens) for r in self.waiting
+                             if r.status == RequestStatus.PREEMPTED)
         return batch
 
     def _schedule_running(self, request: Request, batch: ScheduledBatch) -> None:
@@ -292,3 +299,8 @@ class Scheduler:
 
 def _remaining(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
+
+
+def _admission_order(request: Request) -> tuple[bool, int]:
+    """Preempted requests first, then the shortest remaining."""
+    return request.status != RequestStatus.PREEMPTED, _remaining(request)

@@ -21,7 +21,9 @@ peer is known; with ``prefill_complete`` it waits for P's WANT_DEST; in pull mod
 allocates on READY. Without free blocks it retries each step for at most
 ``reserve_wait_s`` from the first try that found none, then refuses: ABORT to P with
 reason "decode full: ...", and the request ends ``FINISHED_FULL`` (load, not a
-failure). Nothing was promised to P yet, so nothing is kept.
+failure). Nothing was promised to P yet, so nothing is kept. Blocks the engine's
+preempted streams need to come back (``BlockManager.owed_blocks``) do not count as
+free: a new transfer does not take them.
 
 Invariants:
 - D exposes a request only after DONE, which P sends after every write settled DONE;
@@ -145,7 +147,8 @@ class DecodeSide(Side):
         req, bm = xfer.request, self.block_manager
         hits = bm.find_cached_blocks(req) if self.partial else []
         n_hit = len(hits) * bm.block_size
-        if bm.allocate_slots(req, req.num_prompt_tokens - n_hit, cached_blocks=hits):
+        if bm.allocate_slots(req, req.num_prompt_tokens - n_hit, cached_blocks=hits,
+                             keep_free=bm.owed_blocks):
             xfer.skip_blocks = len(hits)
             if self.partial:
                 bm.record_prefix_query(req.num_prompt_tokens, n_hit)

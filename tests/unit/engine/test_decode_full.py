@@ -16,6 +16,7 @@ import pytest
 
 from pdserve.api.sampling import SamplingParams
 from pdserve.engine.metrics import attach_metrics
+from pdserve.engine.request import RequestStatus
 from tests.unit.engine.pd_harness import (
     assert_all_free,
     make_engine,
@@ -143,6 +144,59 @@ def test_a_leg_its_client_aborts_cancels_the_transfer_and_is_no_failure(side):
         for engine in (p, d):
             stats = engine.connector.transfer_stats
             assert (stats.num_failed, stats.num_cancelled) == (0, 1), (engine.config.role, stats)
+        assert_all_free(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_stream_preempted_on_a_full_decode_gets_its_blocks_back_before_a_new_transfer():
+    """D has 10 blocks; two streams of 3-block prompts that grow to 6 blocks each: the
+    later one is preempted. A third request arrives while it waits: its reservation
+    must not take the blocks the preempted stream needs back (``owed_blocks``), or on a
+    busy D new transfers take every block that frees up and the preempted stream starves
+    until its client's idle deadline. All three end with the tokens they would alone."""
+    timeouts = dict(kv_descriptor_timeout_s=10.0, kv_done_timeout_s=20.0)
+    p = make_engine("prefill", **timeouts)
+    d = make_engine("decode", num_kv_blocks=10, kv_reserve_wait_s=5.0, **timeouts)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = {rid: list(range(base, base + 24)) for rid, base in (("a", 1), ("b", 50), ("c", 100))}
+    try:
+        hybrid = make_engine("hybrid", transport="none")
+        reference = dict(zip(prompts, hybrid.generate(list(prompts.values()), params), strict=True))
+        hybrid.close()
+        submit_pair(p, d, "a", prompts["a"], params, "push")
+        submit_pair(p, d, "b", prompts["b"], params, "push")
+        outs: dict[str, list] = {}
+
+        def step() -> None:
+            for engine in (p, d):
+                for out in engine.step():
+                    outs.setdefault(out.request_id, []).append(out)
+            time.sleep(0.0005)
+
+        def on_d(rid: str):
+            return next((r for r in [*d.scheduler.waiting, *d.scheduler.running] if r.request_id == rid), None)
+
+        deadline = time.monotonic() + 20
+        while (b := on_d("d-b")) is None or b.status != RequestStatus.PREEMPTED:
+            assert time.monotonic() < deadline, "b was never preempted"
+            step()
+        assert d.block_manager.owed_blocks >= d.block_manager.num_blocks_for(b.num_tokens) > 0
+        submit_pair(p, d, "c", prompts["c"], params, "push")
+        c_reserved_while_b_waited = False
+        while p.has_unfinished or d.has_unfinished:
+            assert time.monotonic() < deadline, "the engines did not finish"
+            step()
+            c = next((x for x in d.connector.decode.transfers.values() if x.request.request_id == "d-c"), None)
+            b = on_d("d-b")
+            if c is not None and c.reserve_sent and b is not None and b.status == RequestStatus.PREEMPTED:
+                c_reserved_while_b_waited = True
+        assert not c_reserved_while_b_waited
+        for rid in prompts:
+            assert tokens(outs[f"d-{rid}"]) == reference[rid], rid
+            assert outs[f"d-{rid}"][-1].finish_reason == "length"
+        assert d.block_manager.owed_blocks == 0
         assert_all_free(p, d)
     finally:
         p.close()
