@@ -452,33 +452,29 @@ class Planner:
         short = {r: want[r] - have[r] for r in (PREFILL, DECODE)}
         leaving = {r: sum(e.role == r and e.state == DRAINING for e in engines) for r in (PREFILL, DECODE)}
         summary = f"want {want[PREFILL]} P + {want[DECODE]} D, have {have[PREFILL]} P + {have[DECODE]} D"
+        # a switch (no new Pod), one of two ways:
         # 0. the mix has changed and a pool is saturated now: the last quarter decides a
-        # switch the window (still averaging the old mix in) does not oppose
+        #    switch the window (still averaging the old mix in) does not oppose;
+        # 1. the window says the split is wrong, and the last quarter alone wants it too:
+        #    after the mix shifts back, the window's average (and a budget shared in its
+        #    proportions) still asks for the split the old phase needed
         for gain, lose in ((PREFILL, DECODE), (DECODE, PREFILL)):
             if (gain in pressed and quarter_wanted and quarter_wanted[gain] > have[gain]
                     and quarter_wanted[lose] < have[lose] and short[gain] >= 0 and short[lose] <= 0):
-                ready = [e for e in engines if e.role == lose and e.state == READY]
-                if ready:
-                    e = min(ready, key=lambda e: (e.num_running + e.num_waiting, e.instance_id))
-                    return Action("switch", gain, instance_id=e.instance_id), \
-                        (f"{summary}; over the last quarter want {quarter_wanted[PREFILL]} P + "
-                         f"{quarter_wanted[DECODE]} D, and {gain} is saturated now ({pressed[gain]})")
-        if short[PREFILL] == 0 and short[DECODE] == 0:
-            return None, f"{summary}: balanced"
-        # 1. the split is wrong: switch one engine (no new Pod)
-        for gain, lose in ((PREFILL, DECODE), (DECODE, PREFILL)):
-            if short[gain] > 0 and short[lose] < 0:
-                # the last quarter alone must want it too: after the mix shifts back, the
-                # window's average (and a budget shared in its proportions) still asks
-                # for the split the old phase needed
+                why = (f"{summary}; over the last quarter want {quarter_wanted[PREFILL]} P + "
+                       f"{quarter_wanted[DECODE]} D, and {gain} is saturated now ({pressed[gain]})")
+            elif short[gain] > 0 and short[lose] < 0:
                 if recent_wanted and not (recent_wanted[gain] > have[gain] or recent_wanted[lose] < have[lose]):
                     return None, (f"{summary}: {lose} has a surplus and {gain} is short over the window, "
                                   f"not over its last quarter")
-                ready = [e for e in engines if e.role == lose and e.state == READY]
-                if ready:
-                    e = min(ready, key=lambda e: (e.num_running + e.num_waiting, e.instance_id))
-                    return Action("switch", gain, instance_id=e.instance_id), \
-                        f"{summary}: {lose} has a surplus and {gain} is short"
+                why = f"{summary}: {lose} has a surplus and {gain} is short"
+            else:
+                continue
+            ready = [e for e in engines if e.role == lose and e.state == READY]
+            if ready:
+                return Action("switch", gain, instance_id=_least_busy(ready).instance_id), why
+        if short[PREFILL] == 0 and short[DECODE] == 0:
+            return None, f"{summary}: balanced"
         # 2. the total is short: +1 where the shortage is larger
         gains = [r for r in (PREFILL, DECODE) if short[r] > 0]
         if gains:
@@ -507,7 +503,7 @@ class Planner:
             if not leavers:
                 return None, (f"{summary}: a {role} surplus, but none of its engines can leave (a pool "
                               "gives up its highest ordinal and keeps one)")
-            e = min(leavers, key=lambda e: (e.num_running + e.num_waiting, e.instance_id))
+            e = _least_busy(leavers)
             return (Action("scale", role, -1, instance_id=e.instance_id),
                     f"{summary}: the load fits on {have[role] - 1} {role} engine(s)")
         return None, f"{summary}: a surplus, but one engine fewer would come too close to the SLO"
@@ -579,6 +575,10 @@ def decode_kv(engines: list[Engine]) -> tuple[int, float, bool]:
         return 0, 0.0, False
     return (sum(e.kv_blocks_used for e in ready), sum(e.kv_blocks_total for e in ready) / len(ready),
             any(e.kv_blocks_used >= KV_FULL * e.kv_blocks_total for e in ready))
+
+
+def _least_busy(engines: list[Engine]) -> Engine:
+    return min(engines, key=lambda e: (e.num_running + e.num_waiting, e.instance_id))
 
 
 def _key(action: Action) -> tuple[str, str, int]:
