@@ -12,10 +12,13 @@ grammar (compiled here, advanced past the tokens a continued stream generated).
 from __future__ import annotations
 
 import operator
+from typing import TYPE_CHECKING
 
 from pdserve.api.sampling import SamplingError, SamplingParams
-from pdserve.engine.guided import Grammars, GuidedError
 from pdserve.engine.kv_transfer.params import KVTransferError, KVTransferParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.guided import Grammars
 
 
 class EngineInputError(ValueError):
@@ -73,11 +76,15 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> SamplingParams:
     return params.with_seed()
 
 
-def start_guided(grammars: Grammars, params: SamplingParams, prompt_token_ids: list[int]):
+def start_guided(grammars: Grammars | None, params: SamplingParams, prompt_token_ids: list[int]):
     """A constrained request's matcher, advanced past the tokens a continued stream
     generated on earlier engines (the prompt's last ``sample_offset``); else None."""
     if params.guided is None:
         return None
+    if grammars is None:
+        raise EngineInputError("guided: a simulated engine does not run constrained decoding")
+    from pdserve.engine.guided import GuidedError  # torch: loaded by engines that guide
+
     num_prior = min(params.sample_offset, len(prompt_token_ids))
     try:
         return grammars.start(*params.guided, prompt_token_ids[len(prompt_token_ids) - num_prior:])

@@ -6,6 +6,7 @@ import argparse
 
 from pdserve.api.common import bytes_arg
 from pdserve.engine.config import DTYPES, ROLES, EngineConfig
+from pdserve.engine.sim import SimTiming
 
 # The KV transfer's deadlines: flag, EngineConfig field (the default), help.
 KV_DEADLINES = (
@@ -19,6 +20,17 @@ KV_DEADLINES = (
     ("--kv-reserve-wait-s", "kv_reserve_wait_s", "D waits this long for free KV blocks, then "
      "refuses the leg with RESOURCE_EXHAUSTED 'decode full' (below --kv-descriptor-timeout)"),
 )
+
+# The simulated engine's timing model: flag, SimTiming field, unit (seconds per flag unit), help.
+SIM_TIMINGS = (
+    ("--sim-prefill-base-ms", "prefill_base_s", 1e-3, "fixed time of a step that prefills"),
+    ("--sim-prefill-per-token-ms", "prefill_per_token_s", 1e-3, "time per prompt token prefilled"),
+    ("--sim-decode-base-ms", "decode_base_s", 1e-3, "fixed time of a decode-only step"),
+    ("--sim-decode-per-seq-ms", "decode_per_seq_s", 1e-3, "time per request decoded in a step"),
+    ("--sim-decode-per-kv-token-us", "decode_per_kv_token_s", 1e-6,
+     "time per token of context the step's decodes hold"),
+)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Every flag has a help text, so ``--help`` (``pdserve.cli.HelpFormatter``) shows
@@ -50,6 +62,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (processes, one device each: cuda:N+rank) the model's heads and "
                    "MLP are split over; above 1 only for a hybrid engine with --kv-transport none")
+    s = parser.add_argument_group("simulation (--simulate)")
+    s.add_argument("--simulate", action="store_true",
+                   help="replace the model by a timing model: steps sleep for the modelled time "
+                        "and generate a fixed text; the server, scheduler, KV cache bookkeeping "
+                        "and KV transfer are real (control-plane tests at scale)")
+    for flag, name, unit, text in SIM_TIMINGS:
+        s.add_argument(flag, type=float, default=getattr(SimTiming, name) / unit, help=text)
     k = parser.add_argument_group("KV transfer")
     k.add_argument("--kv-transport", default="tcp", choices=("tcp", "shm", "mooncake", "nixl", "none"),
                    help="how KV moves between engines (shm: same node only; none: no disaggregation)")
@@ -92,5 +111,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_mooncake_devices=args.kv_mooncake_devices,
         kv_pool_segment_bytes=args.kv_pool_segment_mib << 20,
         fault_kv_send_delay_s=args.fault_kv_send_delay,
+        simulate=SimTiming(**{name: getattr(args, _dest(flag)) * unit
+                              for flag, name, unit, _ in SIM_TIMINGS}) if args.simulate else None,
         **{field: getattr(args, field) for _, field, _ in KV_DEADLINES},
     )
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")

@@ -19,8 +19,13 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.runtime.gguf_file import GGUFError, GGUFFile, is_gguf
+from pdserve.runtime.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:
+    from pdserve.engine.sim import SimTiming
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -36,6 +41,18 @@ receives into host pointers, shm maps /dev/shm, and Mooncake is started with its
 protocol and registers the cache without a device location, NIXL registers it as DRAM.
 None of them can carry a
 cache that lives on an accelerator."""
+
+# Random-weight presets (weights from the seed: loader.py), by name.
+PRESETS: dict[str, dict] = {
+    # ~2M parameters: tests and the default local cluster.
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                 max_position_embeddings=16384, rope_theta=10000.0, seed=1234),
+    # ~30M parameters: benchmarks.
+    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=8192,
+                  max_position_embeddings=8192, rope_theta=500000.0, seed=1234),
+}
 
 
 log = logging.getLogger(__name__)
@@ -326,6 +343,8 @@ class EngineConfig:
     # Fault injection for tests and drills: delay every KV write job by this long, to
     # widen the window in which a peer can be killed mid-transfer. 0 in production.
     fault_kv_send_delay_s: float = 0.0
+    # A timing model instead of the model (sim.py): the engine sleeps through its steps.
+    simulate: SimTiming | None = None
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -387,3 +406,11 @@ class EngineConfig:
         if model.intermediate_size % tp:
             raise ConfigError(f"intermediate_size ({model.intermediate_size}) of {model.name} "
                               f"must be a multiple of tensor_parallel_size ({tp})")
+
+
+def preset_config(name: str) -> ModelConfig:
+    """A random-weight preset's architecture (torch-free: the simulated engine reads it)."""
+    p = dict(PRESETS[name])
+    p.pop("seed")
+    return ModelConfig(architecture="LlamaForCausalLM", eos_token_ids=(ByteTokenizer.eos_token_id,),
+                       tie_word_embeddings=False, rms_norm_eps=1e-5, name=name, **p)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 from pdserve.api.proto.engine_pb2 import StatsResponse
 from pdserve.api.sampling import SamplingParams
@@ -25,22 +26,55 @@ from pdserve.engine.admission import (
     start_guided,
 )
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.guided import Grammars
+from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.kv_events import KVEventLog
-from pdserve.engine.kv_pool import attach_pool
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.kv_transfer.probe import ProbeResult
 from pdserve.engine.kv_transfer.setup import build_connector, kv_allocator
-from pdserve.engine.loader import load_rank0, model_config
 from pdserve.engine.output import OutputProcessor, RequestOutput
-from pdserve.engine.parallel import TPWorkers
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sim import build_sim_model
 from pdserve.runtime.model_source import AUTO, auto_dtype
 
 log = logging.getLogger(__name__)
+
+
+class ModelParts(NamedTuple):
+    """What runs the model, built at start-up: a ``ModelRunner`` (``load_model_parts``) or
+    a simulated engine's ``SimRunner`` (``sim.build_sim_model``)."""
+
+    runner: object  # execute(batch, kv_ready), kv_cache, kv_cache_bytes, num_blocks
+    model_config: ModelConfig
+    tokenizer: object
+    num_blocks: int
+    tp_workers: object = None  # parallel.TPWorkers, with tensor parallelism
+    kv_segment: object = None  # the KV cache's shared-memory segment, closed with the engine
+
+
+def load_model_parts(config: EngineConfig) -> ModelParts:
+    """The model (rank 0 of it) and its KV cache. torch is imported here, not at the top,
+    so a simulated engine's process never loads it."""
+    from pdserve.engine.loader import load_rank0, model_config
+    from pdserve.engine.parallel import TPWorkers
+    from pdserve.engine.runner import ModelRunner
+
+    config.check_model(model_config(config.model))
+    # With tensor parallelism this process is rank 0; the other ranks start first.
+    tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
+    try:
+        model, tokenizer, num_blocks = load_rank0(config)
+        allocator = kv_allocator(config)
+        runner = ModelRunner(model, num_blocks, config.block_size, allocator,
+                             tp_workers.send_step if tp_workers else None)
+        if tp_workers is not None:
+            tp_workers.start_cache(num_blocks, config.block_size, getattr(allocator, "fd", None))
+    except BaseException:
+        if tp_workers is not None:
+            tp_workers.close()
+        raise
+    return ModelParts(runner, model.config, tokenizer, num_blocks, tp_workers,
+                      getattr(allocator, "segment", None))
 
 
 class LLMEngine:
@@ -49,29 +83,21 @@ class LLMEngine:
             config.dtype, why = auto_dtype(config.model)
             log.info("dtype auto: %s (%s)", config.dtype, why)
         config.validate()
-        config.check_model(model_config(config.model))
+        parts = (ModelParts(*build_sim_model(config)) if config.simulate is not None
+                 else load_model_parts(config))
         self.config = config
-        # With tensor parallelism this process is rank 0; the other ranks start first.
-        self.tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
-        try:
-            model, tokenizer, num_blocks = load_rank0(config)
-            allocator = kv_allocator(config)
-            self.runner = ModelRunner(model, num_blocks, config.block_size, allocator,
-                                      self.tp_workers.send_step if self.tp_workers else None)
-            if self.tp_workers is not None:
-                self.tp_workers.start_cache(num_blocks, config.block_size,
-                                            getattr(allocator, "fd", None))
-        except BaseException:
-            if self.tp_workers is not None:
-                self.tp_workers.close()
-            raise
-        self._kv_segment = getattr(allocator, "segment", None)
-        self.model_config = cfg = model.config
-        self.tokenizer = tokenizer
+        self.runner, self.tp_workers, self._kv_segment = parts.runner, parts.tp_workers, parts.kv_segment
+        self.model_config = cfg = parts.model_config
+        self.tokenizer = tokenizer = parts.tokenizer
+        num_blocks = parts.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_events = self.block_manager.events = KVEventLog()
         self.connector = build_connector(config, cfg, self.runner, self.block_manager)
-        self.kv_pool = attach_pool(config, cfg, self.runner, self.block_manager)
+        self.kv_pool = None
+        if config.kv_pool:  # kv_pool.py imports torch: only an engine that shares KV loads it
+            from pdserve.engine.kv_pool import attach_pool
+
+            self.kv_pool = attach_pool(config, cfg, self.runner, self.block_manager)
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
@@ -81,7 +107,11 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.prefill_chunk_tokens,
                                    self.token_capacity, self.connector)
         self.output = OutputProcessor(tokenizer)
-        self.grammars = Grammars(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        self.grammars = None  # a simulated engine serves no constrained decoding
+        if config.simulate is None:
+            from pdserve.engine.guided import Grammars  # torch and llguidance
+
+            self.grammars = Grammars(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.requests: dict[str, Request] = self.output.requests  # live, by request id
         self.last_step_idle = False
         self.draining = False

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdserve.engine.config import ConfigError, EngineConfig, ModelConfig
+from pdserve.engine.config import PRESETS, ConfigError, EngineConfig, ModelConfig, preset_config
 from pdserve.engine.device import prepare_device
 from pdserve.engine.model import Transformer
 from pdserve.engine.parallel import TensorParallel, rank_device
@@ -36,17 +36,6 @@ from pdserve.runtime.gguf_file import GGUFError, GGUFFile, is_gguf
 from pdserve.runtime.model_source import PRESETS as ALL_PRESETS
 from pdserve.runtime.model_source import ModelSourceError, resolve
 from pdserve.runtime.tokenizer import ByteTokenizer, load_tokenizer
-
-PRESETS: dict[str, dict] = {
-    # ~2M parameters: tests and the default local cluster.
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
-                 max_position_embeddings=16384, rope_theta=10000.0, seed=1234),
-    # ~30M parameters: benchmarks.
-    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=2, vocab_size=8192,
-                  max_position_embeddings=8192, rope_theta=500000.0, seed=1234),
-}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,13 +76,6 @@ class LoadProgress:
 
 def _size(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
-
-
-def preset_config(name: str) -> ModelConfig:
-    p = dict(PRESETS[name])
-    p.pop("seed")
-    return ModelConfig(architecture="LlamaForCausalLM", eos_token_ids=(ByteTokenizer.eos_token_id,),
-                       tie_word_embeddings=False, rms_norm_eps=1e-5, name=name, **p)
 
 
 def _fill_preset(model: Transformer, seed: int) -> None:
