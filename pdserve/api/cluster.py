@@ -136,6 +136,13 @@ KV_POOL_RULE = _rule(
     "gpus 0)",
     ".kvPool.enabled",
 )
+SIMULATE_RULE = _rule(
+    "!has(self.engine.simulate) || (self.engine.backend == 'embedded'"
+    " && self.kvTransfer.transport == 'tcp' && (!has(self.kvPool) || !self.kvPool.enabled))",
+    "spec.engine.simulate: simulated engines are embedded engines that move KV over tcp and "
+    "share no KV pool; set engine.backend: embedded and kvTransfer.transport: tcp, and no kvPool",
+    ".engine.simulate",
+)
 PD_POOL_RULES = SPEC_RULES[2:]
 """The rules above that hold for the prefill and decode pools alone, in pool order
 (the gpus of prefill, then of decode)."""
@@ -195,6 +202,29 @@ class VllmSpec(ApiModel):
     """Environment of every vLLM process, e.g. ``VLLM_CPU_OMP_THREADS_BIND``."""
 
 
+class SimulateSpec(ApiModel):
+    """A timing model instead of the model (``pdserve engine --simulate``, docs/simulate.md):
+    every engine's steps sleep for the modelled time and generate a fixed text, while its
+    server, scheduler, KV bookkeeping and KV transfer are real. A step that prefills takes
+    ``prefillBaseMs + prefillPerTokenMs`` per prompt token; a decode-only step takes
+    ``decodeBaseMs + decodePerSeqMs`` per request ``+ decodePerKvTokenUs`` per token of
+    context. Unset fields keep the engine's defaults (fitted on the ``small`` preset)."""
+
+    prefill_base_ms: float | None = Field(default=None, ge=0)
+    prefill_per_token_ms: float | None = Field(default=None, ge=0)
+    decode_base_ms: float | None = Field(default=None, ge=0)
+    decode_per_seq_ms: float | None = Field(default=None, ge=0)
+    decode_per_kv_token_us: float | None = Field(default=None, ge=0)
+
+    def engine_flags(self) -> list[str]:
+        """The engine's command-line flags for this model (``--simulate`` first)."""
+        flags = ["--simulate"]
+        for name, value in self:
+            if value is not None:
+                flags += ["--sim-" + name.replace("_", "-"), f"{value:g}"]
+        return flags
+
+
 class EngineSpec(ApiModel):
     """Engine settings shared by every instance of the cluster."""
 
@@ -223,6 +253,9 @@ class EngineSpec(ApiModel):
     ``--prefill-chunk-tokens``): a long prompt is prefilled in chunks, shortest prompts
     first, so the other requests of the engine wait about one chunk. Unset: the
     engine's default (512)."""
+    simulate: SimulateSpec | None = None
+    """Run every engine as a simulated engine (a timing model, no weights): control-plane
+    tests and benchmarks at scale. Embedded backend only; KV transport tcp."""
 
 
 class ParallelismSpec(ApiModel):
@@ -474,7 +507,7 @@ class KVPoolSpec(ApiModel):
 
 
 class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": [
-        *SPEC_RULES, KV_POOL_RULE, *VLLM_RULES]}):
+        *SPEC_RULES, KV_POOL_RULE, *VLLM_RULES, SIMULATE_RULE]}):
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)
     prefill: PoolSpec = Field(default_factory=PoolSpec)
@@ -514,6 +547,9 @@ class PDClusterSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": [
                    if pool.replicas and pool.parallelism.tensor_parallel_size != 1]
         if self.kv_pool.enabled and (sharded or (hybrid.replicas and hybrid.gpus)):
             raise ValueError(KV_POOL_RULE["message"])
+        if self.engine.simulate is not None and (
+                is_vllm or self.kv_transfer.transport != "tcp" or self.kv_pool.enabled):
+            raise ValueError(SIMULATE_RULE["message"])
         return self
 
     def _vllm_rules(self) -> None:

@@ -329,6 +329,8 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     location = spec.model.preset or spec.model.path
     dtype = (f"{spec.engine.dtype}" if spec.engine.dtype != "auto" or location is None
              else f"{resolve_dtype(location, 'auto')} (auto)")
+    if spec.engine.simulate is not None:
+        dtype += ", simulated (a timing model, no weights)"
     print(f"starting cluster {name!r}: model {location} in {dtype}, "
           f"{describe_pools(sizes)}, {transfer} (logs in {launcher.state.run_dir})", flush=True)
     if token_file := launcher.env.get(TOKEN_FILE_ENV):

@@ -53,6 +53,8 @@ def build_engine_argv(cluster: PDCluster, pool: Pool, extra: list[str] | None = 
         argv += ["--threads", str(pool_spec.threads)]
     if tp > 1:
         argv += ["--tensor-parallel-size", str(tp)]
+    if engine.simulate is not None:
+        argv += engine.simulate.engine_flags()
     if spec.kv_pool.enabled:  # the pool's address comes with extra (--kv-pool): local or a Service
         argv += ["--kv-pool-segment-mib", str(int(parse_quantity(spec.kv_pool.segment_size)) >> 20)]
     return argv + list(extra or [])

@@ -88,3 +88,18 @@ async def test_a_pinned_engine_process_runs_on_its_cores_only(tmp_path):
     await proc.stop()
     await asyncio.wait_for(task, 10)
     assert proc._proc.returncode is not None  # reaped
+
+
+def test_a_simulate_block_runs_simulated_engines_with_the_fields_it_sets():
+    def cluster(spec: dict) -> PDCluster:
+        return parse_manifest({"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                               "metadata": {"name": "c"}, "spec": {
+                                   "model": {"preset": "small"}, "prefill": {"replicas": 1},
+                                   "decode": {"replicas": 1}, **spec}})
+
+    argv = build_engine_argv(cluster({"engine": {"simulate": {"prefillPerTokenMs": 0.25}}}), "decode")
+    assert "--simulate" in argv and flag(argv, "--sim-prefill-per-token-ms") == "0.25"
+    assert "--sim-decode-base-ms" not in argv  # unset: the engine's default
+    assert "--simulate" not in build_engine_argv(cluster({}), "decode")
+    with pytest.raises(ValueError, match="simulated engines are embedded engines that move KV over tcp"):
+        cluster({"engine": {"simulate": {}}, "kvTransfer": {"transport": "shm"}})

@@ -1,0 +1,104 @@
+"""``pdserve up`` with simulated engines (``spec.engine.simulate``): two prefill and two
+decode engines without weights serve chat completions, plain and streamed, through the
+Coordinator; every request crossed from a prefill engine into a decode engine over the
+real KV handshake and transfer; no engine process loaded torch."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+
+from pdserve.api.proto import controller_pb2 as pb
+from pdserve.api.proto import controller_pb2_grpc as pb_grpc
+from pdserve.api.proto import engine_pb2, engine_pb2_grpc
+from pdserve.engine.sim import SIM_TEXT
+from pdserve.local.runstate import is_group_alive
+from tests.etcd import free_port
+from tests.integration.test_up_spec import engine_pids, logs_of, write_yaml
+from tests.procs import PDSERVE, Proc
+
+NUM_REQUESTS = 8
+
+
+def chat(base: str, i: int) -> str:
+    """One chat completion, every other one streamed; returns its text."""
+    body = {"model": "sim", "max_tokens": 10,
+            "messages": [{"role": "user", "content": f"question {i}: " + "why? " * 20}]}
+    if i % 2 == 0:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 10
+        return r.json()["choices"][0]["message"]["content"]
+    text = ""
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        for choice in json.loads(line[len("data: "):])["choices"]:
+            text += choice.get("delta", {}).get("content") or ""
+    return text
+
+
+def engine_stats(run_dir: Path) -> dict[str, list[engine_pb2.StatsResponse]]:
+    """Each engine's Stats by role, asked of the engines the Controller's view lists."""
+    token = (run_dir / "cluster-token").read_text()
+    controller = re.search(r"controller serving on (\S+)",
+                           (run_dir / "controller.log").read_text()).group(1)
+    metadata = (("x-pdserve-token", token),)
+    with grpc.insecure_channel(controller) as channel:
+        view = pb_grpc.ControllerStub(channel).GetView(pb.WatchViewRequest(), timeout=5,
+                                                       metadata=metadata)
+    stats: dict[str, list] = {}
+    for instance in view.instances:
+        with grpc.insecure_channel(instance.engine_address) as channel:
+            stats.setdefault(instance.role, []).append(engine_pb2_grpc.EngineStub(channel).Stats(
+                engine_pb2.StatsRequest(), timeout=5, metadata=metadata))
+    return stats
+
+
+def test_up_serves_through_simulated_prefill_and_decode_engines(tmp_path):
+    spec = write_yaml(tmp_path / "cluster.yaml", {
+        "model": {"preset": "small", "servedName": "sim"},
+        "engine": {"kvCacheBytes": "64Mi", "simulate": {"prefillPerTokenMs": 0.1}},
+        "prefill": {"replicas": 2, "threads": 1}, "decode": {"replicas": 2, "threads": 1},
+        # Every request is disaggregated: no prompt is short enough to prefill on D.
+        "routing": {"localPrefillMaxTokens": 0, "loadAwareLocalPrefill": False}}, name="sim")
+    port, run_dir = free_port(), tmp_path / "run"
+    up = Proc([*PDSERVE, "up", "-f", str(spec), "--port", str(port), "--run-dir", str(run_dir)])
+    try:
+        up.wait_for(r"starting cluster 'sim': model small in float32 \(auto\), simulated", timeout_s=30)
+        up.wait_for(r"pdserve is up", timeout_s=120)
+        base = f"http://127.0.0.1:{port}"
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda i: chat(base, i), range(NUM_REQUESTS)))
+        assert texts == [SIM_TEXT[:10]] * NUM_REQUESTS
+
+        stats = engine_stats(run_dir)
+        assert sorted(stats) == ["decode", "prefill"] and all(len(s) == 2 for s in stats.values())
+        for role in ("prefill", "decode"):
+            assert sum(s.kv_transfers_ok for s in stats[role]) == NUM_REQUESTS, stats[role]
+            assert sum(s.kv_transfers_failed for s in stats[role]) == 0
+        assert sum(s.kv_transfer_bytes for s in stats["prefill"]) > 0
+        assert all(s.num_kv_blocks_total == 512 for ss in stats.values() for s in ss)  # small's
+
+        groups = json.loads((run_dir / "processes.json").read_text())["groups"]
+        pids = engine_pids(groups["nodeagent"])
+        assert len(pids) == 4
+        for pid in pids:
+            assert b"--simulate" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
+
+        up.signal(signal.SIGINT)
+        assert up.popen.wait(30) == 0
+    finally:
+        up.stop()
+    assert not any(is_group_alive(g) for g in groups.values())
+    assert "Traceback" not in up.output + logs_of(run_dir)
