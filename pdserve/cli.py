@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     is_debug = parser.parse_args(argv[:at]).debug
     name = argv[at]
-    if (extra := NEEDS_EXTRA.get(name)) and extras.missing_modules(extra):
+    is_simulated = "--simulate" in argv[at + 1:]  # a simulated engine runs without torch
+    if (extra := NEEDS_EXTRA.get(name)) and not is_simulated and extras.missing_modules(extra):
         print(f"error: {extras.explain(f'pdserve {name}', extra)}", file=sys.stderr)
         return 1
     try:

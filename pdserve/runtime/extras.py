@@ -52,11 +52,11 @@ def explain(what: str, extra: str, module: str | None = None) -> str:
 def needed_by(cluster) -> list[str]:
     """The extras a host needs to run ``cluster``'s engines (a ``PDCluster``: what
     ``pdserve up`` starts): the engine, the KV transport of its PD pools, and Mooncake
-    for its shared KV pool; none for vLLM engines."""
+    for its shared KV pool; none for vLLM engines, and no engine for simulated ones."""
     spec = cluster.spec
     if spec.engine.backend == "vllm":  # vLLM's own environment brings its engine and connector
         return []
-    needed = ["engine"]
+    needed = [] if spec.engine.simulate is not None else ["engine"]  # simulated: no torch
     if (spec.prefill.replicas or spec.decode.replicas) and spec.kv_transfer.transport in EXTRAS:
         needed.append(spec.kv_transfer.transport)
     if spec.kv_pool.enabled and "mooncake" not in needed:

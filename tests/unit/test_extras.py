@@ -74,6 +74,18 @@ def test_an_engine_command_without_the_engine_names_the_extra(monkeypatch, capsy
                             "torch); install it with pip install 'pdserve[engine]'\n")
 
 
+def test_a_simulated_engine_needs_no_engine_extra(monkeypatch, capsys):
+    without(monkeypatch, "torch", "safetensors")
+    with pytest.raises(SystemExit) as exit_:
+        main(["engine", "--simulate", "--help"])
+    assert exit_.value.code == 0 and "--sim-prefill-base-ms" in capsys.readouterr().out
+    simulated = parse_manifest({"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster",
+                                "metadata": {"name": "c"}, "spec": {
+                                    "model": {"preset": "tiny"}, "engine": {"simulate": {}},
+                                    "prefill": {"replicas": 1}, "decode": {"replicas": 1}}})
+    check_extras(simulated)  # pdserve up starts it on a control-plane-only install
+
+
 class _Needs:
     """A command module whose ``run`` imports a module that is not installed."""
 
