@@ -5,8 +5,9 @@ the CLI, a test) calls ``add_request``/``abort_request``/``step`` from one threa
 Bad input is refused in ``add_request`` with ``EngineInputError`` and never reaches
 the step loop; a request that fails later ends with ``FINISHED_ERROR`` while the
 others go on. The pieces: ``Scheduler`` (batches, token bookkeeping, the one owner
-of blocks), ``ModelRunner`` (torch), ``OutputProcessor`` (text, outputs) and, with
-a KV transport, a ``KVConnector`` reached only through its interface.
+of blocks), ``ModelRunner`` (torch, built by ``load_model_parts``; a simulated engine
+has ``sim.SimRunner`` in its place and never imports torch), ``OutputProcessor`` (text,
+outputs) and, with a KV transport, a ``KVConnector`` reached only through its interface.
 """
 
 from __future__ import annotations
