@@ -635,7 +635,10 @@ def decode_kv(engines: list[Engine]) -> tuple[int, float, bool]:
 
 
 def _least_busy(engines: list[Engine]) -> Engine:
-    return min(engines, key=lambda e: (e.num_running + e.num_waiting, e.instance_id))
+    """The engine whose drain ends first: the fewest requests running and queued, then the
+    fewest blocks committed (a decode leg waiting for its KV is in neither queue yet, and
+    its drain waits for that prefill too)."""
+    return min(engines, key=lambda e: (e.num_running + e.num_waiting, e.kv_blocks_committed, e.instance_id))
 
 
 def _key(action: Action) -> tuple[str, str, int]:

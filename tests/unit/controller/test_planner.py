@@ -457,14 +457,16 @@ def test_long_prompts_waiting_at_p_switch_an_engine_before_any_of_them_is_prefil
     def decide(waiting_tokens: int) -> Decision:
         planner = Planner(settings)
         phases(planner, (940.0, 1000.0, 100, 800), rate=2.5)
+        # d0 runs as many streams as d1, but more of its decode legs wait for their KV
+        # (committed blocks): its drain would wait for their prefills too
         engines = [Engine("p0", PREFILL, READY, num_waiting=4, waiting_prompt_tokens=waiting_tokens)] + [
-            Engine(f"d{i}", DECODE, READY, num_running=i, kv_blocks_used=100, kv_blocks_total=1000)
-            for i in range(2)]
+            Engine(f"d{i}", DECODE, READY, num_running=3, kv_blocks_used=100, kv_blocks_total=1000,
+                   kv_blocks_committed=350 - 200 * i) for i in range(2)]
         return planner.decide(engines, 1000.0)
     d = decide(400)  # four short prompts: 0.1 s of prefill
     assert d.action is None and d.wanted == {PREFILL: 1, DECODE: 2}, d.reason
     d = decide(8000)  # four long ones: 2 s at 4000 tokens/s, the target is 1 s
-    assert d.action == Action("switch", PREFILL, instance_id="d0"), d.reason
+    assert d.action == Action("switch", PREFILL, instance_id="d1"), d.reason
     assert "8000 prompt tokens waiting at P" in d.reason, d.reason
 
 
