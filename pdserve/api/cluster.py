@@ -423,6 +423,9 @@ class PlannerSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": PLANN
     """Decisions in a row that must agree before one acts."""
     cooldown_seconds: float = Field(default=120.0, ge=0, allow_inf_nan=False)
     """After an action, how long before the next (its effect is measured first)."""
+    scale_down_delay_seconds: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """How long the load must fit on one engine fewer before one is removed (unset: the
+    window; an idle window removes at once): scale up fast, down slowly."""
     min_requests: int = Field(default=20, ge=1)
     """Fewer requests in the window than this change nothing but an idle cluster's size."""
 

@@ -128,7 +128,8 @@ def planner_settings(spec, override: str = "spec") -> PlannerSettings | None:
         interval_s=p.interval_seconds, window_s=p.window_seconds, cooldown_s=p.cooldown_seconds,
         stable_ticks=p.stable_intervals, min_requests=p.min_requests, min_prefill=p.min_prefill,
         max_prefill=p.max_prefill, min_decode=p.min_decode, max_decode=p.max_decode,
-        max_engines=p.max_engines, advisory=advisory)
+        max_engines=p.max_engines, advisory=advisory,
+        scale_down_delay_s=p.window_seconds if p.scale_down_delay_seconds is None else p.scale_down_delay_seconds)
 
 
 def listen_host(args: argparse.Namespace) -> str:

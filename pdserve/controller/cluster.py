@@ -53,7 +53,7 @@ COUNTER_OF = {
     "num_kv": "kv_transfers_ok", "kv_s": "kv_exposed_s_total", "num_finished": "num_finished_total",
     "output_tokens": "num_generation_tokens_total", "num_steps": "num_decode_steps_total",
     "batch": "decode_batch_total", "batch_sq": "decode_batch_sq_total", "step_s": "decode_step_s_total",
-    "batch_step_s": "decode_batch_step_s_total",
+    "batch_step_s": "decode_batch_step_s_total", "output_budget": "output_budget_total",
 }
 
 
@@ -325,7 +325,9 @@ class Cluster:
             engines.append(planner.Engine(r.instance_id, r.assigned_role, state,
                                           r.load.get("num_running", 0), r.load.get("num_waiting", 0),
                                           kv_blocks_used=used,
-                                          kv_blocks_total=used + r.load.get("num_kv_blocks_free", 0)))
+                                          kv_blocks_total=used + r.load.get("num_kv_blocks_free", 0),
+                                          waiting_prompt_tokens=r.load.get("num_waiting_prompt_tokens", 0),
+                                          kv_blocks_committed=r.load.get("num_kv_blocks_committed", 0)))
         for pool in (planner.PREFILL, planner.DECODE):
             engines += [planner.Engine(f"{pool}-pending-{i}", pool, planner.PENDING)
                         for i in range(self.replicas.get(pool, 0) - alive[pool])]

@@ -11,7 +11,9 @@ Inputs, each tick:
   part of the transfer the first token waits for), generations finished and their
   tokens, and the decode steps with the sums of a line of step time against batch.
   Counters cost the same at any load and come from every backend's engine;
-- the engines (``Engine``): role and state. A ``pending`` engine (a Pod not scheduled
+- the engines (``Engine``): role and state, and what is coming (the embedded engine's
+  gauges; 0 from one that does not report them): the prompt tokens waiting to be
+  prefilled, the KV blocks the unfinished requests will hold at their longest. A ``pending`` engine (a Pod not scheduled
   yet, a process not started) is not capacity: it is neither counted as serving nor
   allowed to trigger more of its role.
 
@@ -37,14 +39,17 @@ Wanted engines:
   rate under-reads the demand: when the measured TTFT (queue + prefill + kv) breaks
   the target while prompts queue at the P engines now, at least one engine more than
   runs is wanted (not while a D engine is full: it holds P's prefilled KV back, and
-  P's queue is then D's);
+  P's queue is then D's). And the prompt tokens waiting at the P engines now must be
+  prefilled within the budget: ``N >= waiting / (r * (T - kv))`` (a change to long
+  prompts waits there before any is measured);
 - decode: one D engine holds at most ``B = (tpot_target - a) / b`` streams within the
   TPOT target; by Little's law ``lam * out * tpot_target`` streams are in flight, so
   ``N >= that / B``; likewise one more than runs when the measured step time at the
   measured batch breaks the target. And the streams' KV must fit: the READY D
-  engines' blocks in use a quarter window on (at the rate they grew over the last
-  quarter: streams that start together fill the cache over their outputs' length)
-  over ``KV_TARGET`` of one engine's cache, one more than runs when one is
+  engines' blocks in use a quarter window on (``_decode_kv``: at the rate they grew
+  over the last quarter, or towards the blocks the streams were allowed as far as that
+  rate goes in half a window: streams that start together fill the cache over their
+  outputs' length) over ``KV_TARGET`` of one engine's cache, one more than runs when one is
   ``KV_FULL`` (a full D turns requests away, so its use under-reads the demand). On a
   CPU, where a step costs nearly the same at any batch, it is the KV cache, not the
   step time, that a decode pool runs out of first;
@@ -55,8 +60,8 @@ Actions, cheapest first, one at a time:
 0. the mix has changed and a pool is saturated now: switch one READY engine to it when
    the last quarter wants that pool grown and the other shrunk, and the window, which
    still averages the old mix in for most of its length, does not want the opposite.
-   Saturated now (``_pressed``): the prompts queued at the P engines now, at the last
-   quarter's prefill time each, break the TTFT target (not while a D engine is full);
+   Saturated now (``_pressed``): the prompt tokens waiting at the P engines now (else
+   the prompts queued, at the last quarter's prefill time each) break the TTFT target (not while a D engine is full);
    a D engine's cache is ``KV_FULL``, or all of them will be within a quarter window,
    or the step time the last quarter's requests since the last action measured breaks
    the TPOT target. Without it a phase change waited for the window to turn (three
@@ -65,7 +70,9 @@ Actions, cheapest first, one at a time:
    a surplus (its least busy) to the other role: no new Pod;
 2. the total is short: +1 in the pool short by the larger share, unless that pool has
    a pending engine (then wait: more Pods would pend too);
-3. the total is over: -1 in the role with a surplus (one of its engines that may leave:
+3. the total is over: -1 in the role with a surplus (once it has lasted
+   ``scale_down_delay_s``, or the window was idle: a lull between two phases is not a
+   surplus; one of its engines that may leave:
    the actuators remove a pool's highest ordinal, and a pool keeps one), only when the load re-predicted
    on one engine fewer still meets the SLO with ``headroom`` to spare, and the other
    pool is not itself close to its target (then the surplus engine is kept: it is the
@@ -80,7 +87,8 @@ ticks in a row; after an action nothing more until ``cooldown_s`` has passed (th
 effect is measured before the next move); what the requests measured (TTFT, TPOT, a
 full D) counts only from those seen since the last action, as does the comfort a
 scale-down needs (the window before it holds the queue the action answered); too few
-requests (``min_requests``) change nothing but scale-downs of a cluster idle for a whole window (not one just started),
+requests (``min_requests``) change nothing but scale-downs of a cluster idle for a whole
+window (no prompt prefilled, no token decoded; not one just started),
 never below the minimums. In
 ``advisory`` mode the decision is reported and never acted on.
 """
@@ -115,6 +123,7 @@ class PlannerSettings:
     max_decode: int = 64
     max_engines: int = 128
     advisory: bool = False
+    scale_down_delay_s: float = 60.0  # a load must fit on one engine fewer this long before one goes
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,7 @@ class Observation:
     batch_sq: float = 0.0
     step_s: float = 0.0
     batch_step_s: float = 0.0
+    output_budget: float = 0.0      # the output tokens the ended generations were allowed
 
     @classmethod
     def of_request(cls, at_s: float, prompt_tokens: int, output_tokens: int, prefill_s: float,
@@ -174,6 +184,8 @@ class Engine:
     can_leave: bool = True  # a scale-down may remove it (the actuators remove a pool's highest ordinal)
     kv_blocks_used: int = 0  # its KV cache now (0 total: not reported)
     kv_blocks_total: int = 0
+    waiting_prompt_tokens: int = 0  # prompt tokens waiting to be prefilled here now
+    kv_blocks_committed: int = 0    # blocks its unfinished requests hold at their longest (0: not reported)
 
 
 class DecodeKV(NamedTuple):
@@ -181,7 +193,7 @@ class DecodeKV(NamedTuple):
     used: int = 0               # blocks in use now, in all
     per_engine: float = 0.0     # mean blocks per engine (0: none reports its cache)
     is_full: bool = False       # one of them at least ``KV_FULL`` now
-    projected: int = 0          # ``used`` a quarter window on, at the last quarter's growth
+    projected: int = 0          # ``used`` a quarter window on (``Planner._decode_kv``)
     is_full_soon: bool = False  # ``projected`` at least ``KV_FULL`` of them all
 
 
@@ -208,6 +220,14 @@ class Model:
     step_b_s: float
     decode_batch: float = 0.0   # measured, mean over the decode steps
     span_s: float = 0.0         # the seconds the window's observations cover
+    num_steps: float = 0.0      # decode steps
+    output_share: float = 1.0   # of the output tokens the finished generations were allowed, the share they used
+
+    @property
+    def is_idle(self) -> bool:
+        """No prompt prefilled and no token decoded: streams decoding with no prompt coming
+        (long outputs started together) are a load."""
+        return self.num_requests == 0 and self.num_steps == 0
 
     @property
     def measured_tpot_s(self) -> float:
@@ -265,8 +285,10 @@ def learn(observations, now_s: float, window_s: float) -> Model:
     observations = list(observations)
     t = total(observations)
     n = int(t.num_prefills)
+    share = min(1.0, t.output_tokens / t.output_budget) if t.output_budget > 0 else 1.0
     if n == 0:
-        return Model(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, span_s=t.span_s)
+        return Model(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, span_s=t.span_s, num_steps=t.num_steps,
+                     output_share=share)
     recent = total(o for o in observations if o.at_s >= now_s - window_s / 4)
     a, b = decode_line(t)
     return Model(
@@ -276,7 +298,8 @@ def learn(observations, now_s: float, window_s: float) -> Model:
         prefill_tok_s=t.prompt_tokens / t.prefill_busy_s if t.prefill_busy_s > 0 else 0.0,
         prefill_queue_s=t.prefill_queue_s / n, kv_s=t.kv_s / t.num_kv if t.num_kv else 0.0,
         step_a_s=a, step_b_s=b,
-        decode_batch=t.batch / t.num_steps if t.num_steps else 0.0, span_s=t.span_s)
+        decode_batch=t.batch / t.num_steps if t.num_steps else 0.0, span_s=t.span_s, num_steps=t.num_steps,
+        output_share=share)
 
 
 def predicted_ttft_s(m: Model, num_prefill: int) -> float:
@@ -326,6 +349,9 @@ class Planner:
     _kv: DecodeKV = DecodeKV()  # this tick's decode caches (set by ``decide``)
     _kv_seen: deque[tuple[float, frozenset, int]] = field(default_factory=deque)  # (at, READY D engines, used)
     _queued: float = 0.0  # this tick's prompts waiting per READY P engine (set by ``decide``)
+    _backlog: int = 0     # this tick's prompt tokens waiting at the READY P engines (set by ``decide``)
+    _num_prefill: int = 0  # and how many of them there are
+    _surplus_since: float = math.inf  # the first of the ticks in a row that wanted one engine fewer
 
     def observe(self, observation: Observation) -> None:
         self.observations.append(observation)
@@ -353,9 +379,10 @@ class Planner:
         # the last quarter's requests since the last action: whether a pool is saturated now
         latest = learn((o for o in self.observations if o.at_s >= now_s - s.window_s / 4 and o.at_s > self._acted_s),
                        now_s, s.window_s / 4)
-        self._kv = self._decode_kv(engines, now_s)
+        self._kv = self._decode_kv(engines, now_s, model.output_share)
         prefill = [e for e in engines if e.role == PREFILL and e.state == READY]
         self._queued = sum(e.num_waiting for e in prefill) / len(prefill) if prefill else 0.0
+        self._backlog, self._num_prefill = sum(e.waiting_prompt_tokens for e in prefill), len(prefill)
         wanted, unreachable = self._wanted(model, have, measured)
         # the last quarter's own wants: a switch must agree with them (``_action``)
         recent_wanted = self._wanted(recent, have, measured, few)[0] if recent else None
@@ -369,7 +396,16 @@ class Planner:
         same = action is not None and self._last[0] is not None and _key(action) == _key(self._last[0])
         self._last = (action, self._last[1] + 1 if same else 1)
         if action is None:
+            self._surplus_since = math.inf
             return Decision(wanted, have, None, reason, model)
+        # scale up fast, scale down slowly: a load that fits on one engine fewer must do so
+        # for ``scale_down_delay_s`` (an idle window has already); a lull between two
+        # phases is not a surplus, and the engine removed would be started again soon after
+        shrink = action.kind == "scale" and action.delta < 0 and not model.is_idle
+        self._surplus_since = min(self._surplus_since, now_s) if shrink else math.inf
+        if shrink and now_s - self._surplus_since < s.scale_down_delay_s:
+            return Decision(wanted, have, None, f"a surplus for {now_s - self._surplus_since:.0f} s of the "
+                            f"{s.scale_down_delay_s:.0f} s it must last: {reason}", model)
         if now_s - self._acted_s < s.cooldown_s:
             return Decision(wanted, have, None, f"cooling down after the last action: {reason}", model)
         if self._last[1] < s.stable_ticks:
@@ -391,7 +427,7 @@ class Planner:
         if m.num_requests < (s.min_requests if min_requests is None else min_requests):
             # too little traffic to learn from: keep what runs, within the bounds
             want = {PREFILL: have[PREFILL], DECODE: have[DECODE]}
-            if m.num_requests == 0 and m.span_s >= 0.9 * s.window_s:  # idle for a whole window
+            if m.is_idle and m.span_s >= 0.9 * s.window_s:  # idle for a whole window
                 want = {PREFILL: s.min_prefill, DECODE: s.min_decode}
         else:
             p = wanted_prefill(m, s.ttft_ms / 1e3)
@@ -412,6 +448,13 @@ class Planner:
                     and self._queued >= 1 and not self._kv.is_full):
                 notes.append(f"measured TTFT {measured.measured_ttft_s * 1e3:.0f} ms over the target")
                 p = have[PREFILL] + 1
+            # the prompts waiting now must be prefilled within the target (not behind a
+            # full D, as above): a change of mix is seen here before any of them is served
+            if self._backlog and m.prefill_tok_s and not self._kv.is_full and s.ttft_ms / 1e3 > m.kv_s:
+                p_now = math.ceil(self._backlog / (m.prefill_tok_s * (s.ttft_ms / 1e3 - m.kv_s)) - 1e-9)
+                if p_now > p:
+                    notes.append(f"{self._backlog} prompt tokens waiting at P")
+                    p = p_now
             if measured and d <= have[DECODE] and measured.measured_tpot_s > s.tpot_ms / 1e3:
                 notes.append(f"measured TPOT {measured.measured_tpot_s * 1e3:.0f} ms over the target")
                 d = have[DECODE] + 1
@@ -509,8 +552,10 @@ class Planner:
         return None, f"{summary}: a surplus, but one engine fewer would come too close to the SLO"
 
     def _pressed(self, quarter: Model, latest: Model | None) -> dict[str, str]:
-        """The pools saturated now, each with what says so: the prompts queued at the P
-        engines now, at the last quarter's prefill time each, break the TTFT target (not
+        """The pools saturated now, each with what says so: the prompt tokens waiting at
+        each P engine now, then one prompt of the last quarter's, at the window's prefill
+        speed (else the prompts queued, at the last quarter's prefill time each) break the
+        TTFT target (not
         while a D engine is full: it holds P's prefilled KV back, and P's queue is then
         D's); a D engine's cache is full, or all of them will be within a quarter window,
         or the step time the last quarter's requests since the last action measured
@@ -519,7 +564,10 @@ class Planner:
         tpot_s = s.tpot_ms / 1e3
         if quarter.prefill_tok_s and not self._kv.is_full:
             one_s = quarter.prompt_tokens / quarter.prefill_tok_s
-            if (self._queued + 1) * one_s + quarter.kv_s > s.ttft_ms / 1e3:
+            prefill = self._backlog / quarter.prefill_tok_s / max(1, self._num_prefill)  # per engine
+            if self._backlog and prefill + one_s + quarter.kv_s > s.ttft_ms / 1e3:
+                out[PREFILL] = f"{self._backlog} prompt tokens waiting at P, {prefill * 1e3:.0f} ms per engine"
+            elif (self._queued + 1) * one_s + quarter.kv_s > s.ttft_ms / 1e3:
                 out[PREFILL] = f"{self._queued:.1f} prompts queued per P engine, {one_s * 1e3:.0f} ms each"
         if self._kv.is_full:
             out[DECODE] = "a D engine's cache is full"
@@ -546,23 +594,32 @@ class Planner:
             return False
         return predicted_tpot_s(m, num, s.tpot_ms / 1e3) <= s.headroom * s.tpot_ms / 1e3
 
-    def _decode_kv(self, engines: list[Engine], now_s: float) -> DecodeKV:
-        """``decode_kv``, and the blocks in use a quarter window on at the rate they grew
-        over the last quarter, on the same READY D engines (streams that started together
-        fill a cache over their outputs' length: full now is a switch too late)."""
+    def _decode_kv(self, engines: list[Engine], now_s: float, output_share: float = 1.0) -> DecodeKV:
+        """``decode_kv``, and the blocks in use a quarter window on, on the same READY D
+        engines: at the rate they grew over the last quarter; or, where the engines report
+        the blocks their unfinished requests hold at their longest (``committed``, each
+        stream its ``max_tokens``, scaled by ``output_share``, the share of their budget
+        the window's finished streams used), as far towards that as the same rate goes in
+        half a window. Streams that started together fill a cache over their outputs'
+        length: full now is a switch too late, and what they were allowed says where they
+        go before the rate has carried them there. Steady streams, some ending as others
+        start, hold more than they use yet do not grow: the rate bounds the projection."""
         used, per_engine, is_full = decode_kv(engines)
-        ready = frozenset(e.instance_id for e in engines
-                          if e.role == DECODE and e.state == READY and e.kv_blocks_total > 0)
+        ready = [e for e in engines if e.role == DECODE and e.state == READY and e.kv_blocks_total > 0]
+        ids = frozenset(e.instance_id for e in ready)
         quarter, seen = self.settings.window_s / 4, self._kv_seen
-        if seen and seen[-1][1] != ready:
+        if seen and seen[-1][1] != ids:
             seen.clear()  # another set of engines: their sum moved by a switch, not by streams
-        seen.append((now_s, ready, used))
+        seen.append((now_s, ids, used))
         while seen[0][0] < now_s - quarter:
             seen.popleft()
         at_s, _, then = seen[0]
         projected = used
         if now_s > at_s and used > then:
-            projected = round(used + (used - then) / (now_s - at_s) * quarter)
+            rate = (used - then) / (now_s - at_s)
+            committed = sum(e.kv_blocks_committed for e in ready)
+            expected = used + output_share * max(0, committed - used)
+            projected = round(max(used + rate * quarter, min(expected, used + rate * 2 * quarter)))
         return DecodeKV(used, per_engine, is_full, projected,
                         bool(ready) and projected >= KV_FULL * per_engine * len(ready))
 
@@ -578,7 +635,10 @@ def decode_kv(engines: list[Engine]) -> tuple[int, float, bool]:
 
 
 def _least_busy(engines: list[Engine]) -> Engine:
-    return min(engines, key=lambda e: (e.num_running + e.num_waiting, e.instance_id))
+    """The engine whose drain ends first: the fewest requests running and queued, then the
+    fewest blocks committed (a decode leg waiting for its KV is in neither queue yet, and
+    its drain waits for that prefill too)."""
+    return min(engines, key=lambda e: (e.num_running + e.num_waiting, e.kv_blocks_committed, e.instance_id))
 
 
 def _key(action: Action) -> tuple[str, str, int]:

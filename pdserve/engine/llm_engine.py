@@ -257,9 +257,21 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             num_prompt_tokens_total=sched.num_prompt_tokens_total,
             num_generation_tokens_total=sched.num_generation_tokens_total,
-            **sched.counters.fields(), role=self.config.role, model=self.model_config.name, **kv,
+            **sched.counters.fields(), **self._demand(), role=self.config.role, model=self.model_config.name, **kv,
             **(self.kv_pool.stats_fields() if self.kv_pool is not None else {}),
         )
+
+    def _demand(self) -> dict[str, int]:
+        """What is coming, as ``StatsResponse`` gauges: the prompt tokens waiting to be
+        prefilled here, and the blocks the unfinished requests here will hold at their
+        longest (a prefill leg its prompt and first token; a decode leg, one waiting for its
+        KV included, all its ``max_tokens``)."""
+        sched, bm = self.scheduler, self.block_manager
+        waiting = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
+                      for queue in (sched.waiting, sched.running) for r in queue)
+        committed = sum(bm.num_blocks_for(r.num_prompt_tokens + 1 if r.pinned else sched.final_tokens(r))
+                        for r in self.requests.values() if not r.is_finished)
+        return {"num_waiting_prompt_tokens": waiting, "num_kv_blocks_committed": committed}
 
     def close(self) -> None:
         """Stop the KV transport's threads and the tensor-parallel ranks; called once at

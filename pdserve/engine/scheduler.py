@@ -283,7 +283,7 @@ class Scheduler:
         if not request.finish(status, error):
             return False
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            self.counters.num_finished_total += 1
+            self.counters.finished(self.final_tokens(request) - request.num_prompt_tokens)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -291,6 +291,11 @@ class Scheduler:
         if self.connector is None or not self.connector.request_finished(request):
             self._free(request)
         return True
+
+    def final_tokens(self, request: Request) -> int:
+        """The tokens ``request`` holds at its longest: its prompt and all the output its
+        ``max_tokens`` allows, within what one request may hold."""
+        return min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_request_tokens)
 
     def _free(self, request: Request) -> None:
         """The only place blocks go back to the pool."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdserve/api/proto/controller.proto\x12\x15pdserve.controller.v1\"\xfd\x04\n\x0cInstanceLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x03 \x01(\x05\x12\x1a\n\x12num_kv_blocks_free\x18\x04 \x01(\x05\x12\x1b\n\x13prompt_tokens_per_s\x18\x05 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x06 \x01(\x01\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x07 \x01(\x03\x12!\n\x19prefix_cache_query_tokens\x18\x08 \x01(\x03\x12\x1f\n\x17num_prompt_tokens_total\x18\t \x01(\x03\x12#\n\x1bnum_generation_tokens_total\x18\n \x01(\x03\x12\x1a\n\x12num_prefills_total\x18\x0b \x01(\x03\x12\x1c\n\x14prefill_busy_s_total\x18\x0c \x01(\x01\x12\x1d\n\x15prefill_queue_s_total\x18\r \x01(\x01\x12\x1e\n\x16num_decode_steps_total\x18\x0e \x01(\x03\x12\x1a\n\x12\x64\x65\x63ode_batch_total\x18\x0f \x01(\x01\x12\x1d\n\x15\x64\x65\x63ode_batch_sq_total\x18\x10 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_step_s_total\x18\x11 \x01(\x01\x12!\n\x19\x64\x65\x63ode_batch_step_s_total\x18\x12 \x01(\x01\x12\x1a\n\x12num_finished_total\x18\x13 \x01(\x03\x12\x17\n\x0fkv_transfers_ok\x18\x14 \x01(\x03\x12\x1a\n\x12kv_exposed_s_total\x18\x15 \x01(\x01\"\xc8\x02\n\x0eInstanceReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rprocess_state\x18\x03 \x01(\t\x12\x16\n\x0e\x65ngine_address\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x16\n\x0ekv_compat_hash\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x31\n\x04load\x18\t \x01(\x0b\x32#.pdserve.controller.v1.InstanceLoad\x12\x14\n\x0cnum_restarts\x18\n \x01(\x05\x12\x10\n\x08probe_ok\x18\x0b \x01(\x08\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x0c\n\x04pool\x18\r \x01(\t\x12\x15\n\rmax_model_len\x18\x0e \x01(\x05\"\x83\x01\n\x10HeartbeatRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x38\n\tinstances\x18\x03 \x03(\x0b\x32%.pdserve.controller.v1.InstanceReport\x12\x15\n\rcluster_token\x18\x04 \x01(\t\"b\n\x07\x43ommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"c\n\x11HeartbeatResponse\x12\x30\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x1e.pdserve.controller.v1.Command\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"\x94\x02\n\x0cInstanceView\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06health\x18\x03 \x01(\t\x12\x16\n\x0e\x65ngine_address\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x16\n\x0ekv_compat_hash\x18\x07 \x01(\t\x12\x31\n\x04load\x18\x08 \x01(\x0b\x32#.pdserve.controller.v1.InstanceLoad\x12\r\n\x05model\x18\t \x01(\t\x12\x1d\n\x15last_heartbeat_unix_s\x18\n \x01(\x01\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\"\xd9\x01\n\x0b\x43lusterView\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x17\n\x0f\x66\x61llback_reason\x18\x03 \x01(\t\x12\x36\n\tinstances\x18\x04 \x03(\x0b\x32#.pdserve.controller.v1.InstanceView\x12\x0e\n\x06leader\x18\x05 \x01(\t\x12\x15\n\rrecent_events\x18\x06 \x03(\t\x12\x33\n\x07planner\x18\x07 \x01(\x0b\x32\".pdserve.controller.v1.PlannerView\"\x80\x03\n\x0bPlannerView\x12\x10\n\x08\x61\x64visory\x18\x01 \x01(\x08\x12\x16\n\x0ewanted_prefill\x18\x02 \x01(\x05\x12\x15\n\rwanted_decode\x18\x03 \x01(\x05\x12\x18\n\x10replicas_prefill\x18\x04 \x01(\x05\x12\x17\n\x0freplicas_decode\x18\x05 \x01(\x05\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x13\n\x0blast_action\x18\x07 \x01(\t\x12\x1a\n\x12last_action_unix_s\x18\x08 \x01(\x01\x12\x13\n\x0bnum_actions\x18\t \x01(\x05\x12\x14\n\x0crequest_rate\x18\n \x01(\x01\x12\x17\n\x0fmeasured_ttft_s\x18\x0b \x01(\x01\x12\x17\n\x0fmeasured_tpot_s\x18\x0c \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\r \x01(\x01\x12\x15\n\rttft_target_s\x18\x0e \x01(\x01\x12\x15\n\rtpot_target_s\x18\x0f \x01(\x01\x12\x13\n\x0bis_balanced\x18\x10 \x01(\x08\"A\n\x10WatchViewRequest\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x15\n\rcluster_token\x18\x02 \x01(\t\"7\n\x0c\x44rainRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\"o\n\rDrainResponse\x12\x10\n\x08is_known\x18\x01 \x01(\x08\x12\x12\n\nis_drained\x18\x02 \x01(\x08\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x0e\n\x06health\x18\x05 \x01(\t\"L\n\x0bReplacement\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10requested_unix_s\x18\x03 \x01(\x01\"\x19\n\x17ListReplacementsRequest\"T\n\x18ListReplacementsResponse\x12\x38\n\x0creplacements\x18\x01 \x03(\x0b\x32\".pdserve.controller.v1.Replacement\",\n\x15\x41\x63kReplacementRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x18\n\x16\x41\x63kReplacementResponse\"\x16\n\x14\x46orgetClusterRequest\"1\n\x15\x46orgetClusterResponse\x12\x18\n\x10num_keys_deleted\x18\x01 \x01(\x05\x32\xc4\x05\n\nController\x12^\n\tHeartbeat\x12\'.pdserve.controller.v1.HeartbeatRequest\x1a(.pdserve.controller.v1.HeartbeatResponse\x12Z\n\tWatchView\x12\'.pdserve.controller.v1.WatchViewRequest\x1a\".pdserve.controller.v1.ClusterView0\x01\x12V\n\x07GetView\x12\'.pdserve.controller.v1.WatchViewRequest\x1a\".pdserve.controller.v1.ClusterView\x12R\n\x05\x44rain\x12#.pdserve.controller.v1.DrainRequest\x1a$.pdserve.controller.v1.DrainResponse\x12s\n\x10ListReplacements\x12..pdserve.controller.v1.ListReplacementsRequest\x1a/.pdserve.controller.v1.ListReplacementsResponse\x12m\n\x0e\x41\x63kReplacement\x12,.pdserve.controller.v1.AckReplacementRequest\x1a-.pdserve.controller.v1.AckReplacementResponse\x12j\n\rForgetCluster\x12+.pdserve.controller.v1.ForgetClusterRequest\x1a,.pdserve.controller.v1.ForgetClusterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"pdserve/api/proto/controller.proto\x12\x15pdserve.controller.v1\"\xde\x05\n\x0cInstanceLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x1a\n\x12num_kv_blocks_used\x18\x03 \x01(\x05\x12\x1a\n\x12num_kv_blocks_free\x18\x04 \x01(\x05\x12\x1b\n\x13prompt_tokens_per_s\x18\x05 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x06 \x01(\x01\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x07 \x01(\x03\x12!\n\x19prefix_cache_query_tokens\x18\x08 \x01(\x03\x12\x1f\n\x17num_prompt_tokens_total\x18\t \x01(\x03\x12#\n\x1bnum_generation_tokens_total\x18\n \x01(\x03\x12\x1a\n\x12num_prefills_total\x18\x0b \x01(\x03\x12\x1c\n\x14prefill_busy_s_total\x18\x0c \x01(\x01\x12\x1d\n\x15prefill_queue_s_total\x18\r \x01(\x01\x12\x1e\n\x16num_decode_steps_total\x18\x0e \x01(\x03\x12\x1a\n\x12\x64\x65\x63ode_batch_total\x18\x0f \x01(\x01\x12\x1d\n\x15\x64\x65\x63ode_batch_sq_total\x18\x10 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_step_s_total\x18\x11 \x01(\x01\x12!\n\x19\x64\x65\x63ode_batch_step_s_total\x18\x12 \x01(\x01\x12\x1a\n\x12num_finished_total\x18\x13 \x01(\x03\x12\x17\n\x0fkv_transfers_ok\x18\x14 \x01(\x03\x12\x1a\n\x12kv_exposed_s_total\x18\x15 \x01(\x01\x12\x1b\n\x13output_budget_total\x18\x16 \x01(\x03\x12!\n\x19num_waiting_prompt_tokens\x18\x17 \x01(\x03\x12\x1f\n\x17num_kv_blocks_committed\x18\x18 \x01(\x03\"\xc8\x02\n\x0eInstanceReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x15\n\rprocess_state\x18\x03 \x01(\t\x12\x16\n\x0e\x65ngine_address\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x16\n\x0ekv_compat_hash\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x31\n\x04load\x18\t \x01(\x0b\x32#.pdserve.controller.v1.InstanceLoad\x12\x14\n\x0cnum_restarts\x18\n \x01(\x05\x12\x10\n\x08probe_ok\x18\x0b \x01(\x08\x12\x12\n\nlast_error\x18\x0c \x01(\t\x12\x0c\n\x04pool\x18\r \x01(\t\x12\x15\n\rmax_model_len\x18\x0e \x01(\x05\"\x83\x01\n\x10HeartbeatRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x38\n\tinstances\x18\x03 \x03(\x0b\x32%.pdserve.controller.v1.InstanceReport\x12\x15\n\rcluster_token\x18\x04 \x01(\t\"b\n\x07\x43ommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"c\n\x11HeartbeatResponse\x12\x30\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x1e.pdserve.controller.v1.Command\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"\x94\x02\n\x0cInstanceView\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06health\x18\x03 \x01(\t\x12\x16\n\x0e\x65ngine_address\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x14\n\x0ckv_transport\x18\x06 \x01(\t\x12\x16\n\x0ekv_compat_hash\x18\x07 \x01(\t\x12\x31\n\x04load\x18\x08 \x01(\x0b\x32#.pdserve.controller.v1.InstanceLoad\x12\r\n\x05model\x18\t \x01(\t\x12\x1d\n\x15last_heartbeat_unix_s\x18\n \x01(\x01\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\"\xd9\x01\n\x0b\x43lusterView\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x17\n\x0f\x66\x61llback_reason\x18\x03 \x01(\t\x12\x36\n\tinstances\x18\x04 \x03(\x0b\x32#.pdserve.controller.v1.InstanceView\x12\x0e\n\x06leader\x18\x05 \x01(\t\x12\x15\n\rrecent_events\x18\x06 \x03(\t\x12\x33\n\x07planner\x18\x07 \x01(\x0b\x32\".pdserve.controller.v1.PlannerView\"\x80\x03\n\x0bPlannerView\x12\x10\n\x08\x61\x64visory\x18\x01 \x01(\x08\x12\x16\n\x0ewanted_prefill\x18\x02 \x01(\x05\x12\x15\n\rwanted_decode\x18\x03 \x01(\x05\x12\x18\n\x10replicas_prefill\x18\x04 \x01(\x05\x12\x17\n\x0freplicas_decode\x18\x05 \x01(\x05\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x13\n\x0blast_action\x18\x07 \x01(\t\x12\x1a\n\x12last_action_unix_s\x18\x08 \x01(\x01\x12\x13\n\x0bnum_actions\x18\t \x01(\x05\x12\x14\n\x0crequest_rate\x18\n \x01(\x01\x12\x17\n\x0fmeasured_ttft_s\x18\x0b \x01(\x01\x12\x17\n\x0fmeasured_tpot_s\x18\x0c \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\r \x01(\x01\x12\x15\n\rttft_target_s\x18\x0e \x01(\x01\x12\x15\n\rtpot_target_s\x18\x0f \x01(\x01\x12\x13\n\x0bis_balanced\x18\x10 \x01(\x08\"A\n\x10WatchViewRequest\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x15\n\rcluster_token\x18\x02 \x01(\t\"7\n\x0c\x44rainRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x12\n\ndeadline_s\x18\x02 \x01(\x01\"o\n\rDrainResponse\x12\x10\n\x08is_known\x18\x01 \x01(\x08\x12\x12\n\nis_drained\x18\x02 \x01(\x08\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x0e\n\x06health\x18\x05 \x01(\t\"L\n\x0bReplacement\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x18\n\x10requested_unix_s\x18\x03 \x01(\x01\"\x19\n\x17ListReplacementsRequest\"T\n\x18ListReplacementsResponse\x12\x38\n\x0creplacements\x18\x01 \x03(\x0b\x32\".pdserve.controller.v1.Replacement\",\n\x15\x41\x63kReplacementRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\x18\n\x16\x41\x63kReplacementResponse\"\x16\n\x14\x46orgetClusterRequest\"1\n\x15\x46orgetClusterResponse\x12\x18\n\x10num_keys_deleted\x18\x01 \x01(\x05\x32\xc4\x05\n\nController\x12^\n\tHeartbeat\x12\'.pdserve.controller.v1.HeartbeatRequest\x1a(.pdserve.controller.v1.HeartbeatResponse\x12Z\n\tWatchView\x12\'.pdserve.controller.v1.WatchViewRequest\x1a\".pdserve.controller.v1.ClusterView0\x01\x12V\n\x07GetView\x12\'.pdserve.controller.v1.WatchViewRequest\x1a\".pdserve.controller.v1.ClusterView\x12R\n\x05\x44rain\x12#.pdserve.controller.v1.DrainRequest\x1a$.pdserve.controller.v1.DrainResponse\x12s\n\x10ListReplacements\x12..pdserve.controller.v1.ListReplacementsRequest\x1a/.pdserve.controller.v1.ListReplacementsResponse\x12m\n\x0e\x41\x63kReplacement\x12,.pdserve.controller.v1.AckReplacementRequest\x1a-.pdserve.controller.v1.AckReplacementResponse\x12j\n\rForgetCluster\x12+.pdserve.controller.v1.ForgetClusterRequest\x1a,.pdserve.controller.v1.ForgetClusterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,41 +32,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.api.proto.controlle
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INSTANCELOAD']._serialized_start=62
-  _globals['_INSTANCELOAD']._serialized_end=699
-  _globals['_INSTANCEREPORT']._serialized_start=702
-  _globals['_INSTANCEREPORT']._serialized_end=1030
-  _globals['_HEARTBEATREQUEST']._serialized_start=1033
-  _globals['_HEARTBEATREQUEST']._serialized_end=1164
-  _globals['_COMMAND']._serialized_start=1166
-  _globals['_COMMAND']._serialized_end=1264
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1266
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1365
-  _globals['_INSTANCEVIEW']._serialized_start=1368
-  _globals['_INSTANCEVIEW']._serialized_end=1644
-  _globals['_CLUSTERVIEW']._serialized_start=1647
-  _globals['_CLUSTERVIEW']._serialized_end=1864
-  _globals['_PLANNERVIEW']._serialized_start=1867
-  _globals['_PLANNERVIEW']._serialized_end=2251
-  _globals['_WATCHVIEWREQUEST']._serialized_start=2253
-  _globals['_WATCHVIEWREQUEST']._serialized_end=2318
-  _globals['_DRAINREQUEST']._serialized_start=2320
-  _globals['_DRAINREQUEST']._serialized_end=2375
-  _globals['_DRAINRESPONSE']._serialized_start=2377
-  _globals['_DRAINRESPONSE']._serialized_end=2488
-  _globals['_REPLACEMENT']._serialized_start=2490
-  _globals['_REPLACEMENT']._serialized_end=2566
-  _globals['_LISTREPLACEMENTSREQUEST']._serialized_start=2568
-  _globals['_LISTREPLACEMENTSREQUEST']._serialized_end=2593
-  _globals['_LISTREPLACEMENTSRESPONSE']._serialized_start=2595
-  _globals['_LISTREPLACEMENTSRESPONSE']._serialized_end=2679
-  _globals['_ACKREPLACEMENTREQUEST']._serialized_start=2681
-  _globals['_ACKREPLACEMENTREQUEST']._serialized_end=2725
-  _globals['_ACKREPLACEMENTRESPONSE']._serialized_start=2727
-  _globals['_ACKREPLACEMENTRESPONSE']._serialized_end=2751
-  _globals['_FORGETCLUSTERREQUEST']._serialized_start=2753
-  _globals['_FORGETCLUSTERREQUEST']._serialized_end=2775
-  _globals['_FORGETCLUSTERRESPONSE']._serialized_start=2777
-  _globals['_FORGETCLUSTERRESPONSE']._serialized_end=2826
-  _globals['_CONTROLLER']._serialized_start=2829
-  _globals['_CONTROLLER']._serialized_end=3537
+  _globals['_INSTANCELOAD']._serialized_end=796
+  _globals['_INSTANCEREPORT']._serialized_start=799
+  _globals['_INSTANCEREPORT']._serialized_end=1127
+  _globals['_HEARTBEATREQUEST']._serialized_start=1130
+  _globals['_HEARTBEATREQUEST']._serialized_end=1261
+  _globals['_COMMAND']._serialized_start=1263
+  _globals['_COMMAND']._serialized_end=1361
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1363
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1462
+  _globals['_INSTANCEVIEW']._serialized_start=1465
+  _globals['_INSTANCEVIEW']._serialized_end=1741
+  _globals['_CLUSTERVIEW']._serialized_start=1744
+  _globals['_CLUSTERVIEW']._serialized_end=1961
+  _globals['_PLANNERVIEW']._serialized_start=1964
+  _globals['_PLANNERVIEW']._serialized_end=2348
+  _globals['_WATCHVIEWREQUEST']._serialized_start=2350
+  _globals['_WATCHVIEWREQUEST']._serialized_end=2415
+  _globals['_DRAINREQUEST']._serialized_start=2417
+  _globals['_DRAINREQUEST']._serialized_end=2472
+  _globals['_DRAINRESPONSE']._serialized_start=2474
+  _globals['_DRAINRESPONSE']._serialized_end=2585
+  _globals['_REPLACEMENT']._serialized_start=2587
+  _globals['_REPLACEMENT']._serialized_end=2663
+  _globals['_LISTREPLACEMENTSREQUEST']._serialized_start=2665
+  _globals['_LISTREPLACEMENTSREQUEST']._serialized_end=2690
+  _globals['_LISTREPLACEMENTSRESPONSE']._serialized_start=2692
+  _globals['_LISTREPLACEMENTSRESPONSE']._serialized_end=2776
+  _globals['_ACKREPLACEMENTREQUEST']._serialized_start=2778
+  _globals['_ACKREPLACEMENTREQUEST']._serialized_end=2822
+  _globals['_ACKREPLACEMENTRESPONSE']._serialized_start=2824
+  _globals['_ACKREPLACEMENTRESPONSE']._serialized_end=2848
+  _globals['_FORGETCLUSTERREQUEST']._serialized_start=2850
+  _globals['_FORGETCLUSTERREQUEST']._serialized_end=2872
+  _globals['_FORGETCLUSTERRESPONSE']._serialized_start=2874
+  _globals['_FORGETCLUSTERRESPONSE']._serialized_end=2923
+  _globals['_CONTROLLER']._serialized_start=2926
+  _globals['_CONTROLLER']._serialized_end=3634
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InstanceLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "prompt_tokens_per_s", "generation_tokens_per_s", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_prompt_tokens_total", "num_generation_tokens_total", "num_prefills_total", "prefill_busy_s_total", "prefill_queue_s_total", "num_decode_steps_total", "decode_batch_total", "decode_batch_sq_total", "decode_step_s_total", "decode_batch_step_s_total", "num_finished_total", "kv_transfers_ok", "kv_exposed_s_total")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "prompt_tokens_per_s", "generation_tokens_per_s", "prefix_cache_hit_tokens", "prefix_cache_query_tokens", "num_prompt_tokens_total", "num_generation_tokens_total", "num_prefills_total", "prefill_busy_s_total", "prefill_queue_s_total", "num_decode_steps_total", "decode_batch_total", "decode_batch_sq_total", "decode_step_s_total", "decode_batch_step_s_total", "num_finished_total", "kv_transfers_ok", "kv_exposed_s_total", "output_budget_total", "num_waiting_prompt_tokens", "num_kv_blocks_committed")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,9 @@ class InstanceLoad(_message.Message):
     NUM_FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_OK_FIELD_NUMBER: _ClassVar[int]
     KV_EXPOSED_S_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BUDGET_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks_used: int
@@ -50,7 +53,10 @@ class InstanceLoad(_message.Message):
     num_finished_total: int
     kv_transfers_ok: int
     kv_exposed_s_total: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., num_prefills_total: _Optional[int] = ..., prefill_busy_s_total: _Optional[float] = ..., prefill_queue_s_total: _Optional[float] = ..., num_decode_steps_total: _Optional[int] = ..., decode_batch_total: _Optional[float] = ..., decode_batch_sq_total: _Optional[float] = ..., decode_step_s_total: _Optional[float] = ..., decode_batch_step_s_total: _Optional[float] = ..., num_finished_total: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_exposed_s_total: _Optional[float] = ...) -> None: ...
+    output_budget_total: int
+    num_waiting_prompt_tokens: int
+    num_kv_blocks_committed: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., num_prefills_total: _Optional[int] = ..., prefill_busy_s_total: _Optional[float] = ..., prefill_queue_s_total: _Optional[float] = ..., num_decode_steps_total: _Optional[int] = ..., decode_batch_total: _Optional[float] = ..., decode_batch_sq_total: _Optional[float] = ..., decode_step_s_total: _Optional[float] = ..., decode_batch_step_s_total: _Optional[float] = ..., num_finished_total: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_exposed_s_total: _Optional[float] = ..., output_budget_total: _Optional[int] = ..., num_waiting_prompt_tokens: _Optional[int] = ..., num_kv_blocks_committed: _Optional[int] = ...) -> None: ...
 
 class InstanceReport(_message.Message):
     __slots__ = ("instance_id", "role", "process_state", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "load", "num_restarts", "probe_ok", "last_error", "pool", "max_model_len")

@@ -53,15 +53,17 @@ class Engines:
             step = 0.010 + 0.001 * streams
             c = self.counters[iid]
             add(c, num_finished_total=rate / len(ds), num_generation_tokens_total=rate * (output - 1) / len(ds),
-                num_decode_steps_total=1 / step, decode_batch_total=streams / step,
-                decode_batch_sq_total=streams ** 2 / step, decode_step_s_total=1.0,
-                decode_batch_step_s_total=streams, kv_transfers_ok=rate / len(ds))
+                output_budget_total=rate * (output - 1) / len(ds), kv_transfers_ok=rate / len(ds))
+            if streams:  # an engine with nothing to decode takes no step
+                add(c, num_decode_steps_total=1 / step, decode_batch_total=streams / step,
+                    decode_batch_sq_total=streams ** 2 / step, decode_step_s_total=1.0,
+                    decode_batch_step_s_total=streams)
 
     def reports(self) -> list[pb.InstanceReport]:
         return [pb.InstanceReport(
             instance_id=iid, role=role, pool=iid[0] == "p" and "prefill" or "decode", process_state="running",
             probe_ok=True, engine_address=f"{iid}:1", kv_endpoint=f"{iid}:2", kv_transport="tcp",
-            load=pb.InstanceLoad(**{k: int(v) if k.startswith("num_") or k == "kv_transfers_ok" else v
+            load=pb.InstanceLoad(**{k: int(v) if k.startswith("num_") or k in ("kv_transfers_ok", "output_budget_total") else v
                                     for k, v in self.counters[iid].items()}))
             for iid, role in self.roles.items()]
 

@@ -137,14 +137,24 @@ def test_cooldown_after_an_action_and_one_action_at_a_time():
     assert [d.action for d in later] == [None, Action("scale", PREFILL, +1), None]
 
 
-def test_scale_down_only_when_the_load_fits_on_one_engine_fewer():
-    settings = PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=16)
+def test_scale_down_only_when_the_load_fits_on_one_engine_fewer_for_the_whole_delay():
+    settings = PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, cooldown_s=0, min_requests=20,
+                               max_engines=16, scale_down_delay_s=60)
     planner = Planner(settings)
-    # a light load on 4 D: 1 is wanted, and 3 would still leave room
-    decisions = ticks(planner, fleet(1, 4), 1000.0, 1, rate=0.5, prompt=200, output=100, batch=4)
+    # a light load on 4 D: 1 is wanted, and 3 would still leave room, for 60 s
+    decisions = ticks(planner, fleet(1, 4), 1000.0, 7, rate=0.5, prompt=200, output=100, batch=4)
+    assert all(d.action is None and d.reason.startswith(f"a surplus for {10 * k} s of the 60 s")
+               for k, d in enumerate(decisions[:6])), [d.reason for d in decisions]
     assert decisions[-1].action == Action("scale", DECODE, -1, instance_id="d0"), decisions[-1].reason
     m = decisions[-1].model
     assert predicted_tpot_s(m, 3, 0.05) <= 0.8 * 0.05
+    # a lull: the surplus interrupted by one busy tick starts its delay again
+    planner = Planner(settings)
+    ticks(planner, fleet(1, 4), 1000.0, 5, rate=0.5, prompt=200, output=100, batch=4)
+    busy = ticks(planner, fleet(1, 4), 1050.0, 1, rate=20, prompt=200, output=100, batch=40)[0]
+    assert busy.action is None or busy.action.delta >= 0, busy.reason
+    after = ticks(planner, fleet(1, 4), 1060.0, 7, rate=0.5, prompt=200, output=100, batch=4)
+    assert all(d.action is None for d in after[:-1]) and after[-1].action is not None, [d.reason for d in after]
 
 
 def test_a_target_no_engine_count_can_meet_is_said_not_chased_past_the_bounds():
@@ -174,7 +184,7 @@ def test_an_idle_cluster_shrinks_to_the_minimums_one_engine_at_a_time_once_idle_
 
 
 def test_a_surplus_engine_is_kept_while_the_other_pool_runs_close_to_its_target():
-    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=5, max_engines=16))
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=5, max_engines=16, scale_down_delay_s=0))
     # 0.4 prompts/s of 2800 tokens: 1 P meets the TTFT (0.99 s) but above 0.8 of it; D idle
     d = ticks(planner, fleet(1, 2), 1000.0, 1, rate=0.4, prompt=2800, output=10)[-1]
     assert d.wanted == {PREFILL: 1, DECODE: 1} and d.action is None
@@ -246,7 +256,7 @@ def test_a_shift_from_long_prompts_to_long_outputs_switches_the_surplus_engine_r
 
 
 def test_decode_engines_are_sized_by_their_kv_caches_too_and_a_full_one_asks_for_one_more():
-    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=5, max_engines=4))
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=5, max_engines=4, scale_down_delay_s=0))
 
     def with_kv(p: int, d: int, used: list[int], total: int = 1000) -> list[Engine]:
         return ([Engine(f"p{i}", PREFILL, READY) for i in range(p)]
@@ -274,7 +284,7 @@ def test_decode_engines_are_sized_by_their_kv_caches_too_and_a_full_one_asks_for
 
 def test_after_an_action_only_what_was_measured_since_says_a_pool_is_saturated_or_spare():
     planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, cooldown_s=0, min_requests=8,
-                                      max_engines=4, window_s=60))
+                                      max_engines=4, window_s=60, scale_down_delay_s=0))
 
     def requests(start_s: float, n: int, queue_s: float) -> None:
         for i in range(n):  # 400-token prompts at 4000 tok/s: 0.1 s of prefill each
@@ -421,3 +431,63 @@ def test_streams_that_started_together_and_fill_the_decode_cache_switch_though_n
     d = decisions[1]
     assert d.action == Action("switch", DECODE, instance_id="p0"), d.reason
     assert "over the last quarter want 1 P + 2 D" in d.reason and "full within a quarter window" in d.reason
+
+
+def test_streams_decoding_with_no_prompt_for_a_whole_window_are_a_load_not_an_idle_cluster():
+    # long outputs that started together: for a whole window no prompt arrives, yet every
+    # D engine decodes; an idle cluster's scale-down must not take one of them away
+    planner = Planner(PlannerSettings(window_s=20, stable_ticks=1, cooldown_s=0, min_prefill=1, min_decode=1))
+    engines = [Engine("p0", PREFILL, READY)] + [Engine(f"d{i}", DECODE, READY, num_running=40) for i in range(2)]
+    for now in (990.0, 1000.0):
+        planner.observe(Observation(now, span_s=10.0, num_steps=120.0, batch=4800.0, batch_sq=192000.0,
+                                    step_s=9.6, batch_step_s=384.0))
+        d = planner.decide(engines, now)
+    assert d.action is None and d.wanted == {PREFILL: 1, DECODE: 2}, d.reason
+    # nothing decoded either, for a whole window: idle, and the surplus D goes
+    planner.observe(Observation(1021.0, span_s=21.0))
+    d = planner.decide(engines, 1021.0)
+    assert d.wanted == {PREFILL: 1, DECODE: 1} and d.action.kind == "scale" and d.action.delta == -1, d.reason
+
+
+def test_long_prompts_waiting_at_p_switch_an_engine_before_any_of_them_is_prefilled():
+    # long outputs, short prompts for the whole window; then long prompts arrive and wait
+    # at the one P engine: nothing measured shows them yet, the prompt tokens waiting do
+    settings = PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=3)
+
+    def decide(waiting_tokens: int) -> Decision:
+        planner = Planner(settings)
+        phases(planner, (940.0, 1000.0, 100, 800), rate=2.5)
+        # d0 runs as many streams as d1, but more of its decode legs wait for their KV
+        # (committed blocks): its drain would wait for their prefills too
+        engines = [Engine("p0", PREFILL, READY, num_waiting=4, waiting_prompt_tokens=waiting_tokens)] + [
+            Engine(f"d{i}", DECODE, READY, num_running=3, kv_blocks_used=100, kv_blocks_total=1000,
+                   kv_blocks_committed=350 - 200 * i) for i in range(2)]
+        return planner.decide(engines, 1000.0)
+    d = decide(400)  # four short prompts: 0.1 s of prefill
+    assert d.action is None and d.wanted == {PREFILL: 1, DECODE: 2}, d.reason
+    d = decide(8000)  # four long ones: 2 s at 4000 tokens/s, the target is 1 s
+    assert d.action == Action("switch", PREFILL, instance_id="d1"), d.reason
+    assert "8000 prompt tokens waiting at P" in d.reason, d.reason
+
+
+def test_the_blocks_streams_were_allowed_bring_a_filling_cache_forward_and_steady_streams_do_not():
+    planner = Planner(PlannerSettings(window_s=20))  # the rate projects a quarter, 5 s
+
+    def kv(used_then: int, used: int, committed: int, share: float = 1.0):
+        planner._kv_seen.clear()
+        for now, u in ((998.0, used_then), (1000.0, used)):
+            engines = [Engine("d0", DECODE, READY, kv_blocks_used=u, kv_blocks_total=1000,
+                              kv_blocks_committed=committed)]
+            out = planner._decode_kv(engines, now, share)
+        return out
+    # 60 blocks/s: 720 a quarter on; the streams were allowed 1700: full within it, since
+    # they go on at that rate (1020 half a window on)
+    assert kv(300, 420, committed=600).projected == 720 and not kv(300, 420, committed=600).is_full_soon
+    filling = kv(300, 420, committed=1700)
+    assert filling.projected == 1020 and filling.is_full_soon
+    # they use half of what they are allowed (the window's finished streams say so): 1060 expected
+    assert kv(300, 420, committed=1700, share=0.5).projected == 1020
+    assert kv(300, 420, committed=1000, share=0.5).projected == 720
+    # steady streams hold less than they were allowed and do not grow: nothing comes
+    steady = kv(500, 500, committed=1700)
+    assert steady.projected == 500 and not steady.is_full_soon

@@ -42,3 +42,28 @@ def test_a_hybrid_engine_counts_both_and_a_prefill_step_never_feeds_the_decode_l
     # with decodes count as prefill time
     assert s.decode_batch_total <= 6 and s.num_decode_steps_total >= 1
     assert s.prefill_busy_s_total > 0
+
+
+def test_the_demand_gauges_say_what_is_coming_before_any_of_it_is_served():
+    """Prompt tokens waiting at P, and the blocks the requests will hold at their longest
+    (P: prompt and first token; D: prompt and all of ``max_tokens``, counted while it
+    still waits for the KV); the output budget counts once a generation ends."""
+    p, d = make_engine("prefill"), make_engine("decode")
+    try:
+        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        for i in range(3):
+            submit_pair(p, d, f"r{i}", list(range(1 + i, 41 + i)), params, "pull")
+        ps, ds = p.stats(), d.stats()
+        bs = ps.block_size
+        assert ps.num_waiting_prompt_tokens == 120 and ds.num_waiting_prompt_tokens == 0
+        assert ps.num_kv_blocks_committed == 3 * -(-41 // bs)
+        assert ds.num_kv_blocks_committed == 3 * -(-70 // bs) and ds.num_kv_blocks_used == 0
+        assert ds.output_budget_total == 0
+        run_until_idle(p, d)
+        ps, ds = p.stats(), d.stats()
+    finally:
+        p.close()
+        d.close()
+    assert ps.num_waiting_prompt_tokens == 0 and ps.num_kv_blocks_committed == 0
+    assert ds.num_kv_blocks_committed == 0
+    assert ds.output_budget_total == 90 and ps.output_budget_total == 0
