@@ -48,8 +48,8 @@ Wanted engines:
   measured batch breaks the target. And the streams' KV must fit: the READY D
   engines' blocks in use a quarter window on (``_decode_kv``: at the rate they grew
   over the last quarter, or towards the blocks the streams were allowed as far as that
-  rate goes in half a window: streams that start together fill the cache over their
-  outputs' length) over ``KV_TARGET`` of one engine's cache, one more than runs when one is
+  rate goes in half a window, and no further: streams that start together fill the
+  cache over their outputs' length) over ``KV_TARGET`` of one engine's cache, one more than runs when one is
   ``KV_FULL`` (a full D turns requests away, so its use under-reads the demand). On a
   CPU, where a step costs nearly the same at any batch, it is the KV cache, not the
   step time, that a decode pool runs out of first;
@@ -600,10 +600,12 @@ class Planner:
         the blocks their unfinished requests hold at their longest (``committed``, each
         stream its ``max_tokens``, scaled by ``output_share``, the share of their budget
         the window's finished streams used), as far towards that as the same rate goes in
-        half a window. Streams that started together fill a cache over their outputs'
-        length: full now is a switch too late, and what they were allowed says where they
-        go before the rate has carried them there. Steady streams, some ending as others
-        start, hold more than they use yet do not grow: the rate bounds the projection."""
+        half a window, and no further. Streams that started together fill a cache over
+        their outputs' length: full now is a switch too late, and what they were allowed
+        says where they go before the rate has carried them there. Long prompts reserved
+        at once are a step, not a rate: their streams were allowed little more. Steady
+        streams, some ending as others start, are allowed more than they use yet do not
+        grow: the rate bounds the projection."""
         used, per_engine, is_full = decode_kv(engines)
         ready = [e for e in engines if e.role == DECODE and e.state == READY and e.kv_blocks_total > 0]
         ids = frozenset(e.instance_id for e in ready)
@@ -617,9 +619,10 @@ class Planner:
         projected = used
         if now_s > at_s and used > then:
             rate = (used - then) / (now_s - at_s)
-            committed = sum(e.kv_blocks_committed for e in ready)
-            expected = used + output_share * max(0, committed - used)
-            projected = round(max(used + rate * quarter, min(expected, used + rate * 2 * quarter)))
+            projected = round(used + rate * quarter)
+            if committed := sum(e.kv_blocks_committed for e in ready):
+                expected = used + output_share * max(0, committed - used)
+                projected = round(max(used, min(expected, used + rate * 2 * quarter)))
         return DecodeKV(used, per_engine, is_full, projected,
                         bool(ready) and projected >= KV_FULL * per_engine * len(ready))
 

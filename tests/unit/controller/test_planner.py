@@ -480,14 +480,20 @@ def test_the_blocks_streams_were_allowed_bring_a_filling_cache_forward_and_stead
                               kv_blocks_committed=committed)]
             out = planner._decode_kv(engines, now, share)
         return out
-    # 60 blocks/s: 720 a quarter on; the streams were allowed 1700: full within it, since
-    # they go on at that rate (1020 half a window on)
-    assert kv(300, 420, committed=600).projected == 720 and not kv(300, 420, committed=600).is_full_soon
+    # 60 blocks/s: 720 a quarter on, from an engine that does not say what its streams were allowed
+    assert kv(300, 420, committed=0).projected == 720
+    # the streams were allowed 1700: full within a quarter, since they go on at that rate
+    # (1020 half a window on)
     filling = kv(300, 420, committed=1700)
     assert filling.projected == 1020 and filling.is_full_soon
-    # they use half of what they are allowed (the window's finished streams say so): 1060 expected
-    assert kv(300, 420, committed=1700, share=0.5).projected == 1020
-    assert kv(300, 420, committed=1000, share=0.5).projected == 720
+    # they were allowed 600 only: they stop there
+    assert kv(300, 420, committed=600).projected == 600 and not kv(300, 420, committed=600).is_full_soon
+    # they use half of what they are allowed (the window's finished streams say so)
+    assert kv(300, 420, committed=1700, share=0.5).projected == 1020  # 1060 expected
+    assert kv(300, 420, committed=1000, share=0.5).projected == 710
+    # six long prompts reserved at once, each allowed a few tokens more: a step, not a rate
+    prompts = kv(0, 384, committed=390)
+    assert prompts.projected == 390 and not prompts.is_full_soon
     # steady streams hold less than they were allowed and do not grow: nothing comes
     steady = kv(500, 500, committed=1700)
     assert steady.projected == 500 and not steady.is_full_soon
