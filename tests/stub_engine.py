@@ -15,7 +15,8 @@ engine with no room does, then answers as "ok"; "refuse" refuses every Generate
 with INVALID_ARGUMENT, as an engine does a prompt longer than its context. Health reports the given role, KV
 endpoint and compat hash, so a stub can be paired with real engines. ProbePeer
 passes for every peer except those in ``probe_failures`` (KV endpoint -> reason);
-``probed`` lists the endpoints asked.
+``probed`` lists the endpoints asked. Stats reports ``num_waiting`` and
+``num_kv_blocks_free`` (of 64), which a test may change as it runs.
 
 Like a real engine it refuses (INVALID_ARGUMENT) a request id already in flight and
 a transfer id longer than 128 characters, and Abort ends the stream of the request
@@ -50,7 +51,8 @@ class StubEngine(pb_grpc.EngineServicer):
                  token_ids: list[int] | None = None, num_full: int | None = None,
                  probe_failures: dict[str, str] | None = None, max_model_len: int = 0,
                  num_cached_tokens: int = 0, stall_after: int = 0, stall_s: float = 0.0,
-                 prefill_delay_s: float = 0.0, num_fail: int | None = None) -> None:
+                 prefill_delay_s: float = 0.0, num_fail: int | None = None,
+                 num_waiting: int = 0, num_kv_blocks_free: int = 64) -> None:
         self.role, self.behavior, self.num_tokens = role, behavior, num_tokens
         self.max_model_len, self.num_cached_tokens = max_model_len, num_cached_tokens
         self.kv_compat_hash, self.kv_endpoint = kv_compat_hash, kv_endpoint
@@ -61,6 +63,7 @@ class StubEngine(pb_grpc.EngineServicer):
         self.prefill_delay_s = prefill_delay_s
         self.token_ids = token_ids or [65 + i for i in range(26)]
         self.num_full = num_full
+        self.num_waiting, self.num_kv_blocks_free = num_waiting, num_kv_blocks_free  # Stats
         self.num_refused_full = 0
         self.request_ids: list[str] = []
         self.aborted: list[str] = []
@@ -164,7 +167,9 @@ class StubEngine(pb_grpc.EngineServicer):
 
     async def Stats(self, request, context) -> pb.StatsResponse:
         return pb.StatsResponse(role=self.role, model="tiny", block_size=16,
-                                num_kv_blocks_total=64, num_kv_blocks_free=64)
+                                num_waiting=self.num_waiting, num_kv_blocks_total=64,
+                                num_kv_blocks_free=self.num_kv_blocks_free,
+                                num_kv_blocks_used=64 - self.num_kv_blocks_free)
 
 
 async def _pause(aborted: asyncio.Event, seconds: float) -> None:

@@ -377,6 +377,10 @@ class RoutingSpec(ApiModel):
     prefill instance is backed up (unless that would stall the decode instance's
     streams past the TPOT target, ``slo.tpotMs``, else 100 ms), and a short one goes
     to an idle prefill instance when the decode instance has a burst queued."""
+    move_stalled_seconds: float = Field(default=1.0, ge=0)
+    """A stream that got no token for this long from a decode instance that queues
+    requests (its cache is full) goes on on a decode instance with room, without a
+    break in the client's stream; 0 never moves one."""
 
 
 class FallbackSpec(ApiModel):

@@ -42,6 +42,7 @@ def coordinator_argv(cluster: PDCluster, host: str, port: int, controller: str) 
             "--decode-policy", spec.routing.decode_policy,
             "--kv-mode", spec.kv_transfer.mode,
             "--local-prefill-max-tokens", str(spec.routing.local_prefill_max_tokens),
+            "--move-stalled-s", f"{spec.routing.move_stalled_seconds:g}",
             "--fallback-policy", spec.fallback.policy,
             "--block-size", str(spec.engine.block_size), "--dtype", spec.engine.dtype,
             "--first-token-timeout-s", str(spec.timeouts.first_token_seconds),

@@ -46,6 +46,7 @@ from .instances import InstanceRegistry
 from .kv_events import KVEventFeeds
 from .legs import Aborter
 from .lifecycle import Deps
+from .moves import Mover
 from .metrics import CoordinatorMetrics
 from .pairs import PairChecks
 from .prefix_index import PrefixIndex
@@ -131,8 +132,9 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
         registry.on_failed = pairs.recheck
     index = PrefixIndex(settings.prefix_index_max_blocks)
     feeds = KVEventFeeds(registry, index, metrics, settings.block_size)  # the engines' prefix-cache events
+    mover = Mover(registry, metrics, settings.move_stalled_s, settings.block_size)
     deps = Deps(settings, registry, Router(settings, registry, index, metrics, pairs), metrics,
-                Aborter(registry))
+                Aborter(registry), mover if mover.enabled else None)
     admission = Admission(settings.max_concurrency, settings.max_queue, metrics)
     prompts = PromptBuilder(settings.model)
     served_dtype = resolve_dtype(settings.model, settings.dtype)
@@ -152,9 +154,11 @@ def create_app(settings: CoordinatorSettings, *, security: SecuritySettings | No
             await feeds.start()
         if pairs is not None:
             await pairs.start()
+        await mover.start()
         try:
             yield
         finally:
+            await mover.stop()
             if pairs is not None:
                 await pairs.stop()
             if source is not None:

@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"shown engine addresses in timings (env {ADMIN_KEY_FILE_ENV})")
     parser.add_argument("--overload-max-wait-s", type=float, default=d.overload_max_wait_s,
                         help="how long a request waits for an engine with room after a \"full\"; then 503")
+    parser.add_argument("--move-stalled-s", type=float, default=d.move_stalled_s,
+                        help="a stream stalled this long on a decode engine that queues "
+                             "requests goes on on one with room; 0: never")
     parser.add_argument("--http-keep-alive-s", type=float, default=d.http_keep_alive_s,
                         help="idle keep-alive connections close after this")
     parser.add_argument("--http-header-timeout-s", type=float, default=d.http_header_timeout_s,
@@ -120,6 +123,7 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
         poll_interval_s=args.poll_interval_s, max_tokens_default=args.max_tokens_default,
         api_key_file=args.api_key_file, cluster_name=args.cluster_name,
         admin_key_file=args.admin_key_file, overload_max_wait_s=args.overload_max_wait_s,
+        move_stalled_s=args.move_stalled_s,
         http_keep_alive_s=args.http_keep_alive_s, http_header_timeout_s=args.http_header_timeout_s,
         http_body_timeout_s=args.http_body_timeout_s, max_connections=args.max_connections,
     )

@@ -19,6 +19,9 @@ awaited with ``asyncio.wait``. Both shapes answer the same calls, made by
   last_arrival_s     when the stream's last message reached the Coordinator
   wait_report()      (a PD pair whose decode leg finished) until P's report is in
   close()            restore the load counts; cancel and abort what did not finish
+  stream_engine()    the engine streaming the tokens, while the stream may be cut
+  interrupt()        cut the stream to move it (``moves.py``): ``tokens`` raises a
+                     ``LegFailure`` of that engine, which ``RequestRun`` takes for a move
 
 Deadlines (``deadlines.py``): a leg whose tokens are the stream's (a single or
 decode leg) must get its first message within ``timeout_s`` and each later one
@@ -231,6 +234,18 @@ class Leg:
             self._call.cancel()
             self._aborter.abort_soon(self.engine, self.request.request_id)
 
+    def stream_engine(self) -> EngineEndpoint | None:
+        """Its engine while its stream runs (``RequestRun.stream_engine``)."""
+        return self.engine if self._is_open and not self.finished else None
+
+    def interrupt(self) -> EngineEndpoint | None:
+        """Cuts the stream (``RequestRun.move``): ``tokens`` raises a ``LegFailure`` of
+        this engine once the messages already in are read. Returns the engine, or None
+        when the call had ended already."""
+        if self.stream_engine() is None or not self._call.cancel():
+            return None
+        return self.engine
+
     def _release_pending(self) -> None:
         self.engine.num_pending_prefill_tokens -= self._num_pending
         self._num_pending = 0
@@ -354,6 +369,13 @@ class PairedLegs:
         stream ended too (its report read), for at most ``REPORT_WAIT_S``. P failing
         now changes nothing in the answer (``close`` retrieves it)."""
         await asyncio.wait((self._prefill_task,), timeout=REPORT_WAIT_S)
+
+    def stream_engine(self) -> EngineEndpoint | None:
+        """D, once the stream began: before, D waits for P's KV (moved only as a whole)."""
+        return self.decode.stream_engine() if self.decode.has_token else None
+
+    def interrupt(self) -> EngineEndpoint | None:
+        return self.decode.interrupt() if self.decode.has_token else None
 
     def start(self, timeout_s: float, collects: bool = False) -> None:
         self.decode.start(timeout_s, collects)

@@ -69,6 +69,7 @@ from .errors import ServeError
 from .instances import EngineEndpoint, InstanceRegistry
 from .legs import Aborter, DecodeLeg, EngineFull, Leg, LegFailure, PairedLegs, PrefillLeg
 from .metrics import CoordinatorMetrics
+from .moves import Mover
 from .policies import RouteContext
 from .router import Plan, Router
 from .settings import CoordinatorSettings
@@ -98,6 +99,7 @@ class Deps:
     router: Router
     metrics: CoordinatorMetrics
     aborter: Aborter
+    mover: Mover | None = None  # None: streams are never moved
     engine_log: ThrottledLog = field(default_factory=lambda: ThrottledLog(log, LOG_INTERVAL_S))
 
 
@@ -158,6 +160,8 @@ class RequestRun:
         self._full_since: float | None = None  # when an engine first said "full"
         self.collects = False  # set by an output read whole: legs hand on their tokens at the end
         self._legs: Leg | PairedLegs | None = None  # the attempt's
+        self._attempt_s = 0.0  # when the attempt began
+        self._moving: EngineEndpoint | None = None  # the engine its stream is being moved off
 
     @property
     def last_tokens_s(self) -> float:
@@ -178,71 +182,107 @@ class RequestRun:
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Called by serving; iterate to the end or close it (stop string, client gone)."""
-        s = self.deps.settings
-        exclude: set[str] = set()
-        failures = 0
-        last_full: EngineFull | None = None
-        while True:
-            if len(self.generated) >= self.params.max_tokens:
-                self.finish_reason = "length"
-                return
-            prompt = self.prompt_ids + self.generated
-            plan = self.plan = await self.deps.router.plan(
-                RouteContext(prompt, s.block_size), exclude, self.deadline,
-                self.prefer if self.num_attempts == 0 else None)
-            if last_full is not None and _is_full(plan):
-                await self._wait_for_room(last_full)
-            self.num_attempts += 1
-            self.timings.report["attempts"] = self.num_attempts
-            if self.num_attempts == 1:  # arrival -> first leg sent: tokenize, admit, route
-                self.timings.observe("route", time.monotonic() - self.arrival_s)
-            legs = self._legs = self._new_legs(plan, prompt)
-            try:
+        mover = self.deps.mover
+        if mover is not None:
+            mover.runs.add(self)
+        try:
+            s = self.deps.settings
+            exclude: set[str] = set()
+            failures = 0
+            last_full: EngineFull | None = None
+            while True:
+                if len(self.generated) >= self.params.max_tokens:
+                    self.finish_reason = "length"
+                    return
+                prompt = self.prompt_ids + self.generated
+                plan = self.plan = await self.deps.router.plan(
+                    RouteContext(prompt, s.block_size), exclude, self.deadline,
+                    self.prefer if self.num_attempts == 0 else None)
+                if last_full is not None and _is_full(plan):
+                    await self._wait_for_room(last_full)
+                self.num_attempts += 1
+                self.timings.report["attempts"] = self.num_attempts
+                if self.num_attempts == 1:  # arrival -> first leg sent: tokenize, admit, route
+                    self.timings.observe("route", time.monotonic() - self.arrival_s)
+                legs = self._legs = self._new_legs(plan, prompt)
+                self._attempt_s, self._moving = time.monotonic(), None
                 try:
-                    left = self.left_s()
-                    if left <= 0:
-                        raise self.deadlines.passed(self._last_s)
-                    legs.start(left, self.collects)
-                    async for ids in legs.tokens():
-                        self.generated.extend(ids)
-                        if self.params.logprobs:
-                            self.logprobs += legs.take_logprobs()
-                        if self.params.prompt_logprobs and self.prompt_logprobs is None:
-                            self.prompt_logprobs = self._checked_prompt_logprobs(legs)
-                        yield ids
-                    if legs.has_pending_report:
-                        await legs.wait_report()
-                finally:
-                    legs.close()
-                    if legs.has_token:  # the idle gap of what comes next runs from here
-                        self._last_s = legs.last_arrival_s
-                self.finish_reason = legs.finish_reason
-                return
-            except ServeError as err:
-                if err.code == "deadline":  # which one: the leg's call cannot say
-                    raise self.deadlines.passed(self._last_s) from None
-                raise
-            except EngineFull as full:
-                last_full = full
-                self._on_full(full)
-            except LegFailure as f:
-                failures += 1
-                self.deps.metrics.retries.labels(f.leg, f.stage).inc()
-                if f.stage == "mid_stream":
-                    self.deps.metrics.continuations.inc()
-                self.deps.registry.mark_failed(f.engine.instance_id)
-                exclude.add(f.engine.instance_id)
-                self.deps.engine_log.log(logging.WARNING, (f.engine.address, f.leg, f.reason),
-                                         "leg failed (%s): %s", f.stage, f)
-                if failures > s.max_retries:
-                    raise ServeError(502, f"gave up after {failures} failed attempts; last: {f.public}",
-                                     code="engine_failure") from None
-                backoff = min(s.retry_backoff_s * 2 ** (failures - 1), s.retry_backoff_max_s)
-                if backoff >= self.left_s():
-                    passed = self.deadlines.passed(self._last_s)
-                    raise ServeError(504, f"{passed.message} while retrying after: {f.public}",
-                                     code="deadline") from None
-                await asyncio.sleep(backoff)
+                    try:
+                        left = self.left_s()
+                        if left <= 0:
+                            raise self.deadlines.passed(self._last_s)
+                        legs.start(left, self.collects)
+                        async for ids in legs.tokens():
+                            self.generated.extend(ids)
+                            if self.params.logprobs:
+                                self.logprobs += legs.take_logprobs()
+                            if self.params.prompt_logprobs and self.prompt_logprobs is None:
+                                self.prompt_logprobs = self._checked_prompt_logprobs(legs)
+                            yield ids
+                        if legs.has_pending_report:
+                            await legs.wait_report()
+                    finally:
+                        legs.close()
+                        if legs.has_token:  # the idle gap of what comes next runs from here
+                            self._last_s = legs.last_arrival_s
+                    self.finish_reason = legs.finish_reason
+                    return
+                except ServeError as err:
+                    if err.code == "deadline":  # which one: the leg's call cannot say
+                        raise self.deadlines.passed(self._last_s) from None
+                    raise
+                except EngineFull as full:
+                    last_full = full
+                    self._on_full(full)
+                except LegFailure as f:
+                    if f.engine is self._moving:  # ``move``: not a failure
+                        self._moving = None
+                        continue
+                    failures += 1
+                    self.deps.metrics.retries.labels(f.leg, f.stage).inc()
+                    if f.stage == "mid_stream":
+                        self.deps.metrics.continuations.inc()
+                    self.deps.registry.mark_failed(f.engine.instance_id)
+                    exclude.add(f.engine.instance_id)
+                    self.deps.engine_log.log(logging.WARNING, (f.engine.address, f.leg, f.reason),
+                                             "leg failed (%s): %s", f.stage, f)
+                    if failures > s.max_retries:
+                        raise ServeError(502, f"gave up after {failures} failed attempts; last: {f.public}",
+                                         code="engine_failure") from None
+                    backoff = min(s.retry_backoff_s * 2 ** (failures - 1), s.retry_backoff_max_s)
+                    if backoff >= self.left_s():
+                        passed = self.deadlines.passed(self._last_s)
+                        raise ServeError(504, f"{passed.message} while retrying after: {f.public}",
+                                         code="deadline") from None
+                    await asyncio.sleep(backoff)
+        finally:
+            if mover is not None:
+                mover.runs.discard(self)
+
+    # -- read and called by the Mover (``moves.py``) --
+
+    def stream_engine(self) -> EngineEndpoint | None:
+        """The engine the stream's tokens come from, while its leg may be cut to move it:
+        a single leg, or a PD pair's decode leg once it streamed."""
+        legs = self._legs
+        if legs is None or self._moving is not None:
+            return None
+        return legs.stream_engine()
+
+    def progress_s(self) -> float:
+        legs = self._legs
+        return legs.last_arrival_s if legs is not None and legs.has_token else self._attempt_s
+
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    def move(self) -> bool:
+        """Cuts the stream's leg: the attempt ends as a failure of its engine's, which
+        ``_attempts`` takes for a move and goes on with a new plan (a continuation)."""
+        legs = self._legs
+        engine = None if legs is None or self._moving is not None else legs.interrupt()
+        self._moving = engine
+        return engine is not None
 
     def _checked_prompt_logprobs(self, legs: Leg | PairedLegs) -> list[pb.TokenLogprob]:
         """The prompt's logprobs from the engine that prefilled: one per prompt token

@@ -68,6 +68,9 @@ class CoordinatorSettings(BaseModel):
     overload_max_wait_s: float = Field(default=10.0, ge=0)
     """How long a request may go on waiting for an engine with room after the first
     "full" answer; then 503 with Retry-After (the request's deadline bounds it too)."""
+    move_stalled_s: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    """A stream that got nothing for this long from a decode engine that queues
+    requests goes on on one with room (``moves.py``); 0: never moved."""
     poll_interval_s: float = Field(default=0.5, gt=0)
     """Static view: how often each engine's Health and Stats are read."""
     pair_probe_interval_s: float = Field(default=30.0, gt=0)

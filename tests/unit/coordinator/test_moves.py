@@ -1,0 +1,155 @@
+"""Moves (``coordinator/moves.py``): a stream stalled on a decode engine that queues
+requests goes on on a decode engine with room, as a continuation the client does
+not see; a stream stalled by a slow engine that queues nothing stays, and so does
+one with nowhere to go."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from pdserve.coordinator.instances import InstanceRegistry
+from pdserve.coordinator.metrics import CoordinatorMetrics
+from pdserve.coordinator.moves import Mover
+from tests.unit.coordinator.harness import BODY, inst, metric, serve
+
+LETTERS = "ABCDEFGH"
+
+
+def _post(app, out: dict) -> None:
+    start = time.monotonic()
+    r = httpx.post(app.url + "/v1/completions", json={**BODY, "max_tokens": 8}, timeout=30,
+                   headers={"x-pdserve-timings": "1"})
+    out["response"], out["seconds"] = r, time.monotonic() - start
+
+
+def _start_on_one_decode(app, stubs, decodes: list[str]):
+    """Sends a request in a thread; returns (thread, out, the decode stub it landed on, the other)."""
+    out: dict = {}
+    thread = threading.Thread(target=_post, args=(app, out))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        landed = [a for a in decodes if stubs.by_address[a].request_ids]
+        if landed:
+            busy = stubs.by_address[landed[0]]
+            other = stubs.by_address[next(a for a in decodes if a != landed[0])]
+            return thread, out, busy, other
+        time.sleep(0.01)
+    raise AssertionError("the request reached no decode engine")
+
+
+def _decode(stubs, **kwargs) -> str:
+    # Stalls for 30 s before its fourth token, unless the test takes the stall away.
+    return stubs(role="decode", num_tokens=8, token_delay_s=0.05, stall_after=3, stall_s=30.0,
+                 **kwargs)
+
+
+def test_a_stream_stalled_on_a_queueing_decode_engine_goes_on_on_one_with_room(loop, stubs):
+    decodes = [_decode(stubs), _decode(stubs)]
+    with serve(loop, [stubs(role="prefill"), *decodes], move_stalled_s=0.3) as app:
+        thread, out, busy, other = _start_on_one_decode(app, stubs, decodes)
+        other.stall_s = 0.0  # the engine with room streams on
+        busy.num_waiting = 3  # the busy one reports a queue (its cache is full)
+        thread.join(30)
+        r = out["response"]
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == LETTERS  # no token lost or repeated
+        assert out["seconds"] < 10  # not the 30 s stall
+        assert r.json()["pdserve_timings"]["attempts"] == 2
+        assert metric(app, "pdserve_coordinator_moves_total") == 1
+        # A move is not a failure: no retry spent, the busy engine not suspect.
+        assert metric(app, "pdserve_coordinator_continuations_total") == 0
+        assert metric(app, "pdserve_coordinator_retries_total", leg="decode", stage="mid_stream") == 0
+        busy_id = busy.request_ids[0]
+        assert busy.aborted.count(busy_id) >= 1  # its KV is freed on the busy engine
+        assert other.request_ids == [busy_id + ".2"]
+        endpoint = next(e for e in app.deps.registry.all() if e.role == "decode"
+                        and stubs.by_address[e.address] is busy)
+        assert endpoint.suspect_until == 0
+
+
+@pytest.mark.parametrize("case", ["slow_engine_queues_nothing", "no_engine_has_room"])
+def test_a_stalled_stream_stays_when_its_engine_queues_nothing_or_none_has_room(loop, stubs, case):
+    decodes = [_decode(stubs), _decode(stubs)]
+    with serve(loop, [stubs(role="prefill"), *decodes], move_stalled_s=0.2) as app:
+        thread, out, busy, other = _start_on_one_decode(app, stubs, decodes)
+        busy.stall_s = 1.5
+        other.stall_s = 0.0
+        if case == "no_engine_has_room":
+            busy.num_waiting = 2
+            other.num_kv_blocks_free = 4  # under the reserve kept free of moved streams
+        thread.join(30)
+        r = out["response"]
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == LETTERS
+        assert out["seconds"] >= 1.5  # it waited out the stall where it was
+        assert metric(app, "pdserve_coordinator_moves_total") == 0
+        assert other.request_ids == []
+
+
+# -- the round's choices, on runs the test makes --
+
+@dataclass(eq=False)
+class FakeRun:
+    engine: object
+    last_s: float
+    tokens: int = 40
+    moved: bool = False
+
+    def stream_engine(self):
+        return None if self.moved else self.engine
+
+    def progress_s(self) -> float:
+        return self.last_s
+
+    def num_tokens(self) -> int:
+        return self.tokens
+
+    def move(self) -> bool:
+        self.moved = True
+        return True
+
+
+def _mover(*engines) -> tuple[Mover, InstanceRegistry]:
+    registry = InstanceRegistry()
+    registry.replace(list(engines))
+    return Mover(registry, CoordinatorMetrics(), stall_s=1.0, block_size=16), registry
+
+
+def test_a_round_moves_the_longest_stalled_first_and_no_more_than_the_engine_queues():
+    busy = inst("d0", "decode", num_waiting=2, num_kv_blocks_used=64, num_kv_blocks_free=0)
+    room = inst("d1", "decode", num_kv_blocks_used=0, num_kv_blocks_free=64)
+    mover, _ = _mover(busy, room)
+    now = 100.0
+    runs = [FakeRun(busy, now - s) for s in (0.5, 3.0, 1.5, 2.0)]  # 0.5 s: not stalled yet
+    runs.append(FakeRun(room, now - 5.0))  # on the engine with room: stays
+    mover.runs.update(runs)
+    assert mover.move_stalled(now) == 2
+    assert [r.moved for r in runs] == [False, True, False, True, False]
+    # The report is as old as the view: the two moved count against its queue.
+    assert mover.move_stalled(now) == 0
+    assert busy.is_full(now)  # new requests try the engine with room first
+
+
+def test_moved_streams_fit_in_the_room_left_and_a_new_view_counts_afresh():
+    busy = inst("d0", "decode", num_waiting=5, num_kv_blocks_used=64, num_kv_blocks_free=0)
+    room = inst("d1", "decode", num_kv_blocks_used=40, num_kv_blocks_free=24)
+    mover, registry = _mover(busy, room)
+    now = 100.0
+    runs = [FakeRun(busy, now - 2.0 - i, tokens=100) for i in range(5)]  # 7 blocks each
+    mover.runs.update(runs)
+    # 24 free, 6 kept (10% of 64): 18 blocks hold two streams of 7.
+    assert mover.move_stalled(now) == 2
+    registry.replace([inst("d0", "decode", num_waiting=3, num_kv_blocks_used=64, num_kv_blocks_free=0),
+                      inst("d1", "decode", num_kv_blocks_used=54, num_kv_blocks_free=10)])
+    assert mover.move_stalled(now) == 0  # 10 free, 6 kept: no stream of 7 fits
+    registry.replace([inst("d0", "decode", num_waiting=3, num_kv_blocks_used=64, num_kv_blocks_free=0),
+                      inst("d1", "decode", num_waiting=1, num_kv_blocks_used=0, num_kv_blocks_free=64)])
+    assert mover.move_stalled(now) == 0  # an engine that queues is no room
+    registry.replace([inst("d0", "decode", num_waiting=3, num_kv_blocks_used=64, num_kv_blocks_free=0),
+                      inst("p0", "prefill", num_kv_blocks_used=0, num_kv_blocks_free=64)])
+    assert mover.move_stalled(now) == 0  # a prefill engine streams nothing: no room
