@@ -46,8 +46,8 @@ from .instances import InstanceRegistry
 from .kv_events import KVEventFeeds
 from .legs import Aborter
 from .lifecycle import Deps
-from .moves import Mover
 from .metrics import CoordinatorMetrics
+from .moves import Mover
 from .pairs import PairChecks
 from .prefix_index import PrefixIndex
 from .prompts import PromptBuilder
