@@ -9,7 +9,7 @@ The script:
 2. The no-fault run: each (endpoint, prompt) once, one at a time, greedy; then once
    more four at a time, which must give the same tokens (batching changes nothing).
 3. Four streaming clients send requests back to back, for ``PDSERVE_SOAK_S`` seconds
-   (default 80), while one fault at a time hits the cluster, each 4-6 s after the
+   (default 60; longer runs set it), while one fault at a time hits the cluster, each 4-6 s after the
    previous one began: SIGKILL or SIGSTOP (2-5 s, then SIGCONT) of an engine, of a
    NodeAgent or of the leader Controller, or an etcd crash and restart. An engine or
    agent fault waits until both instances of its pool are READY (an engine restart
@@ -44,7 +44,7 @@ from tests.integration.chaos_support import (
 )
 
 SEED = int(os.environ.get("PDSERVE_SOAK_SEED") or random.SystemRandom().randrange(1_000_000))
-FAULT_PHASE_S = float(os.environ.get("PDSERVE_SOAK_S") or 80)
+FAULT_PHASE_S = float(os.environ.get("PDSERVE_SOAK_S") or 60)
 RECOVERY_LIMIT_S = 60.0   # a cluster that cannot take the next fault this long fails the soak
 
 
