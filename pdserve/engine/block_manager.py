@@ -39,11 +39,13 @@ class BlockManager:
         # Prefix-cache counters, in tokens.
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
-        # Blocks the scheduler's preempted requests need to come back (set by the
-        # scheduler each step): a reservation for a KV transfer leaves them free, or a
-        # stream preempted on a full decode engine starves while new transfers take every
-        # block that frees up, until its client's idle deadline.
+        # Blocks and running slots the scheduler's waiting requests need (set by the
+        # scheduler each step): preempted streams to come back, local prefills to start.
+        # A reservation for a KV transfer leaves them (``kv_transfer/decode.py``), or on
+        # a full decode engine new transfers take every block and seat that frees up and
+        # a waiting request starves until its client's deadline.
         self.owed_blocks = 0
+        self.free_seats = 1 << 30  # running slots (``max_num_seqs``) the waiting leave
 
     # -- queries -------------------------------------------------------------
 

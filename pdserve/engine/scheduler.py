@@ -22,10 +22,12 @@ Policy, in order:
 4. Waiting requests are admitted while the token budget, the running cap
    (``max_num_seqs``) and the free blocks allow; none in a step that preempted
    (admitting would just thrash), and none after the first one did not fit.
-   Preempted requests come first (their streams have stalled), then the shortest; the
-   blocks they need back are ``owed_blocks`` to the block manager, which a KV
-   transfer's reservation leaves free, so on a full decode engine new streams wait
-   for a preempted one instead of starving it.
+   Preempted requests come first (their streams have stalled), then the shortest. What
+   the waiting requests need, blocks and running slots, is owed to them
+   (``BlockManager.owed_blocks``, ``free_seats``): a KV transfer's reservation leaves
+   it, so on a full decode engine new streams wait for a preempted one (or a local
+   prefill queued before them) instead of starving it, and no more streams run than
+   ``max_num_seqs``.
 
 Thresholds: ``prefill_chunk_tokens`` (engine setting, 512 by default) and
 ``max_num_batched_tokens`` (2048). Cost: one sort of the prefilling requests per step.
@@ -97,6 +99,7 @@ class Scheduler:
         self.num_prompt_tokens_total = 0  # prefilled, recomputation after preemption excluded
         self.num_generation_tokens_total = 0
         self.counters = LoadCounters()
+        self._owe()
 
     @property
     def num_unfinished(self) -> int:
@@ -104,6 +107,9 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        bm = self.block_manager
+        bm.owed_blocks += bm.num_blocks_for(request.num_tokens)
+        bm.free_seats -= 1
 
     def schedule(self) -> ScheduledBatch:
         """Called by the engine once per step: the batch to run (policy at the top)."""
@@ -130,10 +136,16 @@ class Scheduler:
             request = prefills.pop(0)
             if request in self.running:
                 self._schedule_running(request, batch)
-        bm = self.block_manager
-        bm.owed_blocks = sum(bm.num_blocks_for(r.num_tokens) for r in self.waiting
-                             if r.status == RequestStatus.PREEMPTED)
+        self._owe()
         return batch
+
+    def _owe(self) -> None:
+        """What the waiting requests are owed (policy 4.); after every change of the
+        queues a KV transfer's reservation may see: a step's schedule, its KV events (a
+        step that exposes a request schedules nothing), an arrival."""
+        bm = self.block_manager
+        bm.owed_blocks = sum(bm.num_blocks_for(r.num_tokens) for r in self.waiting)
+        bm.free_seats = self.max_num_seqs - len(self.running) - len(self.waiting)
 
     def _schedule_running(self, request: Request, batch: ScheduledBatch) -> None:
         num_new = min(_remaining(request), self._budget)
@@ -239,6 +251,8 @@ class Scheduler:
                     changes.append((request, []))
         for request in events.released:  # kept at the end; no write can land any more
             self._free(request)
+        if events.exposed:  # running grew, and this step may schedule nothing
+            self._owe()
         return changes
 
     def _expose(self, request: Request, token: int, seed: int | None,

@@ -22,8 +22,10 @@ allocates on READY. Without free blocks it retries each step for at most
 ``reserve_wait_s`` from the first try that found none, then refuses: ABORT to P with
 reason "decode full: ...", and the request ends ``FINISHED_FULL`` (load, not a
 failure). Nothing was promised to P yet, so nothing is kept. Blocks the engine's
-preempted streams need to come back (``BlockManager.owed_blocks``) do not count as
-free: a new transfer does not take them.
+preempted streams need to come back and its queued local prefills need to start
+(``BlockManager.owed_blocks``) do not count as free: a new transfer does not take
+them; nor does it take a running slot (``max_num_seqs``) the scheduler's waiting
+requests or the transfers reserved before it hold (``BlockManager.free_seats``).
 
 Invariants:
 - D exposes a request only after DONE, which P sends after every write settled DONE;
@@ -147,8 +149,9 @@ class DecodeSide(Side):
         req, bm = xfer.request, self.block_manager
         hits = bm.find_cached_blocks(req) if self.partial else []
         n_hit = len(hits) * bm.block_size
-        if bm.allocate_slots(req, req.num_prompt_tokens - n_hit, cached_blocks=hits,
-                             keep_free=bm.owed_blocks):
+        seated = self._num_seated() < bm.free_seats
+        if seated and bm.allocate_slots(req, req.num_prompt_tokens - n_hit, cached_blocks=hits,
+                                        keep_free=bm.owed_blocks):
             xfer.skip_blocks = len(hits)
             if self.partial:
                 bm.record_prefix_query(req.num_prompt_tokens, n_hit)
@@ -158,10 +161,17 @@ class DecodeSide(Side):
             xfer.no_room_since_s = now
         wait_s = self.timeouts.reserve_wait_s
         if now - xfer.no_room_since_s >= wait_s:
-            reason = (f"{DECODE_FULL}: {bm.num_blocks_for(req.num_prompt_tokens)} KV blocks "
-                      f"wanted, {bm.num_free_blocks} free after {wait_s:g} s")
-            self.fail(xfer, reason, notify_peer=True, is_full=True)
+            wanted = (f"{bm.num_blocks_for(req.num_prompt_tokens)} KV blocks wanted, "
+                      f"{bm.num_free_blocks} free" if seated else "every running slot taken")
+            self.fail(xfer, f"{DECODE_FULL}: {wanted} after {wait_s:g} s", notify_peer=True,
+                      is_full=True)
         return False
+
+    def _num_seated(self) -> int:
+        """Transfers holding blocks for a stream that does not run yet: each takes a
+        running slot once exposed."""
+        return sum(1 for x in self.transfers.values()
+                   if x.reserve_sent or x.state is XferState.TRANSFERRING)
 
     def _on_done(self, xfer: DecodeTransfer, msg: dict) -> None:
         if not xfer.reserve_sent:

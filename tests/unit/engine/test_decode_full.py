@@ -201,3 +201,77 @@ def test_a_stream_preempted_on_a_full_decode_gets_its_blocks_back_before_a_new_t
     finally:
         p.close()
         d.close()
+
+
+def test_a_local_prefill_queued_on_a_decode_whose_slots_are_taken_starts_before_new_transfers():
+    """D runs at most ``max_num_seqs`` = 2 streams. Two PD streams run; a short prompt the
+    Coordinator sent to D itself (conditional disaggregation) queues for a slot; a third
+    PD stream arrives. Its reservation must leave the slot to the queued request (else,
+    as PD streams kept coming, the local one waited until its client's deadline), and D
+    never runs more than two streams; a transfer that finds no slot within its reserve
+    wait is refused as "decode full", load the Coordinator answers."""
+    timeouts = dict(kv_descriptor_timeout_s=10.0, kv_done_timeout_s=20.0)
+    p = make_engine("prefill", **timeouts)
+    d = make_engine("decode", max_num_seqs=2, kv_reserve_wait_s=5.0, **timeouts)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = {rid: list(range(base, base + 12)) for rid, base in (("a", 1), ("b", 30), ("c", 60), ("e", 90))}
+    try:
+        hybrid = make_engine("hybrid", transport="none")
+        reference = dict(zip(prompts, hybrid.generate(list(prompts.values()), params), strict=True))
+        hybrid.close()
+        submit_pair(p, d, "a", prompts["a"], params, "push")
+        submit_pair(p, d, "b", prompts["b"], params, "push")
+        outs: dict[str, list] = {}
+        most_running = 0
+
+        def step() -> None:
+            nonlocal most_running
+            for engine in (p, d):
+                for out in engine.step():
+                    outs.setdefault(out.request_id, []).append(out)
+            most_running = max(most_running, len(d.scheduler.running))
+            time.sleep(0.0005)
+
+        deadline = time.monotonic() + 20
+        while len(d.scheduler.running) < 2:
+            assert time.monotonic() < deadline, "the two PD streams never ran"
+            step()
+        d.add_request("c", prompts["c"], params)  # local: prefilled on D
+        submit_pair(p, d, "e", prompts["e"], params, "push")
+        e_reserved_before_c_ran = False
+        while p.has_unfinished or d.has_unfinished:
+            assert time.monotonic() < deadline, "the engines did not finish"
+            step()
+            e = next((x for x in d.connector.decode.transfers.values() if x.request.request_id == "d-e"), None)
+            if e is not None and e.reserve_sent and "c" not in outs:
+                e_reserved_before_c_ran = True
+        assert not e_reserved_before_c_ran
+        assert most_running == 2
+        for rid in ("a", "b", "e"):
+            assert tokens(outs[f"d-{rid}"]) == reference[rid], rid
+        assert tokens(outs["c"]) == reference["c"]
+        assert d.block_manager.owed_blocks == 0
+        assert_all_free(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_transfer_with_no_running_slot_within_its_reserve_wait_is_refused_as_decode_full():
+    # D has blocks for both; its one running slot is the first's from its reservation
+    # on (P's writes are delayed past the second's reserve wait).
+    p = make_engine("prefill", fault_kv_send_delay_s=1.0, **CHUNK)
+    d = make_engine("decode", max_num_seqs=1, kv_reserve_wait_s=RESERVE_WAIT_S, **CHUNK)
+    params = PARAMS
+    try:
+        submit_pair(p, d, "first", FIRST, params, "push")
+        submit_pair(p, d, "second", SECOND, params, "push")
+        outs = run_until_idle(p, d)
+        assert outs["d-first"][-1].finish_reason == "length"
+        last = outs["d-second"][-1]
+        assert last.finish_reason == "full" and last.error.startswith("decode full: every running slot taken")
+        assert outs["p-second"][-1].finish_reason == "full"
+        assert_all_free(p, d)
+    finally:
+        p.close()
+        d.close()
