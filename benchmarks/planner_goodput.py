@@ -8,7 +8,9 @@ each a closed loop whose mix differs:
   cannot keep the TTFT target;
 - output-heavy: 32-token prompts, 256 output tokens, 96 streams: their KV does not fit
   one decode engine's cache (a CPU decode step costs nearly the same at any batch, so
-  here the cache, not the step time, is what a second decode engine adds);
+  here the cache, not the step time, is what a second decode engine adds; the engines
+  run up to 128 streams, ``maxNumSeqs``, so the cache binds first, not the default cap
+  of 64 running streams, which a decode engine keeps);
 - mixed: prompts of 64 to 1024 tokens, 8 to 128 output tokens, 8 streams.
 
 Arms: ``1P+2D`` and ``2P+1D`` static (planner off and ``overloadSwitching: false``: no
@@ -51,7 +53,7 @@ ARMS = {"1P+2D": (1, 2, False), "2P+1D": (2, 1, False), "planner": (1, 2, True)}
 
 def spec(name: str, prefill: int, decode: int, planner: bool, ttft_ms: int, tpot_ms: int) -> dict:
     return {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster", "metadata": {"name": name},
-            "spec": {"model": {"preset": "small"}, "engine": {"dtype": "float32", "kvCacheBytes": "128Mi"},
+            "spec": {"model": {"preset": "small"}, "engine": {"dtype": "float32", "kvCacheBytes": "128Mi", "maxNumSeqs": 128},
                      "prefill": {"replicas": prefill, "threads": 1},
                      "decode": {"replicas": decode, "threads": 1},
                      "slo": {"ttftMs": ttft_ms, "tpotMs": tpot_ms},

@@ -246,6 +246,9 @@ class EngineSpec(ApiModel):
     num_kv_blocks: int | None = Field(default=None, ge=1)
     """Explicit KV block count; wins over ``kvCacheBytes`` when set."""
     max_num_seqs: int = Field(default=64, ge=1)
+    """Most requests one engine runs at once. A decode instance counts a PD stream from
+    its KV reservation on: past the cap, a new stream waits (the KV reserve wait, then
+    "decode full": the Coordinator tries another decode instance or waits for room)."""
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     enable_prefix_caching: bool = True
     prefill_chunk_tokens: int | None = Field(default=None, ge=1)
