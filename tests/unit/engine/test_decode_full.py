@@ -150,30 +150,49 @@ def test_a_leg_its_client_aborts_cancels_the_transfer_and_is_no_failure(side):
         d.close()
 
 
+LONG_WAITS = dict(kv_descriptor_timeout_s=10.0, kv_done_timeout_s=20.0)  # D may wait seconds for room
+
+
+def references(prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    """Each prompt's tokens on a hybrid engine alone."""
+    hybrid = make_engine("hybrid", transport="none")
+    try:
+        return dict(zip(prompts, hybrid.generate(list(prompts.values()), params), strict=True))
+    finally:
+        hybrid.close()
+
+
+def decode_transfer(d, request_id: str):
+    """D's live transfer of ``request_id``, if any."""
+    return next((x for x in d.connector.decode.transfers.values() if x.request.request_id == request_id), None)
+
+
+def step_both(p, d, outs: dict[str, list]) -> None:
+    """One step of each engine, their outputs kept by request id."""
+    for engine in (p, d):
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    time.sleep(0.0005)
+
+
 def test_a_stream_preempted_on_a_full_decode_gets_its_blocks_back_before_a_new_transfer():
     """D has 10 blocks; two streams of 3-block prompts that grow to 6 blocks each: the
     later one is preempted. A third request arrives while it waits: its reservation
     must not take the blocks the preempted stream needs back (``owed_blocks``), or on a
     busy D new transfers take every block that frees up and the preempted stream starves
     until its client's idle deadline. All three end with the tokens they would alone."""
-    timeouts = dict(kv_descriptor_timeout_s=10.0, kv_done_timeout_s=20.0)
-    p = make_engine("prefill", **timeouts)
-    d = make_engine("decode", num_kv_blocks=10, kv_reserve_wait_s=5.0, **timeouts)
+    p = make_engine("prefill", **LONG_WAITS)
+    d = make_engine("decode", num_kv_blocks=10, kv_reserve_wait_s=5.0, **LONG_WAITS)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = {rid: list(range(base, base + 24)) for rid, base in (("a", 1), ("b", 50), ("c", 100))}
     try:
-        hybrid = make_engine("hybrid", transport="none")
-        reference = dict(zip(prompts, hybrid.generate(list(prompts.values()), params), strict=True))
-        hybrid.close()
+        reference = references(prompts, params)
         submit_pair(p, d, "a", prompts["a"], params, "push")
         submit_pair(p, d, "b", prompts["b"], params, "push")
         outs: dict[str, list] = {}
 
         def step() -> None:
-            for engine in (p, d):
-                for out in engine.step():
-                    outs.setdefault(out.request_id, []).append(out)
-            time.sleep(0.0005)
+            step_both(p, d, outs)
 
         def on_d(rid: str):
             return next((r for r in [*d.scheduler.waiting, *d.scheduler.running] if r.request_id == rid), None)
@@ -188,7 +207,7 @@ def test_a_stream_preempted_on_a_full_decode_gets_its_blocks_back_before_a_new_t
         while p.has_unfinished or d.has_unfinished:
             assert time.monotonic() < deadline, "the engines did not finish"
             step()
-            c = next((x for x in d.connector.decode.transfers.values() if x.request.request_id == "d-c"), None)
+            c = decode_transfer(d, "d-c")
             b = on_d("d-b")
             if c is not None and c.reserve_sent and b is not None and b.status == RequestStatus.PREEMPTED:
                 c_reserved_while_b_waited = True
@@ -210,15 +229,12 @@ def test_a_local_prefill_queued_on_a_decode_whose_slots_are_taken_starts_before_
     as PD streams kept coming, the local one waited until its client's deadline), and D
     never runs more than two streams; a transfer that finds no slot within its reserve
     wait is refused as "decode full", load the Coordinator answers."""
-    timeouts = dict(kv_descriptor_timeout_s=10.0, kv_done_timeout_s=20.0)
-    p = make_engine("prefill", **timeouts)
-    d = make_engine("decode", max_num_seqs=2, kv_reserve_wait_s=5.0, **timeouts)
+    p = make_engine("prefill", **LONG_WAITS)
+    d = make_engine("decode", max_num_seqs=2, kv_reserve_wait_s=5.0, **LONG_WAITS)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     prompts = {rid: list(range(base, base + 12)) for rid, base in (("a", 1), ("b", 30), ("c", 60), ("e", 90))}
     try:
-        hybrid = make_engine("hybrid", transport="none")
-        reference = dict(zip(prompts, hybrid.generate(list(prompts.values()), params), strict=True))
-        hybrid.close()
+        reference = references(prompts, params)
         submit_pair(p, d, "a", prompts["a"], params, "push")
         submit_pair(p, d, "b", prompts["b"], params, "push")
         outs: dict[str, list] = {}
@@ -226,11 +242,8 @@ def test_a_local_prefill_queued_on_a_decode_whose_slots_are_taken_starts_before_
 
         def step() -> None:
             nonlocal most_running
-            for engine in (p, d):
-                for out in engine.step():
-                    outs.setdefault(out.request_id, []).append(out)
+            step_both(p, d, outs)
             most_running = max(most_running, len(d.scheduler.running))
-            time.sleep(0.0005)
 
         deadline = time.monotonic() + 20
         while len(d.scheduler.running) < 2:
@@ -242,7 +255,7 @@ def test_a_local_prefill_queued_on_a_decode_whose_slots_are_taken_starts_before_
         while p.has_unfinished or d.has_unfinished:
             assert time.monotonic() < deadline, "the engines did not finish"
             step()
-            e = next((x for x in d.connector.decode.transfers.values() if x.request.request_id == "d-e"), None)
+            e = decode_transfer(d, "d-e")
             if e is not None and e.reserve_sent and "c" not in outs:
                 e_reserved_before_c_ran = True
         assert not e_reserved_before_c_ran
