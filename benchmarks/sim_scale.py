@@ -1,0 +1,201 @@
+"""The control plane against the number of engines: simulated engines on ``pdserve up``.
+
+A ``pdserve up -f`` cluster of N simulated engines (``spec.engine.simulate``: the real
+server, scheduler, KV handshake and heartbeats, the model's time slept; half prefill,
+half decode) with its Controller, NodeAgent and one Coordinator. For each N:
+
+- up: seconds from ``pdserve up`` to "pdserve is up";
+- idle: CPU (% of one core) of each component over ``--idle-seconds`` with no traffic,
+  the engines' as their mean;
+- load: ``pdserve bench`` closed loop (``--concurrency`` streams of 256 -> 32 tokens) for
+  ``--load-seconds``: requests/s, errors, the Coordinator's CPU milliseconds per request;
+- kill: one decode engine SIGKILLed under the same load: seconds until the
+  Coordinator's view drops it (``pdserve_coordinator_instances{role="decode"}`` one
+  lower: no request is routed to it from then on), and the client errors meanwhile.
+
+The load client runs on the same cores as the cluster: figures are for comparing N
+with N, not absolutes.
+
+Rerun: .venv/bin/python benchmarks/sim_scale.py --engines 8,32,100 --json scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+TICK_S = os.sysconf("SC_CLK_TCK")
+COMPONENTS = ("coordinator", "controller", "nodeagent", "engine")
+
+
+def spec(num_engines: int) -> dict:
+    half = num_engines // 2
+    return {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster", "metadata": {"name": "scale"},
+            "spec": {"model": {"preset": "small", "servedName": "sim"},
+                     "engine": {"kvCacheBytes": "64Mi", "simulate": {}},
+                     "prefill": {"replicas": num_engines - half, "threads": 1},
+                     "decode": {"replicas": half, "threads": 1}}}
+
+
+def pids(root: int) -> dict[str, list[int]]:
+    """The cluster's processes (``root``'s descendants) by component."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found: dict[str, list[int]] = {c: [] for c in COMPONENTS}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            text = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        for component in COMPONENTS:
+            if f"pdserve.cli {component} " in text:
+                found[component].append(pid)
+    return found
+
+
+def cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK_S
+
+
+def decode_instances(url: str) -> int:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    m = re.search(r'pdserve_coordinator_instances\{role="decode"\} (\S+)', text)
+    return int(float(m.group(1))) if m else -1
+
+
+def bench(url: str, seconds: float, concurrency: int) -> dict:
+    out = subprocess.run([*PDSERVE, "bench", "--base-url", url, "--prompt-tokens", "256",
+                          "--output-tokens", "32", "--concurrency", str(concurrency),
+                          "--duration", str(seconds)], capture_output=True, text=True,
+                         timeout=seconds + 120)
+    row = re.search(r"^default\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)", out.stdout, re.M)
+    if row is None:
+        raise RuntimeError(f"no result from pdserve bench:\n{out.stdout}\n{out.stderr}")
+    sent, ok, errors, rate = row.groups()
+    return {"sent": int(sent), "ok": int(ok), "errors": int(errors), "req_s": float(rate)}
+
+
+def run_one(n: int, args, workdir: Path) -> dict:
+    spec_file, run_dir = workdir / f"scale-{n}.yaml", workdir / f"run-{n}"
+    spec_file.write_text(yaml.safe_dump(spec(n)))
+    url = f"http://127.0.0.1:{args.port}"
+    began = time.monotonic()
+    up = subprocess.Popen([*PDSERVE, "up", "-f", str(spec_file), "--port", str(args.port),
+                           "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    result: dict = {"engines": n}
+    try:
+        for line in up.stdout:
+            if "pdserve is up" in line:
+                break
+        else:
+            raise RuntimeError(f"{n} engines: pdserve up ended before it was up")
+        result["up_s"] = round(time.monotonic() - began, 1)
+        threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()
+        procs = pids(up.pid)
+        result["engine_processes"] = len(procs["engine"])
+
+        time.sleep(5)  # past start-up's probes
+        before = {p: cpu_s(p) for ps in procs.values() for p in ps}
+        time.sleep(args.idle_seconds)
+        used = {p: cpu_s(p) - before[p] for p in before}
+        idle = {c: 100 * sum(used[p] for p in procs[c]) / args.idle_seconds for c in COMPONENTS}
+        idle["engine"] /= max(1, len(procs["engine"]))  # per engine
+        result["idle_cpu_pct"] = {c: round(v, 2) for c, v in idle.items()}
+
+        coordinator = procs["coordinator"][0]
+        start = cpu_s(coordinator)
+        load = bench(url, args.load_seconds, args.concurrency)
+        load["coordinator_cpu_ms_per_request"] = round(
+            1000 * (cpu_s(coordinator) - start) / max(1, load["ok"]), 2)
+        result["load"] = load
+
+        engines_before = pids(up.pid)["engine"]
+        victim = next(p for p in engines_before
+                      if b"--role\0decode" in Path(f"/proc/{p}/cmdline").read_bytes())
+        num_decode = decode_instances(url)
+        kill: dict = {}
+
+        def killer() -> None:
+            time.sleep(args.load_seconds / 3)
+            killed_at = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            while time.monotonic() - killed_at < 30:
+                if decode_instances(url) < num_decode:
+                    kill["unrouted_after_s"] = round(time.monotonic() - killed_at, 3)
+                    return
+                time.sleep(0.02)
+
+        thread = threading.Thread(target=killer)
+        thread.start()
+        under_kill = bench(url, args.load_seconds, args.concurrency)
+        thread.join()
+        kill.update(errors=under_kill["errors"], ok=under_kill["ok"])
+        result["kill"] = kill
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", default="8,32,100", help="engine counts, comma separated")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--idle-seconds", type=float, default=10.0)
+    parser.add_argument("--load-seconds", type=float, default=30.0)
+    parser.add_argument("--port", type=int, default=8799)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdserve-scale-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for n in (int(x) for x in args.engines.split(",")):
+        results.append(run_one(n, args, workdir))
+        print(json.dumps(results[-1]), flush=True)
+    print("\n| engines | up s | idle CPU %: coordinator / controller / nodeagent / per engine "
+          "| req/s | errors | Coordinator CPU ms/request | kill: unrouted after s | errors |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        i, load, kill = r["idle_cpu_pct"], r["load"], r["kill"]
+        print(f"| {r['engines']} | {r['up_s']} | {i['coordinator']} / {i['controller']} / "
+              f"{i['nodeagent']} / {i['engine']} | {load['req_s']} | {load['errors']} | "
+              f"{load['coordinator_cpu_ms_per_request']} | {kill.get('unrouted_after_s', 'never')} | "
+              f"{kill['errors']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
