@@ -15,13 +15,14 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def items_until_none(jobs: queue.Queue[T | None], idle_s: float,
+def items_until_none(jobs: queue.Queue[T | None], idle_s: float | Callable[[], float | None],
                      on_idle: Callable[[], None]) -> Iterator[T]:
     """The items of ``jobs`` as they come, until a ``None``; ``on_idle`` runs on this
-    thread whenever no item came for ``idle_s``. Called by the worker thread only."""
+    thread whenever no item came for ``idle_s`` (a callable: asked before each wait;
+    None waits for the next item however long). Called by the worker thread only."""
     while True:
         try:
-            item = jobs.get(timeout=idle_s)
+            item = jobs.get(timeout=idle_s() if callable(idle_s) else idle_s)
         except queue.Empty:
             on_idle()
             continue

@@ -42,6 +42,10 @@ ReplyHandler = Callable[[socket.socket, int, bytes], None]
 _SWEEP_S = 0.2
 
 
+def _nothing(link: PeerLink) -> None:
+    """A job that only wakes the sender (``reset``)."""
+
+
 class PeerLink:
     """Our connection to one peer: a sender thread running jobs, a reader thread for replies.
 
@@ -114,6 +118,7 @@ class PeerLink:
             self.sock = None
             pending, self._pending = self._pending, {}
             self._retired.append((sock, self._reader_done))
+        self._jobs.put((None, _nothing))  # the sender sweeps the retired socket soon
         wire.shutdown(sock)
         for handle, _ in pending.values():
             handle.fail(f"connection to {self.peer} lost: {reason}")
@@ -124,7 +129,7 @@ class PeerLink:
         self._jobs.put(None)
 
     def _send_loop(self) -> None:
-        for handle, job in items_until_none(self._jobs, _SWEEP_S, self._sweep):
+        for handle, job in items_until_none(self._jobs, self._sweep_wait, self._sweep):
             if handle is not None and not handle.status().is_pending:
                 continue  # timed out while queued
             self._last_job_s = time.monotonic()
@@ -144,6 +149,20 @@ class PeerLink:
         for sock, reader_done in self._retired:
             if reader_done.wait(1.0):
                 sock.close()
+
+    def _sweep_wait(self) -> float | None:
+        """How long the sender may wait for a job before ``_sweep`` has work: a batch's
+        deadline to check or a retired socket to close (``_SWEEP_S``), the open socket's
+        idle close; with none of them, until the next job. An idle link costs no wakeups:
+        an engine holds one per peer it ever reached, and a cluster's engines reach all
+        of their partners (the Coordinators' pair probes)."""
+        with self._lock:
+            if self._pending or self._retired:
+                return _SWEEP_S
+            if self.sock is None:
+                return None
+            idle_s = time.monotonic() - self._last_job_s
+        return max(_SWEEP_S, self.channel.limits.idle_timeout_s / 2 - idle_s)
 
     def _sweep(self) -> None:
         """Sender thread, between jobs: drop a stuck peer or an idle socket, close sockets
