@@ -106,6 +106,7 @@ class Mover(Rounds):
                 continue
             room = self._room(busy, now) - self._taken
             runs.sort(key=lambda r: r.progress_s())
+            moved_here = 0
             for run in runs[:busy.num_waiting - self._moved.get(engine_id, 0)]:
                 blocks = run.num_tokens() // self.block_size + 1
                 if blocks > room or not run.move():
@@ -114,9 +115,10 @@ class Mover(Rounds):
                 self._taken += blocks
                 self._moved[engine_id] = self._moved.get(engine_id, 0) + 1
                 self.metrics.moves.inc()
-                moved += 1
-            if moved:
+                moved_here += 1
+            if moved_here:
                 self.registry.mark_full(engine_id, self.stall_s)
+            moved += moved_here
         if moved:
             log.info("moved %d stalled stream(s) off busy engine(s) %s", moved,
                      ", ".join(sorted(self._moved)))

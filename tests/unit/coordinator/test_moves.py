@@ -153,3 +153,18 @@ def test_moved_streams_fit_in_the_room_left_and_a_new_view_counts_afresh():
     registry.replace([inst("d0", "decode", num_waiting=3, num_kv_blocks_used=64, num_kv_blocks_free=0),
                       inst("p0", "prefill", num_kv_blocks_used=0, num_kv_blocks_free=64)])
     assert mover.move_stalled(now) == 0  # a prefill engine streams nothing: no room
+
+
+def test_only_a_busy_engine_a_stream_moved_off_is_avoided_for_a_moment():
+    moved_off = inst("d0", "decode", num_waiting=1, num_kv_blocks_used=64, num_kv_blocks_free=0)
+    kept = inst("d1", "decode", num_waiting=1, num_kv_blocks_used=64, num_kv_blocks_free=0)
+    room = inst("d2", "decode", num_kv_blocks_used=0, num_kv_blocks_free=20)
+    mover, _ = _mover(moved_off, kept, room)
+    now = 100.0
+    # d0's stream (7 blocks) fits in the 18 blocks of room; d1's (26 blocks) does not.
+    runs = [FakeRun(moved_off, now - 3.0, tokens=100), FakeRun(kept, now - 2.0, tokens=400)]
+    mover.runs = runs  # in this order: d1 comes after a round that already moved one
+    assert mover.move_stalled(now) == 1
+    assert [r.moved for r in runs] == [True, False]
+    assert moved_off.is_full(now)
+    assert not kept.is_full(now)  # nothing moved off it: new requests may still try it
