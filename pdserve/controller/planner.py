@@ -286,8 +286,9 @@ def learn(observations, now_s: float, window_s: float) -> Model:
     t = total(observations)
     n = int(t.num_prefills)
     share = min(1.0, t.output_tokens / t.output_budget) if t.output_budget > 0 else 1.0
-    if n == 0:
-        return Model(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, span_s=t.span_s, num_steps=t.num_steps,
+    speed = t.prompt_tokens / t.prefill_busy_s if t.prefill_busy_s > 0 else 0.0
+    if n == 0:  # no prompt finished yet; a first chunk's step already tells the speed
+        return Model(0, 0.0, 0.0, 0.0, speed, 0.0, 0.0, 0.0, 0.0, span_s=t.span_s, num_steps=t.num_steps,
                      output_share=share)
     recent = total(o for o in observations if o.at_s >= now_s - window_s / 4)
     a, b = decode_line(t)
@@ -295,7 +296,7 @@ def learn(observations, now_s: float, window_s: float) -> Model:
         num_requests=n, rate=max(n / (t.span_s or window_s), recent.num_prefills / (recent.span_s or window_s / 4)),
         prompt_tokens=t.prompt_tokens / n,
         output_tokens=t.output_tokens / t.num_finished if t.num_finished else 0.0,
-        prefill_tok_s=t.prompt_tokens / t.prefill_busy_s if t.prefill_busy_s > 0 else 0.0,
+        prefill_tok_s=speed,
         prefill_queue_s=t.prefill_queue_s / n, kv_s=t.kv_s / t.num_kv if t.num_kv else 0.0,
         step_a_s=a, step_b_s=b,
         decode_batch=t.batch / t.num_steps if t.num_steps else 0.0, span_s=t.span_s, num_steps=t.num_steps,
@@ -386,7 +387,8 @@ class Planner:
         wanted, unreachable = self._wanted(model, have, measured)
         # the last quarter's own wants: a switch must agree with them (``_action``)
         recent_wanted = self._wanted(recent, have, measured, few)[0] if recent else None
-        quarter_wanted = self._wanted(quarter, have, measured, 0)[0] if model.num_requests else None
+        quarter_wanted = (self._wanted(quarter, have, measured, 0)[0]
+                          if model.num_requests or model.prefill_tok_s else None)
         pressed = self._pressed(quarter, latest if latest.num_requests >= few else None)
         action, reason = self._action(engines, model, have, pending, wanted, recent, measured, recent_wanted,
                                       pressed, quarter_wanted)
@@ -599,8 +601,8 @@ class Planner:
         engines: at the rate they grew over the last quarter; or, where the engines report
         the blocks their unfinished requests hold at their longest (``committed``, each
         stream its ``max_tokens``, scaled by ``output_share``, the share of their budget
-        the window's finished streams used), as far towards that as the same rate goes in
-        half a window, and no further. Streams that started together fill a cache over
+        the window's finished streams used), as far towards that as the same rate (or the
+        last tick's, when faster) goes in half a window, and no further. Streams that started together fill a cache over
         their outputs' length: full now is a switch too late, and what they were allowed
         says where they go before the rate has carried them there. Long prompts reserved
         at once are a step, not a rate: their streams were allowed little more. Steady
@@ -621,6 +623,10 @@ class Planner:
             rate = (used - then) / (now_s - at_s)
             projected = round(used + rate * quarter)
             if committed := sum(e.kv_blocks_committed for e in ready):
+                # streams that just started grow at once: a quarter that began before them
+                # dilutes their rate, the last tick's does not
+                if len(seen) > 2 and now_s > seen[-2][0]:
+                    rate = max(rate, (used - seen[-2][2]) / (now_s - seen[-2][0]))
                 expected = used + output_share * max(0, committed - used)
                 projected = round(max(used, min(expected, used + rate * 2 * quarter)))
         return DecodeKV(used, per_engine, is_full, projected,
