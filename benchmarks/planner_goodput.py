@@ -127,6 +127,13 @@ def _follow_planner(controller: str, security, path: Path, stop: threading.Event
             f.write(json.dumps({"t": round(time.time(), 1), "split": _split(view),
                                 "wanted": f"{p.wanted_prefill}P+{p.wanted_decode}D",
                                 "ttft_s": round(p.measured_ttft_s, 3), "tpot_s": round(p.measured_tpot_s, 3),
+                                "prefill_tok_s": round(p.prefill_tokens_per_s),
+                                # per engine: role, requests waiting, prompt tokens waiting,
+                                # KV blocks used / committed / total
+                                "engines": [f"{i.role[0]} w{i.load.num_waiting} pt{i.load.num_waiting_prompt_tokens} "
+                                            f"kv{i.load.num_kv_blocks_used}/{i.load.num_kv_blocks_committed}/"
+                                            f"{i.load.num_kv_blocks_used + i.load.num_kv_blocks_free}"
+                                            for i in view.instances],
                                 "reason": p.reason}) + "\n")
 
 

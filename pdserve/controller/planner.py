@@ -83,7 +83,8 @@ Actions, cheapest first, one at a time:
    instead of removed and started again one cooldown later.
 
 Anti-oscillation: a decision acts only after it was the same for ``stable_ticks``
-ticks in a row; after an action nothing more until ``cooldown_s`` has passed (the
+ticks in a row (a switch to a pool saturated by what it holds now, prompt tokens
+waiting at P or a full D cache, one tick fewer: each tick it waits, its queue grows); after an action nothing more until ``cooldown_s`` has passed (the
 effect is measured before the next move); what the requests measured (TTFT, TPOT, a
 full D) counts only from those seen since the last action, as does the comfort a
 scale-down needs (the window before it holds the queue the action answered); too few
@@ -353,6 +354,7 @@ class Planner:
     _backlog: int = 0     # this tick's prompt tokens waiting at the READY P engines (set by ``decide``)
     _num_prefill: int = 0  # and how many of them there are
     _surplus_since: float = math.inf  # the first of the ticks in a row that wanted one engine fewer
+    _saturated: frozenset = frozenset()  # this tick's pools saturated by what they hold now (``_pressed``)
 
     def observe(self, observation: Observation) -> None:
         self.observations.append(observation)
@@ -410,9 +412,12 @@ class Planner:
                             f"{s.scale_down_delay_s:.0f} s it must last: {reason}", model)
         if now_s - self._acted_s < s.cooldown_s:
             return Decision(wanted, have, None, f"cooling down after the last action: {reason}", model)
-        if self._last[1] < s.stable_ticks:
+        # a switch to a pool saturated now by what it holds now (prompt tokens waiting, a
+        # full cache) holds one tick fewer: every tick it waits, the queue grows
+        hold = s.stable_ticks - 1 if action.kind == "switch" and action.role in self._saturated else s.stable_ticks
+        if self._last[1] < max(1, hold):
             return Decision(wanted, have, None, f"waiting for the signal to hold "
-                            f"({self._last[1]}/{s.stable_ticks}): {reason}", model)
+                            f"({self._last[1]}/{max(1, hold)}): {reason}", model)
         if s.advisory:
             return Decision(wanted, have, None, f"advisory: would {describe(action)}: {reason}", model)
         self._acted_s = now_s
@@ -564,15 +569,18 @@ class Planner:
         breaks the TPOT target."""
         s, out = self.settings, {}
         tpot_s = s.tpot_ms / 1e3
+        self._saturated = frozenset()
         if quarter.prefill_tok_s and not self._kv.is_full:
             one_s = quarter.prompt_tokens / quarter.prefill_tok_s
             prefill = self._backlog / quarter.prefill_tok_s / max(1, self._num_prefill)  # per engine
             if self._backlog and prefill + one_s + quarter.kv_s > s.ttft_ms / 1e3:
                 out[PREFILL] = f"{self._backlog} prompt tokens waiting at P, {prefill * 1e3:.0f} ms per engine"
+                self._saturated |= {PREFILL}
             elif (self._queued + 1) * one_s + quarter.kv_s > s.ttft_ms / 1e3:
                 out[PREFILL] = f"{self._queued:.1f} prompts queued per P engine, {one_s * 1e3:.0f} ms each"
         if self._kv.is_full:
             out[DECODE] = "a D engine's cache is full"
+            self._saturated |= {DECODE}
         elif self._kv.is_full_soon:
             out[DECODE] = f"the D engines' caches full within a quarter window ({self._kv.projected} blocks)"
         elif latest and latest.measured_tpot_s > tpot_s:

@@ -530,3 +530,22 @@ def test_the_first_chunks_tell_the_prefill_speed_before_any_prompt_is_prefilled(
     planner = Planner(planner.settings)
     planner.observe(Observation(1.0, span_s=1.0))
     assert planner.decide(engines, 2.0).action is None
+
+
+def test_a_switch_to_a_pool_saturated_by_what_it_holds_now_holds_one_tick_fewer():
+    settings = PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=2, min_requests=20, max_engines=3)
+
+    def ticks_with(*used: int) -> list[Decision]:
+        planner = Planner(settings)
+        phases(planner, (940.0, 985.0, 2000, 10), (985.0, 1000.0, 100, 800))
+        return [planner.decide([Engine(f"p{i}", PREFILL, READY) for i in range(2)]
+                               + [Engine("d0", DECODE, READY, kv_blocks_used=u, kv_blocks_total=1000)], now)
+                for now, u in zip((996.0, 998.0, 1000.0), used, strict=False)]
+    # the one D cache full now: the first tick that sees it acts
+    full = ticks_with(990)
+    assert full[0].action == Action("switch", DECODE, instance_id="p0"), full[0].reason
+    # full only a quarter window on (a forecast): the signal holds the two ticks first
+    soon = ticks_with(500, 600, 700)
+    assert soon[0].action is None and "full within" not in soon[0].reason, soon[0].reason
+    assert soon[1].action is None and "waiting for the signal to hold (1/2)" in soon[1].reason, soon[1].reason
+    assert soon[2].action == Action("switch", DECODE, instance_id="p0"), soon[2].reason
