@@ -39,9 +39,9 @@ Wanted engines:
   rate under-reads the demand: when the measured TTFT (queue + prefill + kv) breaks
   the target while prompts queue at the P engines now, at least one engine more than
   runs is wanted (not while a D engine is full: it holds P's prefilled KV back, and
-  P's queue is then D's). And the prompt tokens waiting at the P engines now must be
-  prefilled within the budget: ``N >= waiting / (r * (T - kv))`` (a change to long
-  prompts waits there before any is measured);
+  P's queue is then D's). And the prompt tokens waiting at the P engines now, and one
+  prompt more, must be prefilled within the budget: ``N >= (waiting + one) / (r * (T -
+  kv))`` (a change to long prompts waits there before any is measured);
 - decode: one D engine holds at most ``B = (tpot_target - a) / b`` streams within the
   TPOT target; by Little's law ``lam * out * tpot_target`` streams are in flight, so
   ``N >= that / B``; likewise one more than runs when the measured step time at the
@@ -353,6 +353,7 @@ class Planner:
     _queued: float = 0.0  # this tick's prompts waiting per READY P engine (set by ``decide``)
     _backlog: int = 0     # this tick's prompt tokens waiting at the READY P engines (set by ``decide``)
     _num_prefill: int = 0  # and how many of them there are
+    _prompts: int = 0      # and the prompts they run or queue
     _surplus_since: float = math.inf  # the first of the ticks in a row that wanted one engine fewer
     _saturated: frozenset = frozenset()  # this tick's pools saturated by what they hold now (``_pressed``)
 
@@ -386,6 +387,7 @@ class Planner:
         prefill = [e for e in engines if e.role == PREFILL and e.state == READY]
         self._queued = sum(e.num_waiting for e in prefill) / len(prefill) if prefill else 0.0
         self._backlog, self._num_prefill = sum(e.waiting_prompt_tokens for e in prefill), len(prefill)
+        self._prompts = sum(e.num_running + e.num_waiting for e in prefill)
         wanted, unreachable = self._wanted(model, have, measured)
         # the last quarter's own wants: a switch must agree with them (``_action``)
         recent_wanted = self._wanted(recent, have, measured, few)[0] if recent else None
@@ -455,10 +457,12 @@ class Planner:
                     and self._queued >= 1 and not self._kv.is_full):
                 notes.append(f"measured TTFT {measured.measured_ttft_s * 1e3:.0f} ms over the target")
                 p = have[PREFILL] + 1
-            # the prompts waiting now must be prefilled within the target (not behind a
-            # full D, as above): a change of mix is seen here before any of them is served
+            # the prompts waiting now, and one more arriving (``_pressed``), must be
+            # prefilled within the target (not behind a full D, as above): a change of mix
+            # is seen here before any of them is served
             if self._backlog and m.prefill_tok_s and not self._kv.is_full and s.ttft_ms / 1e3 > m.kv_s:
-                p_now = math.ceil(self._backlog / (m.prefill_tok_s * (s.ttft_ms / 1e3 - m.kv_s)) - 1e-9)
+                tokens = self._backlog + (m.prompt_tokens or self._backlog / max(1, self._prompts))
+                p_now = math.ceil(tokens / (m.prefill_tok_s * (s.ttft_ms / 1e3 - m.kv_s)) - 1e-9)
                 if p_now > p:
                     notes.append(f"{self._backlog} prompt tokens waiting at P")
                     p = p_now
@@ -562,7 +566,7 @@ class Planner:
         """The pools saturated now, each with what says so: the prompt tokens waiting at
         each P engine now, then one prompt of the last quarter's, at the window's prefill
         speed (else the prompts queued, at the last quarter's prefill time each) break the
-        TTFT target (not
+        TTFT target (one prompt: before any finished, the mean of those at P now; not
         while a D engine is full: it holds P's prefilled KV back, and P's queue is then
         D's); a D engine's cache is full, or all of them will be within a quarter window,
         or the step time the last quarter's requests since the last action measured
@@ -571,7 +575,9 @@ class Planner:
         tpot_s = s.tpot_ms / 1e3
         self._saturated = frozenset()
         if quarter.prefill_tok_s and not self._kv.is_full:
-            one_s = quarter.prompt_tokens / quarter.prefill_tok_s
+            # one prompt: the last quarter's mean; before any finished, the mean of those
+            # waiting now (the first chunks' steps already told the speed)
+            one_s = (quarter.prompt_tokens or self._backlog / max(1, self._prompts)) / quarter.prefill_tok_s
             prefill = self._backlog / quarter.prefill_tok_s / max(1, self._num_prefill)  # per engine
             if self._backlog and prefill + one_s + quarter.kv_s > s.ttft_ms / 1e3:
                 out[PREFILL] = f"{self._backlog} prompt tokens waiting at P, {prefill * 1e3:.0f} ms per engine"
@@ -627,16 +633,17 @@ class Planner:
             seen.popleft()
         at_s, _, then = seen[0]
         projected = used
-        if now_s > at_s and used > then:
-            rate = (used - then) / (now_s - at_s)
-            projected = round(used + rate * quarter)
-            if committed := sum(e.kv_blocks_committed for e in ready):
-                # streams that just started grow at once: a quarter that began before them
-                # dilutes their rate, the last tick's does not
-                if len(seen) > 2 and now_s > seen[-2][0]:
-                    rate = max(rate, (used - seen[-2][2]) / (now_s - seen[-2][0]))
+        rate = (used - then) / (now_s - at_s) if now_s > at_s else 0.0
+        if committed := sum(e.kv_blocks_committed for e in ready):
+            # streams that just started grow at once: a quarter that began before them
+            # (or held the old phase's streams, ending) dilutes their rate, the last tick's does not
+            if len(seen) > 2 and now_s > seen[-2][0]:
+                rate = max(rate, (used - seen[-2][2]) / (now_s - seen[-2][0]))
+            if rate > 0:
                 expected = used + output_share * max(0, committed - used)
                 projected = round(max(used, min(expected, used + rate * 2 * quarter)))
+        elif rate > 0:
+            projected = round(used + rate * quarter)
         return DecodeKV(used, per_engine, is_full, projected,
                         bool(ready) and projected >= KV_FULL * per_engine * len(ready))
 

@@ -507,6 +507,13 @@ def test_streams_that_just_started_are_projected_at_their_last_ticks_growth_not_
                                         kv_blocks_committed=1700)], now)
     # the quarter's rate (40 blocks/s) goes to 700 in half a window; the last tick's to 1300
     assert kv.projected == 1300 and kv.is_full_soon
+    # the quarter began with the old phase's streams, which ended: it shrank over the
+    # quarter, and grows at the last tick's rate
+    planner._kv_seen.clear()
+    for now, used in ((995.0, 400), (997.0, 100), (998.0, 100), (1000.0, 300)):
+        kv = planner._decode_kv([Engine("d0", DECODE, READY, kv_blocks_used=used, kv_blocks_total=1000,
+                                        kv_blocks_committed=1700)], now)
+    assert kv.projected == 1300 and kv.is_full_soon
     # an engine that does not say what its streams were allowed: the quarter's rate only
     planner._kv_seen.clear()
     for now, used in ((995.0, 100), (997.0, 100), (998.0, 100), (1000.0, 300)):
@@ -516,16 +523,17 @@ def test_streams_that_just_started_are_projected_at_their_last_ticks_growth_not_
 
 def test_the_first_chunks_tell_the_prefill_speed_before_any_prompt_is_prefilled():
     # a fresh cluster: nothing finished yet, one step of 2048 prompt tokens took 1 s, and
-    # 6144 prompt tokens wait at the one P engine: 3 s at that speed, the target 2.5 s
+    # 4608 prompt tokens of six prompts wait at the one P engine: 2.25 s at that speed,
+    # and a new prompt (one of those, 768 tokens, 0.375 s) breaks the target of 2.5 s
     planner = Planner(PlannerSettings(ttft_ms=2500, tpot_ms=100, window_s=20, stable_ticks=1, min_requests=5,
                                       max_engines=3, max_prefill=2, max_decode=2))
     planner.observe(Observation(1.0, span_s=1.0, prompt_tokens=2048, prefill_busy_s=1.0))
-    engines = [Engine("p0", PREFILL, READY, num_running=4, num_waiting=2, waiting_prompt_tokens=6144)] + [
+    engines = [Engine("p0", PREFILL, READY, num_running=2, num_waiting=4, waiting_prompt_tokens=4608)] + [
         Engine(f"d{i}", DECODE, READY) for i in range(2)]
     d = planner.decide(engines, 2.0)
     assert d.model.prefill_tok_s == 2048 and d.model.num_requests == 0
     assert d.action == Action("switch", PREFILL, instance_id="d0"), d.reason
-    assert "6144 prompt tokens waiting at P" in d.reason
+    assert "4608 prompt tokens waiting at P, 2250 ms per engine" in d.reason
     # no step measured yet: nothing is known of the speed, and nothing moves
     planner = Planner(planner.settings)
     planner.observe(Observation(1.0, span_s=1.0))

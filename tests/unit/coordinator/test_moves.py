@@ -168,3 +168,43 @@ def test_only_a_busy_engine_a_stream_moved_off_is_avoided_for_a_moment():
     assert [r.moved for r in runs] == [True, False]
     assert moved_off.is_full(now)
     assert not kept.is_full(now)  # nothing moved off it: new requests may still try it
+
+
+def test_streams_piled_on_one_engine_half_move_to_one_that_joined_its_role_once():
+    old = inst("d0", "decode", num_running=20, num_kv_blocks_used=200, num_kv_blocks_free=824)
+    new = inst("d1", "decode", num_kv_blocks_used=0, num_kv_blocks_free=1024)
+    prefill = inst("p0", "prefill", num_kv_blocks_used=0, num_kv_blocks_free=1024)
+    mover, registry = _mover(old, new, prefill)
+    now = 100.0
+    runs = [FakeRun(old, now - 0.1, tokens=40 + i) for i in range(20)]  # streaming, none stalled
+    mover.runs.update(runs)
+    assert mover.move_stalled(now) == 0  # nothing queues
+    assert mover.balance(now) == 10
+    # the ten with the fewest tokens (the most left to run, the cheapest to recompute)
+    assert sorted(r.tokens for r in runs if r.moved) == list(range(40, 50))
+    assert old.is_full(now)  # new requests try the other engine first
+    # one balance at a time: while the moved streams have not streamed again, nothing
+    # more moves (their old engine still counts fewer: it would look balanced anyway)
+    runs.extend(FakeRun(old, now, tokens=60 + i) for i in range(8))
+    mover.runs.update(runs[20:])
+    assert mover.balance(now) == 0
+    # once they stream on d1: 18 on d0, 10 on d1: not twice as many, nothing moves
+    for r in runs[:20]:
+        if r.moved:
+            r.engine, r.moved = new, False
+    assert mover.balance(now) == 0
+
+
+def test_balance_leaves_small_differences_and_engines_with_no_room_or_a_queue():
+    def round_with(target, n: int = 12, tokens: int = 40) -> int:
+        busy = inst("d0", "decode", num_kv_blocks_used=0, num_kv_blocks_free=1024)
+        mover, _ = _mover(busy, target)
+        mover.runs.update(FakeRun(busy, 100.0, tokens=tokens) for _ in range(n))
+        return mover.balance(100.0)
+    assert round_with(inst("d1", "decode", num_kv_blocks_free=1024), n=7) == 0  # fewer than BALANCE_MIN
+    assert round_with(inst("d1", "decode", num_kv_blocks_free=1024)) == 6
+    assert round_with(inst("d1", "decode", num_waiting=1, num_kv_blocks_free=1024)) == 0  # it queues
+    assert round_with(inst("d1", "decode", draining=True, num_kv_blocks_free=1024)) == 0  # leaving
+    # 30 free, 10% of 32 kept: 27 blocks hold 3 streams of 9 (140 tokens)
+    assert round_with(inst("d1", "decode", num_kv_blocks_used=2, num_kv_blocks_free=30), tokens=140) == 3
+    assert round_with(inst("p1", "prefill", num_kv_blocks_free=1024)) == 0  # another role
