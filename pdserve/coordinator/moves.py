@@ -24,21 +24,7 @@ Algorithm, each round (every ``move_stalled_s / 2``, at most ``MAX_INTERVAL_S``)
 A slow step stalls every stream of an engine, but only one that queues is busy,
 and no more streams move than it queues.
 
-Balance, each round after the moves above: an engine that just joined a role (a
-switch, a new replica) gets no stream until one ends, while the streams that started
-before it stay where they are; on a decode engine whose step grows with the batch,
-each of them runs slower than it would with half the batch. So per role, with this
-Coordinator's own streams counted by the engine they stream from now (each
-Coordinator balances its own, and the sum of balanced shares is balanced; no report
-lag): when the most loaded engine runs at least ``BALANCE_MIN`` streams more than
-the least loaded one that takes streams (routable, queues nothing, not refused or
-failed a moment ago) and at least twice as many, half the difference moves, the
-streams with the fewest tokens first (the cheapest to recompute, the most left to
-run), as far as the target's free blocks above ``RESERVE`` go. One balance at a
-time: the next waits until every stream it moved streams again (or ended).
-
-Cost: nothing while no engine queues and no stream moves for balance; else O(runs)
-per round.
+Cost: nothing while no engine queues; else O(runs) per round.
 """
 
 from __future__ import annotations
@@ -55,7 +41,6 @@ from .rounds import Rounds
 log = logging.getLogger(__name__)
 MAX_INTERVAL_S = 0.5
 RESERVE = 0.1  # of a target's cache kept free of moved streams
-BALANCE_MIN = 8  # a smaller difference of streams between two engines is left to the router
 ROLES = ("decode", "hybrid")  # whose streams move; prefill engines stream nothing
 
 
@@ -88,7 +73,6 @@ class Mover(Rounds):
         self._version = -1  # the view the counts below are of
         self._moved: dict[str, int] = {}  # busy engine id -> streams moved off it
         self._taken = 0  # blocks of the room moved streams took
-        self._transit: set[Movable] = set()  # moved for balance, not streaming again yet
 
     @property
     def enabled(self) -> bool:
@@ -102,9 +86,7 @@ class Mover(Rounds):
         await asyncio.sleep(min(self.stall_s / 2, MAX_INTERVAL_S))
 
     async def round(self) -> None:
-        now = time.monotonic()
-        self.move_stalled(now)
-        self.balance(now)
+        self.move_stalled(time.monotonic())
 
     def move_stalled(self, now: float) -> int:
         """One round (``Algorithm`` above); returns the number of streams moved."""
@@ -142,55 +124,16 @@ class Mover(Rounds):
                      ", ".join(sorted(self._moved)))
         return moved
 
-    def balance(self, now: float) -> int:
-        """Balance (``Algorithm`` above); returns the number of streams moved."""
-        self._transit = {r for r in self._transit if r in self.runs and r.stream_engine() is None}
-        if self._transit:
-            return 0
-        streams: dict[str, list[Movable]] = {}
-        for run in self.runs:
-            engine = run.stream_engine()
-            if engine is not None and engine.role in ROLES:
-                streams.setdefault(engine.instance_id, []).append(run)
-        moved = 0
-        for role in ROLES:
-            engines = [e for e in self.registry.all() if e.role == role]
-            takers = [e for e in engines if self._takes(e, now)]
-            if len(engines) < 2 or not takers:
-                continue
-            busy = max(engines, key=lambda e: len(streams.get(e.instance_id, ())))
-            target = min(takers, key=lambda e: len(streams.get(e.instance_id, ())))
-            many, few = len(streams.get(busy.instance_id, ())), len(streams.get(target.instance_id, ()))
-            if target is busy or many - few < max(BALANCE_MIN, many - many // 2):
-                continue
-            room = self._free_above_reserve(target)
-            for run in sorted(streams[busy.instance_id], key=lambda r: r.num_tokens())[:(many - few) // 2]:
-                blocks = run.num_tokens() // self.block_size + 1
-                if blocks > room or not run.move():
-                    continue
-                room -= blocks
-                self._transit.add(run)
-                self.metrics.moves.inc()
-                moved += 1
-            if moved:
-                self.registry.mark_full(busy.instance_id, self.stall_s)
-                log.info("moved %d of %d streams off %s engine %s to balance (%s: %d)", moved, many, role,
-                         busy.instance_id, target.instance_id, few)
-        return moved
-
-    def _takes(self, e: EngineEndpoint, now: float) -> bool:
-        """Whether streams may move to ``e`` now."""
-        return e.routable and not e.num_waiting and not e.is_full(now) and e.suspect_until <= now
-
-    @staticmethod
-    def _free_above_reserve(e: EngineEndpoint) -> int:
-        total = e.num_kv_blocks_used + e.num_kv_blocks_free
-        return max(0, e.num_kv_blocks_free - int(RESERVE * total))
-
     def _queues(self, engine: EngineEndpoint) -> bool:
         return engine.num_waiting > self._moved.get(engine.instance_id, 0)
 
     def _room(self, busy: EngineEndpoint, now: float) -> int:
         """Free blocks above the reserve of the engines a stream of ``busy`` may move to."""
-        return sum(self._free_above_reserve(e) for e in self.registry.all()
-                   if e is not busy and e.role == busy.role and self._takes(e, now))
+        room = 0
+        for e in self.registry.all():
+            if (e is busy or e.role != busy.role or not e.routable or e.num_waiting
+                    or e.is_full(now) or e.suspect_until > now):
+                continue
+            total = e.num_kv_blocks_used + e.num_kv_blocks_free
+            room += max(0, e.num_kv_blocks_free - int(RESERVE * total))
+        return room
