@@ -67,7 +67,10 @@ Actions, cheapest first, one at a time:
    the TPOT target. Without it a phase change waited for the window to turn (three
    quarters of it), then for the moved engine to fill;
 1. the total is right but the split is wrong: switch one READY engine of the pool with
-   a surplus (its least busy) to the other role: no new Pod;
+   a surplus (its least busy) to the other role: no new Pod; to decode only when decode
+   measured since the last action breaks ``headroom`` of its TPOT target or its caches
+   fill (``_decode_measured_comfortable``: the step line's prediction alone made the
+   mixed phase switch back and forth);
 2. the total is short: +1 in the pool short by the larger share, unless that pool has
    a pending engine (then wait: more Pods would pend too);
 3. the total is over: -1 in the role with a surplus (once it has lasted
@@ -354,6 +357,7 @@ class Planner:
     _backlog: int = 0     # this tick's prompt tokens waiting at the READY P engines (set by ``decide``)
     _num_prefill: int = 0  # and how many of them there are
     _prompts: int = 0      # and the prompts they run or queue
+    _num_decode: int = 0   # this tick's READY D engines
     _surplus_since: float = math.inf  # the first of the ticks in a row that wanted one engine fewer
     _saturated: frozenset = frozenset()  # this tick's pools saturated by what they hold now (``_pressed``)
 
@@ -388,6 +392,7 @@ class Planner:
         self._queued = sum(e.num_waiting for e in prefill) / len(prefill) if prefill else 0.0
         self._backlog, self._num_prefill = sum(e.waiting_prompt_tokens for e in prefill), len(prefill)
         self._prompts = sum(e.num_running + e.num_waiting for e in prefill)
+        self._num_decode = sum(e.role == DECODE and e.state == READY for e in engines)
         wanted, unreachable = self._wanted(model, have, measured)
         # the last quarter's own wants: a switch must agree with them (``_action``)
         recent_wanted = self._wanted(recent, have, measured, few)[0] if recent else None
@@ -521,6 +526,9 @@ class Planner:
                 if recent_wanted and not (recent_wanted[gain] > have[gain] or recent_wanted[lose] < have[lose]):
                     return None, (f"{summary}: {lose} has a surplus and {gain} is short over the window, "
                                   f"not over its last quarter")
+                if gain == DECODE and self._decode_measured_comfortable(measured):
+                    return None, (f"{summary}: {lose} has a surplus and {gain} is short as predicted, but "
+                                  f"decode measured well within its target")
                 why = f"{summary}: {lose} has a surplus and {gain} is short"
             else:
                 continue
@@ -592,6 +600,16 @@ class Planner:
         elif latest and latest.measured_tpot_s > tpot_s:
             out[DECODE] = f"TPOT {latest.measured_tpot_s * 1e3:.0f} ms measured"
         return out
+
+    def _decode_measured_comfortable(self, measured: Model | None) -> bool:
+        """What the requests since the last action measured keeps decode under ``headroom``
+        of its TPOT target, and the D caches are not filling past ``KV_TARGET``: a switch
+        to decode that only the line of step time against batch predicts (fitted where the
+        batch barely varies, it errs towards more decode engines) would take a serving
+        prefill engine away and come back."""
+        kv = self._kv
+        filling = kv.per_engine and kv.projected > KV_TARGET * kv.per_engine * max(1, self._num_decode)
+        return measured is not None and not filling and self._measured_comfortable(measured, DECODE)
 
     def _measured_comfortable(self, measured: Model, role: str) -> bool:
         """What the requests measured stays under ``headroom`` of ``role``'s target."""

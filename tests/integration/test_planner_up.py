@@ -130,7 +130,10 @@ def test_the_planner_switches_roles_as_the_load_shifts_with_no_client_error(tmp_
         phase1_actions = view.planner.num_actions
         loads[-1].stop()
         assert roles(controller, security, {"prefill": 2, "decode": 1}) == {"prefill": 2, "decode": 1}
-        assert view.planner.measured_ttft_s > view.planner.ttft_target_s, view.planner
+        # why: the TTFT measured, or before any prompt finished, the prompts waiting at P
+        # at the speed the first chunks showed
+        assert (view.planner.measured_ttft_s > view.planner.ttft_target_s
+                or "prompt tokens waiting at P" in view.planner.reason), view.planner
 
         loads.append(Load(base, clients=8, prompt_tokens=16, max_tokens=48))
         view = wait_for_action(controller, security, "to decode", timeout_s=150)

@@ -231,9 +231,10 @@ def test_a_surplus_whose_engines_cannot_leave_is_held():
 def test_a_shift_from_long_prompts_to_long_outputs_switches_the_surplus_engine_rather_than_removing_it():
     planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=3))
 
-    def phase(start_s: float, end_s: float, prompt: int, output: int, rate: float = 1.2) -> None:
+    def phase(start_s: float, end_s: float, prompt: int, output: int, rate: float = 1.2,
+              streams: float = 8.0) -> None:
         for i in range(int((end_s - start_s) * rate)):
-            batch = 8.0 * (0.5 + i % 3 / 2)
+            batch = streams * (0.5 + i % 3 / 2)
             planner.observe(Observation.of_request(
                 at_s=start_s + (i + 0.5) / rate, prompt_tokens=prompt, output_tokens=output,
                 prefill_s=prompt / 4000, kv_s=0.02, tpot_s=0.010 + 0.001 * batch, decode_batch=batch))
@@ -249,8 +250,15 @@ def test_a_shift_from_long_prompts_to_long_outputs_switches_the_surplus_engine_r
     # the window alone fits the decode load on one engine; the last quarter does not
     recent = learn([o for o in planner.observations if o.at_s >= 985.0], 1000.0, 15.0)
     assert predicted_tpot_s(d.model, 1, 0.05) <= 0.8 * 0.05 < predicted_tpot_s(recent, 1, 0.05)
-    # once the window holds the new phase, the surplus engine changes role: one action
+    # once the window holds the new phase, the surplus engine changes role: one action;
+    # not while the one D engine measures a step well within the target (the line's
+    # prediction alone), but once it runs the phase's streams (48 in flight: 58 ms)
     phase(1000.0, 1060.0, prompt=100, output=800)
+    d = planner.decide(fleet(2, 1), 1060.0)
+    assert d.wanted == {PREFILL: 1, DECODE: 2} and d.action is None, d.reason
+    assert "decode measured well within its target" in d.reason
+    planner.observations.clear()
+    phase(1000.0, 1060.0, prompt=100, output=800, streams=48.0)
     d = planner.decide(fleet(2, 1), 1060.0)
     assert d.wanted == {PREFILL: 1, DECODE: 2} and d.action == Action("switch", DECODE, instance_id="p0"), d.reason
 
