@@ -70,7 +70,8 @@ Actions, cheapest first, one at a time:
    a surplus (its least busy) to the other role: no new Pod; to decode only when decode
    measured since the last action breaks ``headroom`` of its TPOT target or its caches
    fill (``_decode_measured_comfortable``: the step line's prediction alone made the
-   mixed phase switch back and forth);
+   mixed phase switch back and forth); never from a pool that measures over its own
+   target since the last action (``_measured_over``);
 2. the total is short: +1 in the pool short by the larger share, unless that pool has
    a pending engine (then wait: more Pods would pend too);
 3. the total is over: -1 in the role with a surplus (once it has lasted
@@ -526,6 +527,9 @@ class Planner:
                 if recent_wanted and not (recent_wanted[gain] > have[gain] or recent_wanted[lose] < have[lose]):
                     return None, (f"{summary}: {lose} has a surplus and {gain} is short over the window, "
                                   f"not over its last quarter")
+                if measured is not None and self._measured_over(measured, lose):
+                    return None, (f"{summary}: {lose} has a surplus as predicted, but measures over its "
+                                  f"target since the last action")
                 if gain == DECODE and self._decode_measured_comfortable(measured):
                     return None, (f"{summary}: {lose} has a surplus and {gain} is short as predicted, but "
                                   f"decode measured well within its target")
@@ -610,6 +614,15 @@ class Planner:
         kv = self._kv
         filling = kv.per_engine and kv.projected > KV_TARGET * kv.per_engine * max(1, self._num_decode)
         return measured is not None and not filling and self._measured_comfortable(measured, DECODE)
+
+    def _measured_over(self, measured: Model, role: str) -> bool:
+        """What the requests since the last action measured breaks ``role``'s target: a
+        pool that does is no surplus, whatever the model predicts (a host slower than
+        the one the targets were set for makes both pools short)."""
+        s = self.settings
+        if role == PREFILL:
+            return measured.measured_ttft_s > s.ttft_ms / 1e3
+        return measured.measured_tpot_s > s.tpot_ms / 1e3
 
     def _measured_comfortable(self, measured: Model, role: str) -> bool:
         """What the requests measured stays under ``headroom`` of ``role``'s target."""

@@ -565,3 +565,19 @@ def test_a_switch_to_a_pool_saturated_by_what_it_holds_now_holds_one_tick_fewer(
     assert soon[0].action is None and "full within" not in soon[0].reason, soon[0].reason
     assert soon[1].action is None and "waiting for the signal to hold (1/2)" in soon[1].reason, soon[1].reason
     assert soon[2].action == Action("switch", DECODE, instance_id="p0"), soon[2].reason
+
+
+def test_a_pool_that_measures_over_its_target_gives_no_engine_away_whatever_is_predicted():
+    # a host too slow for both targets: 3000-token prompts want 4 P engines, and decode
+    # measures 58 ms a token against 50 (batches of 24-72) so it wants 3; the budget of 3
+    # shares that as 2 P + 1 D, but decode, over its own target, is no surplus to give
+    planner = Planner(PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=1, min_requests=20, max_engines=3))
+    for i in range(60):
+        batch = 48.0 * (0.5 + i % 3 / 2)
+        planner.observe(Observation.of_request(
+            at_s=940.5 + i, prompt_tokens=3000, output_tokens=100, prefill_s=0.75, kv_s=0.02,
+            tpot_s=0.010 + 0.001 * batch, decode_batch=batch))
+    engines = [Engine("p0", PREFILL, READY)] + [Engine(f"d{i}", DECODE, READY) for i in range(2)]
+    d = planner.decide(engines, 1000.0)
+    assert d.wanted == {PREFILL: 2, DECODE: 1}, d.reason
+    assert d.action is None and "decode has a surplus as predicted, but measures over its target" in d.reason
