@@ -71,7 +71,7 @@ Actions, cheapest first, one at a time:
    measured since the last action breaks ``headroom`` of its TPOT target or its caches
    fill (``_decode_measured_comfortable``: the step line's prediction alone made the
    mixed phase switch back and forth); never from a pool that measures over its own
-   target since the last action (``_measured_over``);
+   target since the last action (``_measured_comfortable`` with a share of 1);
 2. the total is short: +1 in the pool short by the larger share, unless that pool has
    a pending engine (then wait: more Pods would pend too);
 3. the total is over: -1 in the role with a surplus (once it has lasted
@@ -88,8 +88,9 @@ Actions, cheapest first, one at a time:
 
 Anti-oscillation: a decision acts only after it was the same for ``stable_ticks``
 ticks in a row (a switch to a pool saturated by what it holds now, prompt tokens
-waiting at P or a full D cache, one tick fewer: each tick it waits, its queue grows); after an action nothing more until ``cooldown_s`` has passed (the
-effect is measured before the next move); what the requests measured (TTFT, TPOT, a
+waiting at P or a full D cache, one tick fewer: each tick it waits, its queue grows);
+after an action nothing more until ``cooldown_s`` has passed (the effect is measured
+before the next move); what the requests measured (TTFT, TPOT, a
 full D) counts only from those seen since the last action, as does the comfort a
 scale-down needs (the window before it holds the queue the action answered); too few
 requests (``min_requests``) change nothing but scale-downs of a cluster idle for a whole
@@ -358,7 +359,6 @@ class Planner:
     _backlog: int = 0     # this tick's prompt tokens waiting at the READY P engines (set by ``decide``)
     _num_prefill: int = 0  # and how many of them there are
     _prompts: int = 0      # and the prompts they run or queue
-    _num_decode: int = 0   # this tick's READY D engines
     _surplus_since: float = math.inf  # the first of the ticks in a row that wanted one engine fewer
     _saturated: frozenset = frozenset()  # this tick's pools saturated by what they hold now (``_pressed``)
 
@@ -393,7 +393,6 @@ class Planner:
         self._queued = sum(e.num_waiting for e in prefill) / len(prefill) if prefill else 0.0
         self._backlog, self._num_prefill = sum(e.waiting_prompt_tokens for e in prefill), len(prefill)
         self._prompts = sum(e.num_running + e.num_waiting for e in prefill)
-        self._num_decode = sum(e.role == DECODE and e.state == READY for e in engines)
         wanted, unreachable = self._wanted(model, have, measured)
         # the last quarter's own wants: a switch must agree with them (``_action``)
         recent_wanted = self._wanted(recent, have, measured, few)[0] if recent else None
@@ -467,7 +466,7 @@ class Planner:
             # prefilled within the target (not behind a full D, as above): a change of mix
             # is seen here before any of them is served
             if self._backlog and m.prefill_tok_s and not self._kv.is_full and s.ttft_ms / 1e3 > m.kv_s:
-                tokens = self._backlog + (m.prompt_tokens or self._backlog / max(1, self._prompts))
+                tokens = self._backlog + self._one_prompt(m)
                 p_now = math.ceil(tokens / (m.prefill_tok_s * (s.ttft_ms / 1e3 - m.kv_s)) - 1e-9)
                 if p_now > p:
                     notes.append(f"{self._backlog} prompt tokens waiting at P")
@@ -527,10 +526,10 @@ class Planner:
                 if recent_wanted and not (recent_wanted[gain] > have[gain] or recent_wanted[lose] < have[lose]):
                     return None, (f"{summary}: {lose} has a surplus and {gain} is short over the window, "
                                   f"not over its last quarter")
-                if measured is not None and self._measured_over(measured, lose):
+                if measured is not None and not self._measured_comfortable(measured, lose, 1.0):
                     return None, (f"{summary}: {lose} has a surplus as predicted, but measures over its "
                                   f"target since the last action")
-                if gain == DECODE and self._decode_measured_comfortable(measured):
+                if gain == DECODE and self._decode_measured_comfortable(measured, have[DECODE]):
                     return None, (f"{summary}: {lose} has a surplus and {gain} is short as predicted, but "
                                   f"decode measured well within its target")
                 why = f"{summary}: {lose} has a surplus and {gain} is short"
@@ -574,6 +573,11 @@ class Planner:
                     f"{summary}: the load fits on {have[role] - 1} {role} engine(s)")
         return None, f"{summary}: a surplus, but one engine fewer would come too close to the SLO"
 
+    def _one_prompt(self, m: Model) -> float:
+        """One prompt's tokens: ``m``'s mean; before any prompt finished, the mean of those
+        at the P engines now (the first chunks' steps already told the speed)."""
+        return m.prompt_tokens or self._backlog / max(1, self._prompts)
+
     def _pressed(self, quarter: Model, latest: Model | None) -> dict[str, str]:
         """The pools saturated now, each with what says so: the prompt tokens waiting at
         each P engine now, then one prompt of the last quarter's, at the window's prefill
@@ -587,9 +591,7 @@ class Planner:
         tpot_s = s.tpot_ms / 1e3
         self._saturated = frozenset()
         if quarter.prefill_tok_s and not self._kv.is_full:
-            # one prompt: the last quarter's mean; before any finished, the mean of those
-            # waiting now (the first chunks' steps already told the speed)
-            one_s = (quarter.prompt_tokens or self._backlog / max(1, self._prompts)) / quarter.prefill_tok_s
+            one_s = self._one_prompt(quarter) / quarter.prefill_tok_s
             prefill = self._backlog / quarter.prefill_tok_s / max(1, self._num_prefill)  # per engine
             if self._backlog and prefill + one_s + quarter.kv_s > s.ttft_ms / 1e3:
                 out[PREFILL] = f"{self._backlog} prompt tokens waiting at P, {prefill * 1e3:.0f} ms per engine"
@@ -605,31 +607,26 @@ class Planner:
             out[DECODE] = f"TPOT {latest.measured_tpot_s * 1e3:.0f} ms measured"
         return out
 
-    def _decode_measured_comfortable(self, measured: Model | None) -> bool:
+    def _decode_measured_comfortable(self, measured: Model | None, num_decode: int) -> bool:
         """What the requests since the last action measured keeps decode under ``headroom``
-        of its TPOT target, and the D caches are not filling past ``KV_TARGET``: a switch
-        to decode that only the line of step time against batch predicts (fitted where the
-        batch barely varies, it errs towards more decode engines) would take a serving
-        prefill engine away and come back."""
+        of its TPOT target, and the ``num_decode`` D engines' caches are not filling past
+        ``KV_TARGET``: a switch to decode that only the line of step time against batch
+        predicts (fitted where the batch barely varies, it errs towards more decode
+        engines) would take a serving prefill engine away and come back."""
         kv = self._kv
-        filling = kv.per_engine and kv.projected > KV_TARGET * kv.per_engine * max(1, self._num_decode)
+        filling = kv.per_engine and kv.projected > KV_TARGET * kv.per_engine * max(1, num_decode)
         return measured is not None and not filling and self._measured_comfortable(measured, DECODE)
 
-    def _measured_over(self, measured: Model, role: str) -> bool:
-        """What the requests since the last action measured breaks ``role``'s target: a
-        pool that does is no surplus, whatever the model predicts (a host slower than
-        the one the targets were set for makes both pools short)."""
+    def _measured_comfortable(self, measured: Model, role: str, share: float | None = None) -> bool:
+        """What the requests measured stays under ``share`` (default ``headroom``) of
+        ``role``'s target. With ``share`` 1, a pool that is not is no surplus, whatever the
+        model predicts (a host slower than the one the targets were set for makes both
+        pools short)."""
         s = self.settings
+        share = s.headroom if share is None else share
         if role == PREFILL:
-            return measured.measured_ttft_s > s.ttft_ms / 1e3
-        return measured.measured_tpot_s > s.tpot_ms / 1e3
-
-    def _measured_comfortable(self, measured: Model, role: str) -> bool:
-        """What the requests measured stays under ``headroom`` of ``role``'s target."""
-        s = self.settings
-        if role == PREFILL:
-            return measured.measured_ttft_s <= s.headroom * s.ttft_ms / 1e3
-        return measured.measured_tpot_s <= s.headroom * s.tpot_ms / 1e3
+            return measured.measured_ttft_s <= share * s.ttft_ms / 1e3
+        return measured.measured_tpot_s <= share * s.tpot_ms / 1e3
 
     def _comfortable(self, m: Model, role: str, num: int) -> bool:
         """The load predicted on ``num`` engines of ``role`` stays under ``headroom`` of its target."""
@@ -647,8 +644,8 @@ class Planner:
         the blocks their unfinished requests hold at their longest (``committed``, each
         stream its ``max_tokens``, scaled by ``output_share``, the share of their budget
         the window's finished streams used), as far towards that as the same rate (or the
-        last tick's, when faster) goes in half a window, and no further. Streams that started together fill a cache over
-        their outputs' length: full now is a switch too late, and what they were allowed
+        last tick's, when faster) goes in half a window, and no further. Streams that
+        started together fill a cache over their outputs' length: full now is a switch too late, and what they were allowed
         says where they go before the rate has carried them there. Long prompts reserved
         at once are a step, not a rate: their streams were allowed little more. Steady
         streams, some ending as others start, are allowed more than they use yet do not
