@@ -210,6 +210,12 @@ class SimulateSpec(ApiModel):
     ``decodeBaseMs + decodePerSeqMs`` per request ``+ decodePerKvTokenUs`` per token of
     context. Unset fields keep the engine's defaults (fitted on the ``small`` preset)."""
 
+    per_process: int = Field(default=1, ge=1, le=256)
+    """Simulated engines one process serves (of one pool), each still a whole engine to
+    the control plane (its own ports, server, heartbeats, KV transport); they are
+    restarted together. Applies where one NodeAgent runs several engines (``pdserve
+    up`` without the planner). A process holds about 80 MiB, and each engine it adds
+    about 0.3 MiB more while idle (docs/simulate.md)."""
     prefill_base_ms: float | None = Field(default=None, ge=0)
     prefill_per_token_ms: float | None = Field(default=None, ge=0)
     decode_base_ms: float | None = Field(default=None, ge=0)
@@ -220,7 +226,7 @@ class SimulateSpec(ApiModel):
         """The engine's command-line flags for this model (``--simulate`` first)."""
         flags = ["--simulate"]
         for name, value in self:
-            if value is not None:
+            if value is not None and name != "per_process":
                 flags += ["--sim-" + name.replace("_", "-"), f"{value:g}"]
         return flags
 

@@ -272,62 +272,79 @@ class EngineService(pb_grpc.EngineServicer):
 
 
 async def serve(
-    engine: LLMEngine, host: str, port: int, ready=None, security: SecuritySettings | None = None,
+    engines: list[LLMEngine], host: str, port: int, ready=None, security: SecuritySettings | None = None,
     metrics_port: int | None = None, metrics_ready=None, shutdown_grace_s: float = 10.0,
     session_port: int = 0,
 ) -> None:
-    """Run the server until SIGTERM or SIGINT, then shut down in order (module docstring);
-    cancelled, it skips the grace. ``ready(bound_port)`` is called once listening; with
-    ``metrics_port`` (0: a free one) Prometheus metrics are served over HTTP on ``host``
-    and ``metrics_ready(bound_port)`` is called first. The Coordinator's sessions are
-    served as frames on ``session_port`` (0: a free one) on ``host``, which Health
-    names. Main thread only (signals)."""
+    """Serve ``engines`` (one, or several simulated ones sharing this process) until SIGTERM
+    or SIGINT, then shut them all down together, in order (module docstring); cancelled,
+    it skips the grace. Each engine has servers of its own: engine ``i`` listens on
+    ``port + i`` (each on a free port when ``port`` is 0), and likewise on its session
+    port and, with ``metrics_port``, serves its Prometheus metrics over HTTP.
+    ``metrics_ready(i, port)`` and then ``ready(i, port)`` are called as each engine
+    listens, in the list's order. Main thread only (signals)."""
     security = security or SecuritySettings()
-    metrics = attach_metrics(engine)
-    loop = EngineLoop(engine)
-    loop.start()
-    metrics_runner = None
-    if metrics_port is not None:
-        try:
-            metrics_runner, bound = await start_metrics_server(loop, metrics, host, metrics_port)
-        except OSError:
-            loop.stop()
-            raise
-        if metrics_ready is not None:
-            metrics_ready(bound)
-    server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0)], interceptors=server_interceptors(security)
-    )
-    service = EngineService(loop)
-    pb_grpc.add_EngineServicer_to_server(service, server)
-    bound = add_port(server, f"{host}:{port}", security)
-    if bound == 0:
-        loop.stop()
-        raise OSError(f"cannot listen on {host}:{port}")
-    sessions = FrameSessionServer(service, security)
+    served = [ServedEngine(engine) for engine in engines]
     try:
-        service.session_port = await sessions.start(host, session_port)
-    except OSError:
-        loop.stop()
-        raise
-    stop, hurry = asyncio.Event(), asyncio.Event()
-    aio_loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aio_loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
-    await server.start()
-    if ready is not None:
-        ready(bound)
-    try:
-        await stop.wait()
-        await shut_down(loop, shutdown_grace_s, hurry)
-    finally:
-        await server.stop(grace=1.0)  # lets the last messages of ended streams go out
-        await sessions.close()
-        if metrics_runner is not None:
-            await metrics_runner.cleanup()
-        loop.stop()
+        for i, one in enumerate(served):
+            await one.start(host, port and port + i, security,
+                            None if metrics_port is None else metrics_port and metrics_port + i,
+                            session_port and session_port + i)
+            if metrics_ready is not None and one.metrics_port:
+                metrics_ready(i, one.metrics_port)
+            if ready is not None:
+                ready(i, one.port)
+        stop, hurry = asyncio.Event(), asyncio.Event()
+        aio_loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            aio_loop.remove_signal_handler(sig)
+            aio_loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
+        try:
+            await stop.wait()
+            await asyncio.gather(*(shut_down(one.loop, shutdown_grace_s, hurry) for one in served))
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                aio_loop.remove_signal_handler(sig)
+    finally:
+        await asyncio.gather(*(one.stop() for one in served))
+
+
+class ServedEngine:
+    """One engine's loop and servers (gRPC, sessions, metrics), started and stopped by
+    ``serve``. ``stop`` undoes whatever ``start`` got to, even a start that failed, and
+    closes the engine (started or not)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.metrics = attach_metrics(engine)
+        self.loop = EngineLoop(engine)
+        self.port = self.metrics_port = 0
+        self._stack = contextlib.AsyncExitStack()
+        self._stack.callback(engine.close)
+
+    async def start(self, host: str, port: int, security: SecuritySettings, metrics_port: int | None,
+                    session_port: int) -> None:
+        self._stack.pop_all()  # the loop closes the engine when it stops
+        self.loop.start()
+        self._stack.callback(self.loop.stop)  # last: closes the engine
+        if metrics_port is not None:
+            runner, self.metrics_port = await start_metrics_server(self.loop, self.metrics, host, metrics_port)
+            self._stack.push_async_callback(runner.cleanup)
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0)], interceptors=server_interceptors(security)
+        )
+        service = EngineService(self.loop)
+        pb_grpc.add_EngineServicer_to_server(service, server)
+        self.port = add_port(server, f"{host}:{port}", security)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        sessions = FrameSessionServer(service, security)
+        service.session_port = await sessions.start(host, session_port)
+        self._stack.push_async_callback(sessions.close)
+        await server.start()
+        # First on the way out; its grace lets the last messages of ended streams go out.
+        self._stack.push_async_callback(server.stop, 1.0)
+
+    async def stop(self) -> None:
+        await self._stack.aclose()
 
 
 async def shut_down(loop: EngineLoop, grace_s: float, hurry: asyncio.Event) -> None:

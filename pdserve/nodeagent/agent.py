@@ -2,7 +2,9 @@
 Controller and executes its commands.
 
 Owns one ``SupervisedEngine`` per instance (its ``EngineProcess`` and probe
-state), the Controller channel, and the command tasks. Loops: one supervisor
+state), the Controller channel, and the command tasks. Simulated instances that share
+one ``EmbeddedLaunch`` share one process (``pdserve engine --roles``, in their order:
+``SupervisedEngine.index``); a restart or a relaunch of one of them is one of all. Loops: one supervisor
 per engine, one probe loop per engine, one heartbeat loop (every interval, and
 at once when an engine's process state changes, so a death is reported without
 waiting).
@@ -49,8 +51,9 @@ class SupervisedEngine:
     role: str
     argv: list[str]                    # the embedded engine's (unless ``launch`` says otherwise)
     cpus: tuple[int, ...] = ()         # cores the engine is pinned to; () = not pinned
-    launch: EmbeddedLaunch | VllmLaunch | None = None  # None: EmbeddedLaunch(argv)
+    launch: EmbeddedLaunch | VllmLaunch | None = None  # None: EmbeddedLaunch(argv); shared: one process
     process: EngineProcess | None = None
+    index: int = 0                     # which engine of its process it is
     health: object | None = None       # last engine HealthResponse
     load: pb.InstanceLoad = field(default_factory=pb.InstanceLoad)
     num_probe_ok: int = 0              # successes since the last launch
@@ -58,6 +61,12 @@ class SupervisedEngine:
     is_busy: bool = False              # a command is running
     last_error: str = ""
     _totals: tuple[float, int, int] | None = None
+
+    @property
+    def address(self) -> str:
+        """The engine's address once its process printed it, else ""."""
+        addresses = self.process.addresses
+        return addresses[self.index] if self.index < len(addresses) else ""
 
     @property
     def probe_ok(self) -> bool:
@@ -73,7 +82,7 @@ class SupervisedEngine:
         state = "draining" if self.is_busy and p.state == "running" else p.state
         return pb.InstanceReport(
             instance_id=self.instance_id, role=self.role, process_state=state,
-            engine_address=p.address, kv_endpoint=h.kv_endpoint if h else "",
+            engine_address=self.address, kv_endpoint=h.kv_endpoint if h else "",
             kv_transport=h.kv_transport if h else "", kv_compat_hash=h.kv_compat_hash if h else "",
             model=h.model if h else "", load=self.load, num_restarts=p.num_restarts,
             probe_ok=self.probe_ok, last_error=self.last_error or p.last_exit, pool=self.pool,
@@ -102,13 +111,20 @@ class Agent:
         self._tasks: list[asyncio.Task] = []
         self.num_heartbeats_failed = 0
         self.last_heartbeat_ok_s: float | None = None
+        self.processes: list[EngineProcess] = []
         for inst in instances:
             if inst.launch is None:
                 inst.launch = EmbeddedLaunch(inst.argv)
-            inst.process = EngineProcess(inst.instance_id, lambda i=inst: i.launch.command(i.role),
-                                         settings.backoff, self._on_process_change,
-                                         echo=settings.echo_engine_output, cpus=inst.cpus,
-                                         serving_address=inst.launch.serving_address)
+        for members in _by_launch(instances):
+            first = members[0]
+            name = first.instance_id + (f"..{members[-1].instance_id}" if len(members) > 1 else "")
+            process = EngineProcess(name, _command(members), settings.backoff, self._on_process_change,
+                                    echo=settings.echo_engine_output,
+                                    cpus=tuple(sorted({c for i in members for c in i.cpus})),
+                                    serving_address=first.launch.serving_address, num_engines=len(members))
+            self.processes.append(process)
+            for index, inst in enumerate(members):
+                inst.process, inst.index = process, index
 
     def _on_process_change(self) -> None:
         for inst in self.instances.values():
@@ -120,9 +136,8 @@ class Agent:
 
     async def start(self) -> None:
         """Called by the CLI: launch every engine and start the loops."""
-        for inst in self.instances.values():
-            self._tasks += [asyncio.create_task(inst.process.supervise()),
-                            asyncio.create_task(self._probe_loop(inst))]
+        self._tasks += [asyncio.create_task(p.supervise()) for p in self.processes]
+        self._tasks += [asyncio.create_task(self._probe_loop(i)) for i in self.instances.values()]
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
 
     async def stop(self) -> None:
@@ -130,7 +145,7 @@ class Agent:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(i.process.stop() for i in self.instances.values()))
+        await asyncio.gather(*(p.stop() for p in self.processes))
         if self._channel is not None:
             await self._channel.close()
 
@@ -139,13 +154,12 @@ class Agent:
         prober, address = None, ""
         while True:
             await asyncio.sleep(self.settings.interval_s)
-            p = inst.process
-            if p.state != "running" or not p.address:
+            if inst.process.state != "running" or not inst.address:
                 continue
-            if prober is None or address != p.address:
+            if prober is None or address != inst.address:
                 if prober is not None:
                     await prober.close()
-                prober, address = inst.launch.prober(p.address, self.security), p.address
+                prober, address = inst.launch.prober(inst.address, self.security), inst.address
             try:
                 inst.health = await prober.health(self.settings.probe_timeout_s)
                 stats = await prober.stats(self.settings.probe_timeout_s)
@@ -235,8 +249,8 @@ class Agent:
                 inst.process.kill()
             elif not inst.launch.has_control:
                 self._without_control(inst, cmd)
-            elif inst.process.address:
-                async with EngineClient(inst.process.address, self.security) as client:
+            elif inst.address:
+                async with EngineClient(inst.address, self.security) as client:
                     if cmd.kind == "drain":
                         await client.drain()
                     elif cmd.kind == "switch_role":
@@ -255,12 +269,12 @@ class Agent:
         if cmd.kind != "switch_role":
             return
         inst.role = cmd.role
-        address = inst.launch.address_in_role(cmd.role) if inst.process.address else None
+        address = inst.launch.address_in_role(cmd.role) if inst.address else None
         if address is None:
             log.info("%s: relaunching as %s (the engine cannot switch in place)", inst.instance_id, cmd.role)
             inst.process.kill()
             return
-        inst.process.address = address  # the next probe reads the engine at it
+        inst.process.addresses = [address]  # the next probe reads the engine at it
         log.info("%s: now %s", inst.instance_id, cmd.role)
 
     async def _switch_role(self, inst: SupervisedEngine, client: EngineClient, role: str, deadline_s: float) -> None:
@@ -286,3 +300,20 @@ class Agent:
         inst.role = role
         inst.health = await client.health(self.settings.probe_timeout_s)
         log.info("%s: now %s", inst.instance_id, role)
+
+
+def _command(members: list[SupervisedEngine]):
+    """What launching the members' shared process runs: one engine in its role, or one
+    simulated engine per member, in each one's role (a switch may have changed it)."""
+    launch = members[0].launch
+    if len(members) == 1:
+        return lambda: launch.command(members[0].role)
+    return lambda: launch.shared_command([i.role for i in members])
+
+
+def _by_launch(instances: list[SupervisedEngine]) -> list[list[SupervisedEngine]]:
+    """The instances grouped by the process they share (their launch), in order."""
+    groups: dict[int, list[SupervisedEngine]] = {}
+    for inst in instances:
+        groups.setdefault(id(inst.launch), []).append(inst)
+    return list(groups.values())

@@ -9,6 +9,8 @@ The ROLE of ``--instance`` is the pool the instance belongs to (its settings app
 and the role it starts in. ``--pin-cpus`` (local mode: ``pdserve up``) pins each
 engine to its cores under the pool's ``cpuAffinity`` rule, which needs instance
 ids named ``<cluster>-<pool>-<ordinal>``; without it ``cpuAffinity`` is ignored.
+Simulated engines (``spec.engine.simulate``) of one pool share processes,
+``perProcess`` engines each (``share_processes``).
 Its HTTP endpoints listen on 127.0.0.1 unless ``--host`` says otherwise (the
 operator passes 0.0.0.0 for the kubelet's probes); the engines inherit the
 environment, cluster token included.
@@ -28,7 +30,7 @@ from pdserve.api.manifest import default_cluster
 from pdserve.nodeagent.agent import Agent, AgentSettings, SupervisedEngine
 from pdserve.nodeagent.engine_args import build_engine_argv
 from pdserve.nodeagent.http import create_http_app
-from pdserve.nodeagent.launch import VllmLaunch
+from pdserve.nodeagent.launch import EmbeddedLaunch, VllmLaunch
 from pdserve.nodeagent.process import Backoff
 from pdserve.runtime.http import run_component
 from pdserve.runtime.logs import configure_logging
@@ -106,6 +108,18 @@ def instance(cluster: PDCluster, instance_id: str, pool: Pool, args: argparse.Na
                             cpus=cpus)
 
 
+def share_processes(instances: list[SupervisedEngine], per_process: int) -> None:
+    """Give the instances of each pool, in order, one launch (so one process) per
+    ``per_process`` of them; an instance of another pool starts a new process."""
+    shared: EmbeddedLaunch | None = None
+    num_in_shared = 0
+    for i, inst in enumerate(instances):
+        if shared is None or num_in_shared == per_process or inst.pool != instances[i - 1].pool:
+            shared, num_in_shared = EmbeddedLaunch(inst.argv), 0
+        inst.launch = shared
+        num_in_shared += 1
+
+
 async def serve(args: argparse.Namespace) -> int:
     cluster = PDCluster.from_file(args.cluster_file) if args.cluster_file else default_cluster()
     settings = AgentSettings(
@@ -114,6 +128,8 @@ async def serve(args: argparse.Namespace) -> int:
         probe_timeout_s=args.probe_timeout, echo_engine_output=not args.quiet_engines,
         backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after))
     instances = [instance(cluster, iid, pool, args) for iid, pool in map(parse_instance, args.instance)]
+    if cluster.spec.engine.simulate is not None:
+        share_processes(instances, cluster.spec.engine.simulate.per_process)
     agent = Agent(settings, instances, SecuritySettings.from_env())
     return await run_component(
         agent, create_http_app(agent), args.host, args.http_port,

@@ -9,6 +9,8 @@ address of the running engine (``address_in_role``) or a relaunch.
 
 - ``EmbeddedLaunch``: ``pdserve engine`` on a free port (``--port 0``); it prints
   "serving model ... on HOST:PORT", its gRPC address; probes and commands are gRPC.
+  Shared by several simulated instances, one process serves them all
+  (``shared_command``: ``--roles``), one such line each.
 - ``VllmLaunch``: vLLM's OpenAI server (``vllm_args``) on ports the agent picks at
   each launch (HTTP, the KV connector's side channel, its prefix-cache events); it
   serves once uvicorn says so; its address is
@@ -91,6 +93,10 @@ class EmbeddedLaunch:
 
     def command(self, role: str) -> tuple[list[str], dict[str, str]]:
         return with_role(self.argv, role), {}
+
+    def shared_command(self, roles: list[str]) -> tuple[list[str], dict[str, str]]:
+        """Several simulated engines in one process, one per role, in this order."""
+        return [*self.argv, "--roles", ",".join(roles)], {}
 
     @staticmethod
     def serving_address(line: str) -> str | None:

@@ -1,8 +1,11 @@
 """Supervision of one engine process: launch, read its address, restart with backoff.
 
-Owned by the NodeAgent, one per instance. The engine runs in the agent's process
-group (and dies with the agent: PR_SET_PDEATHSIG), so stopping the agent's group
-stops its engines. With ``cpus`` the engine is pinned to those cores
+Owned by the NodeAgent, one per instance, or one per group of simulated instances that
+share a process (``num_engines`` of them, ``pdserve engine --roles``: the process prints
+one serving line per engine, in the order of its roles, and is running once all did;
+``addresses`` lists them in that order). Such a group lives, dies and restarts
+together. The engine runs in the agent's process group (and dies with the agent:
+PR_SET_PDEATHSIG), so stopping the agent's group stops its engines. With ``cpus`` the engine is pinned to those cores
 (``sched_setaffinity`` in the child, before it runs a line of Python). States:
 ``starting`` (launched, address not printed yet), ``running``, ``exited`` (just
 died), ``restarting`` (waiting out the backoff).
@@ -110,16 +113,19 @@ class EngineProcess:
     def __init__(self, instance_id: str, command: Callable[[], tuple[list[str], dict[str, str]]],
                  backoff: Backoff, on_change: Callable[[], None], echo: bool = True,
                  cpus: tuple[int, ...] = (),
-                 serving_address: Callable[[str], str | None] = EmbeddedLaunch.serving_address) -> None:
+                 serving_address: Callable[[str], str | None] = EmbeddedLaunch.serving_address,
+                 num_engines: int = 1) -> None:
         """``command()`` is called at each launch (the role may have changed): the argv,
         and what the engine's environment adds to the agent's. ``serving_address(line)``
-        reads each output line: the engine's address once it serves, else None."""
+        reads each output line: an engine's address once it serves, else None; the process
+        serves ``num_engines`` engines."""
         self.instance_id, self._command, self.backoff = instance_id, command, backoff
         self._serving_address = serving_address
         self.cpus = tuple(cpus)
         self._on_change, self._echo = on_change, echo
+        self.num_engines = num_engines
         self.state = "starting"
-        self.address = ""
+        self.addresses: list[str] = []          # of the engines serving, in the process's order
         self.pid: int | None = None
         self.num_restarts = 0
         self.last_exit = ""                    # "engine exited with code N: <error line>"
@@ -146,7 +152,7 @@ class EngineProcess:
         num_short_runs = 0
         while not self._stopping:
             started = time.monotonic()
-            self.address = ""
+            self.addresses = []
             self._tail.clear()
             self._set("starting")
             argv, env = self._command()
@@ -161,7 +167,7 @@ class EngineProcess:
             self._clean_up(self._proc.pid)
             if self._stopping:
                 break
-            self._record_exit(code, was_serving=bool(self.address))
+            self._record_exit(code, was_serving=bool(self.addresses))
             log.warning("%s: %s", self.instance_id, self.last_exit)
             self._set("exited")
             ran_s = time.monotonic() - started
@@ -197,13 +203,20 @@ class EngineProcess:
             self._tail.append(line)
             if self._echo:
                 print(f"[{self.instance_id}] {line}", flush=True)
-            if not self.address and (address := self._serving_address(line)):
-                self.address = address
-                self.num_same_start_failures, self._failure_key = 0, None
-                self._set("running")
+            if len(self.addresses) < self.num_engines and (address := self._serving_address(line)):
+                self.addresses.append(address)
+                if len(self.addresses) == self.num_engines:
+                    self.num_same_start_failures, self._failure_key = 0, None
+                    self._set("running")
+
+    @property
+    def address(self) -> str:
+        """The (first) engine's address while it serves, else ""."""
+        return self.addresses[0] if self.addresses else ""
 
     def kill(self) -> None:
-        """Called for a Controller ``restart`` command: kill now, relaunch without backoff."""
+        """Called for a Controller ``restart`` command: kill now, relaunch without backoff
+        (every engine of the process)."""
         self._skip_backoff.set()
         if self._proc is not None and self._proc.returncode is None:
             self._proc.kill()

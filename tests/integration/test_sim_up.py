@@ -1,13 +1,17 @@
 """``pdserve up`` with simulated engines (``spec.engine.simulate``): two prefill and two
 decode engines without weights serve chat completions, plain and streamed, through the
 Coordinator; every request crossed from a prefill engine into a decode engine over the
-real KV handshake and transfer; no engine process loaded torch."""
+real KV handshake and transfer; no engine process loaded torch. With ``perProcess``,
+several engines share a process, each still its own engine to the Controller and
+Coordinator; a killed process's engines are routed around, then restarted together."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -95,6 +99,61 @@ def test_up_serves_through_simulated_prefill_and_decode_engines(tmp_path):
         for pid in pids:
             assert b"--simulate" in Path(f"/proc/{pid}/cmdline").read_bytes()
             assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
+
+        up.signal(signal.SIGINT)
+        assert up.popen.wait(30) == 0
+    finally:
+        up.stop()
+    assert not any(is_group_alive(g) for g in groups.values())
+    assert "Traceback" not in up.output + logs_of(run_dir)
+
+
+def num_routed(base: str, role: str) -> int:
+    """Engines of ``role`` the Coordinator routes to now."""
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    m = re.search(rf'pdserve_coordinator_instances{{role="{role}"}} (\S+)', text)
+    return int(float(m.group(1))) if m else -1
+
+
+def until(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until ``predicate()`` held (polled); fails after ``timeout_s``."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def test_engines_sharing_processes_serve_and_a_killed_process_is_routed_around(tmp_path):
+    spec = write_yaml(tmp_path / "cluster.yaml", {
+        "model": {"preset": "small", "servedName": "sim"},
+        "engine": {"kvCacheBytes": "64Mi", "simulate": {"perProcess": 2, "prefillPerTokenMs": 0.1}},
+        "prefill": {"replicas": 2, "threads": 1}, "decode": {"replicas": 4, "threads": 1},
+        "routing": {"localPrefillMaxTokens": 0, "loadAwareLocalPrefill": False}}, name="simpp")
+    port, run_dir = free_port(), tmp_path / "run"
+    up = Proc([*PDSERVE, "up", "-f", str(spec), "--port", str(port), "--run-dir", str(run_dir)])
+    try:
+        up.wait_for(r"pdserve is up", timeout_s=120)
+        base = f"http://127.0.0.1:{port}"
+        groups = json.loads((run_dir / "processes.json").read_text())["groups"]
+        roles_of = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    for pid in engine_pids(groups["nodeagent"])}
+        roles_of = {pid: argv[argv.index(b"--roles") + 1].decode() for pid, argv in roles_of.items()}
+        assert sorted(roles_of.values()) == ["decode,decode", "decode,decode", "prefill,prefill"]
+        stats = engine_stats(run_dir)  # six engines, each its own server
+        assert {role: len(s) for role, s in stats.items()} == {"prefill": 2, "decode": 4}
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda i: chat(base, i), range(NUM_REQUESTS))) == [SIM_TEXT[:10]] * NUM_REQUESTS
+        assert sum(s.kv_transfers_ok for s in engine_stats(run_dir)["decode"]) == NUM_REQUESTS
+
+        victim = next(pid for pid, roles in roles_of.items() if roles == "decode,decode")
+        os.kill(victim, signal.SIGKILL)
+        until(lambda: num_routed(base, "decode") == 2, 10, "the killed process's two engines unrouted")
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda i: chat(base, i), range(NUM_REQUESTS))) == [SIM_TEXT[:10]] * NUM_REQUESTS
+        until(lambda: num_routed(base, "decode") == 4, 30, "both engines back after one restart")
+        restarted = set(engine_pids(groups["nodeagent"])) - set(roles_of)
+        assert len(restarted) == 1, restarted  # one process for the two
 
         up.signal(signal.SIGINT)
         assert up.popen.wait(30) == 0

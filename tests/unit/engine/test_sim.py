@@ -12,7 +12,7 @@ import pytest
 from pdserve.api.sampling import SamplingParams
 from pdserve.engine.admission import EngineInputError
 from pdserve.engine.cli_args import engine_config_from_args
-from pdserve.engine.cli_serve import add_arguments
+from pdserve.engine.cli_serve import add_arguments, engine_configs
 from pdserve.engine.config import ConfigError, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sim import SIM_TEXT, SimTiming
@@ -101,6 +101,23 @@ def test_the_flags_set_the_model():
         ["--simulate", "--sim-prefill-per-token-ms", "0.25", "--sim-decode-per-kv-token-us", "1"]))
     assert config.simulate == SimTiming(prefill_per_token_s=0.00025, decode_per_kv_token_s=1e-6)
     assert engine_config_from_args(parser.parse_args([])).simulate is None
+
+
+def test_roles_make_one_simulated_engine_each_on_ports_of_its_own():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    configs = engine_configs(parser.parse_args(["--simulate", "--roles", "prefill,decode,decode"]))
+    assert [c.role for c in configs] == ["prefill", "decode", "decode"]
+    assert {c.kv_port for c in configs} == {0}  # each a free one
+    configs = engine_configs(parser.parse_args(["--simulate", "--roles", "decode,decode", "--kv-port", "7000"]))
+    assert [c.kv_port for c in configs] == [7000, 7001]
+    assert len(engine_configs(parser.parse_args(["--simulate"]))) == 1
+    with pytest.raises(ConfigError, match="only simulated engines"):
+        engine_configs(parser.parse_args(["--roles", "prefill,decode"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--simulate", "--roles", "prefill,nosuch"])
 
 
 def test_a_simulated_engine_and_its_server_never_import_torch():

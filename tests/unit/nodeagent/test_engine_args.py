@@ -1,5 +1,6 @@
 """The engine command line follows the cluster spec and the instance's pool; engines are
-pinned to their pool's cores; restarts back off and reset."""
+pinned to their pool's cores; restarts back off and reset; simulated engines of a pool
+share processes, each still reported as its own engine."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 
 from pdserve.api import PDCluster, parse_manifest
 from pdserve.api.manifest import default_cluster
-from pdserve.nodeagent.cli import engine_cpus
+from pdserve.nodeagent.agent import Agent, AgentSettings, SupervisedEngine
+from pdserve.nodeagent.cli import engine_cpus, share_processes
 from pdserve.nodeagent.engine_args import build_engine_argv, with_role
 from pdserve.nodeagent.process import Backoff, EngineProcess
+from pdserve.runtime.security import SecuritySettings
 
 
 def test_argv_from_the_default_cluster():
@@ -100,6 +103,32 @@ def test_a_simulate_block_runs_simulated_engines_with_the_fields_it_sets():
     argv = build_engine_argv(cluster({"engine": {"simulate": {"prefillPerTokenMs": 0.25}}}), "decode")
     assert "--simulate" in argv and flag(argv, "--sim-prefill-per-token-ms") == "0.25"
     assert "--sim-decode-base-ms" not in argv  # unset: the engine's default
+    shared = build_engine_argv(cluster({"engine": {"simulate": {"perProcess": 4}}}), "decode")
+    assert "--simulate" in shared and not any("per-process" in a for a in shared)  # the agent's, not the engine's
     assert "--simulate" not in build_engine_argv(cluster({}), "decode")
     with pytest.raises(ValueError, match="simulated engines are embedded engines that move KV over tcp"):
         cluster({"engine": {"simulate": {}}, "kvTransfer": {"transport": "shm"}})
+
+
+def test_simulated_engines_of_a_pool_share_processes_in_their_current_roles():
+    c = parse_manifest({"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster", "metadata": {"name": "c"},
+                        "spec": {"model": {"preset": "small"}, "engine": {"simulate": {"perProcess": 3}},
+                                 "prefill": {"replicas": 2}, "decode": {"replicas": 4}}})
+    instances = [SupervisedEngine(f"c-{pool}-{i}", pool, pool, build_engine_argv(c, pool))
+                 for pool, n in (("prefill", 2), ("decode", 4)) for i in range(n)]
+    share_processes(instances, c.spec.engine.simulate.per_process)
+    agent = Agent(AgentSettings(), instances, SecuritySettings())
+    # a pool never shares a process with another; each process holds at most perProcess
+    assert [p.num_engines for p in agent.processes] == [2, 3, 1]
+    assert [i.index for i in instances] == [0, 1, 0, 1, 2, 0]
+    assert agent.processes[1].instance_id == "c-decode-0..c-decode-2"
+    argvs = [p._command()[0] for p in agent.processes]
+    assert [flag(a, "--roles") for a in argvs] == ["prefill,prefill", "decode,decode,decode", None]
+    assert flag(argvs[2], "--role") == "decode"  # alone: a plain engine
+
+    instances[3].role = "prefill"  # switched in place: a relaunch starts it in its new role
+    assert flag(agent.processes[1]._command()[0], "--roles") == "decode,prefill,decode"
+    shared = agent.processes[1]
+    shared.addresses, shared.state = ["h:1", "h:2", "h:3"], "running"
+    assert [i.report().engine_address for i in instances[2:5]] == ["h:1", "h:2", "h:3"]
+    assert [i.report().engine_address for i in instances[:2]] == ["", ""]  # not serving yet

@@ -99,6 +99,24 @@ async def test_a_dead_engines_shared_memory_is_removed_before_the_relaunch_and_a
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"pdserve-kv-{second}-")]
 
 
+@pytest.mark.asyncio
+async def test_a_process_of_several_engines_runs_once_each_printed_its_address():
+    script = ("import time; print('pdserve engine 0 (decode) serving model x on 127.0.0.1:1', flush=True); "
+              "time.sleep(0.5); print('pdserve engine 1 (decode) serving model x on 127.0.0.1:2', flush=True); "
+              "time.sleep(30)")
+    proc = EngineProcess("e0..e1", lambda: ([sys.executable, "-c", script], {}), FAST, lambda: None,
+                         echo=False, num_engines=2)
+    task = asyncio.create_task(proc.supervise())
+    try:
+        await until(lambda: proc.addresses == ["127.0.0.1:1"], proc=proc)
+        assert proc.state == "starting"  # one of two engines serves
+        await until(lambda: proc.state == "running", proc=proc)
+        assert proc.addresses == ["127.0.0.1:1", "127.0.0.1:2"]
+    finally:
+        await proc.stop()
+        await asyncio.wait_for(task, 10)
+
+
 def test_the_excerpt_is_the_last_traceback_or_the_last_error_line():
     traceback = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
                  "ValueError: bad block size"]
