@@ -2,21 +2,27 @@
 
 A ``pdserve up -f`` cluster of N simulated engines (``spec.engine.simulate``: the real
 server, scheduler, KV handshake and heartbeats, the model's time slept; half prefill,
-half decode) with its Controller, NodeAgent and one Coordinator. For each N:
+half decode) with its Controller, NodeAgent and one Coordinator; ``--per-process K``
+serves K engines of a pool per process (``simulate.perProcess``). For each N:
 
-- up: seconds from ``pdserve up`` to "pdserve is up";
+- up: seconds from ``pdserve up`` to "pdserve is up", and to the Coordinator's /ready;
+- memory: resident MiB of each component once up, the engines' per engine (all engine
+  processes together over N);
 - idle: CPU (% of one core) of each component over ``--idle-seconds`` with no traffic,
   the engines' as their mean;
 - load: ``pdserve bench`` closed loop (``--concurrency`` streams of 256 -> 32 tokens) for
   ``--load-seconds``: requests/s, errors, the Coordinator's CPU milliseconds per request;
-- kill: one decode engine SIGKILLed under the same load: seconds until the
-  Coordinator's view drops it (``pdserve_coordinator_instances{role="decode"}`` one
-  lower: no request is routed to it from then on), and the client errors meanwhile.
+- kill: one decode engine process (with ``--per-process`` K its K engines) SIGKILLed
+  under the same load: seconds until the Coordinator's view drops its engines
+  (``pdserve_coordinator_instances{role="decode"}`` that much lower: no request is
+  routed to them from then on), and the client errors meanwhile.
 
 The load client runs on the same cores as the cluster: figures are for comparing N
 with N, not absolutes.
 
 Rerun: .venv/bin/python benchmarks/sim_scale.py --engines 8,32,100 --json scale.json
+  (one engine per process), or with shared processes:
+  .venv/bin/python benchmarks/sim_scale.py --engines 100,300 --per-process 10 --json scale.json
 """
 
 from __future__ import annotations
@@ -38,14 +44,15 @@ import yaml
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 TICK_S = os.sysconf("SC_CLK_TCK")
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 COMPONENTS = ("coordinator", "controller", "nodeagent", "engine")
 
 
-def spec(num_engines: int) -> dict:
+def spec(num_engines: int, per_process: int) -> dict:
     half = num_engines // 2
     return {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster", "metadata": {"name": "scale"},
             "spec": {"model": {"preset": "small", "servedName": "sim"},
-                     "engine": {"kvCacheBytes": "64Mi", "simulate": {}},
+                     "engine": {"kvCacheBytes": "64Mi", "simulate": {"perProcess": per_process}},
                      "prefill": {"replicas": num_engines - half, "threads": 1},
                      "decode": {"replicas": half, "threads": 1}}}
 
@@ -83,6 +90,19 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK_S
 
 
+def rss_mib(pid: int) -> float:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE_BYTES / 2**20
+    except OSError:
+        return 0.0
+
+
+def num_engines_in(pid: int) -> int:
+    """Engines one engine process serves (``--roles``: one per role listed)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return argv[argv.index(b"--roles") + 1].count(b",") + 1 if b"--roles" in argv else 1
+
+
 def decode_instances(url: str) -> int:
     text = httpx.get(url + "/metrics", timeout=5).text
     m = re.search(r'pdserve_coordinator_instances\{role="decode"\} (\S+)', text)
@@ -103,13 +123,13 @@ def bench(url: str, seconds: float, concurrency: int) -> dict:
 
 def run_one(n: int, args, workdir: Path) -> dict:
     spec_file, run_dir = workdir / f"scale-{n}.yaml", workdir / f"run-{n}"
-    spec_file.write_text(yaml.safe_dump(spec(n)))
+    spec_file.write_text(yaml.safe_dump(spec(n, args.per_process)))
     url = f"http://127.0.0.1:{args.port}"
     began = time.monotonic()
     up = subprocess.Popen([*PDSERVE, "up", "-f", str(spec_file), "--port", str(args.port),
                            "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
-    result: dict = {"engines": n}
+    result: dict = {"engines": n, "per_process": args.per_process}
     try:
         for line in up.stdout:
             if "pdserve is up" in line:
@@ -117,16 +137,22 @@ def run_one(n: int, args, workdir: Path) -> dict:
         else:
             raise RuntimeError(f"{n} engines: pdserve up ended before it was up")
         result["up_s"] = round(time.monotonic() - began, 1)
+        while httpx.get(url + "/ready", timeout=30).status_code != 200:  # a pair's KV path answered
+            time.sleep(0.1)
+        result["ready_s"] = round(time.monotonic() - began, 1)
         threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()
         procs = pids(up.pid)
         result["engine_processes"] = len(procs["engine"])
 
         time.sleep(5)  # past start-up's probes
+        rss = {c: sum(map(rss_mib, procs[c])) for c in COMPONENTS}
+        rss["engine"] /= n  # per engine
+        result["rss_mib"] = {c: round(v, 2) for c, v in rss.items()}
         before = {p: cpu_s(p) for ps in procs.values() for p in ps}
         time.sleep(args.idle_seconds)
         used = {p: cpu_s(p) - before[p] for p in before}
         idle = {c: 100 * sum(used[p] for p in procs[c]) / args.idle_seconds for c in COMPONENTS}
-        idle["engine"] /= max(1, len(procs["engine"]))  # per engine
+        idle["engine"] /= n  # per engine
         result["idle_cpu_pct"] = {c: round(v, 2) for c, v in idle.items()}
 
         coordinator = procs["coordinator"][0]
@@ -139,15 +165,15 @@ def run_one(n: int, args, workdir: Path) -> dict:
         engines_before = pids(up.pid)["engine"]
         victim = next(p for p in engines_before
                       if b"--role\0decode" in Path(f"/proc/{p}/cmdline").read_bytes())
-        num_decode = decode_instances(url)
-        kill: dict = {}
+        num_decode, num_killed = decode_instances(url), num_engines_in(victim)
+        kill: dict = {"engines": num_killed}
 
         def killer() -> None:
             time.sleep(args.load_seconds / 3)
             killed_at = time.monotonic()
             os.kill(victim, signal.SIGKILL)
             while time.monotonic() - killed_at < 30:
-                if decode_instances(url) < num_decode:
+                if decode_instances(url) <= num_decode - num_killed:
                     kill["unrouted_after_s"] = round(time.monotonic() - killed_at, 3)
                     return
                 time.sleep(0.02)
@@ -170,6 +196,8 @@ def run_one(n: int, args, workdir: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engines", default="8,32,100", help="engine counts, comma separated")
+    parser.add_argument("--per-process", type=int, default=1,
+                        help="simulated engines per process (spec.engine.simulate.perProcess)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--load-seconds", type=float, default=30.0)
@@ -183,15 +211,17 @@ def main() -> int:
     for n in (int(x) for x in args.engines.split(",")):
         results.append(run_one(n, args, workdir))
         print(json.dumps(results[-1]), flush=True)
-    print("\n| engines | up s | idle CPU %: coordinator / controller / nodeagent / per engine "
-          "| req/s | errors | Coordinator CPU ms/request | kill: unrouted after s | errors |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    print("\n| engines | processes | up / ready s | RSS MiB: coordinator / controller / nodeagent / per engine "
+          "| idle CPU %: coordinator / controller / nodeagent / per engine "
+          "| req/s | errors | Coordinator CPU ms/request | kill: engines, unrouted after s | errors |")
+    print("|---:|---:|---:|---|---|---:|---:|---:|---:|---:|")
     for r in results:
-        i, load, kill = r["idle_cpu_pct"], r["load"], r["kill"]
-        print(f"| {r['engines']} | {r['up_s']} | {i['coordinator']} / {i['controller']} / "
-              f"{i['nodeagent']} / {i['engine']} | {load['req_s']} | {load['errors']} | "
-              f"{load['coordinator_cpu_ms_per_request']} | {kill.get('unrouted_after_s', 'never')} | "
-              f"{kill['errors']} |")
+        m, i, load, kill = r["rss_mib"], r["idle_cpu_pct"], r["load"], r["kill"]
+        print(f"| {r['engines']} | {r['engine_processes']} | {r['up_s']} / {r['ready_s']} | {m['coordinator']:.0f} / "
+              f"{m['controller']:.0f} / {m['nodeagent']:.0f} / {m['engine']:.1f} | {i['coordinator']} / "
+              f"{i['controller']} / {i['nodeagent']} / {i['engine']} | {load['req_s']} | {load['errors']} | "
+              f"{load['coordinator_cpu_ms_per_request']} | {kill['engines']}, "
+              f"{kill.get('unrouted_after_s', 'never')} | {kill['errors']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
