@@ -120,6 +120,40 @@ def test_roles_make_one_simulated_engine_each_on_ports_of_its_own():
         parser.parse_args(["--simulate", "--roles", "prefill,nosuch"])
 
 
+@pytest.mark.asyncio
+async def test_engines_served_by_one_process_have_servers_of_their_own_and_stop_together():
+    import asyncio
+    import socket
+
+    from pdserve.engine.server import serve
+    from pdserve.runtime.engine_client import EngineClient
+
+    engines = [LLMEngine(EngineConfig(model="small", kv_transport="tcp", role=role, simulate=SimTiming()))
+               for role in ("prefill", "decode")]
+    ports: list[tuple[int, int]] = []
+    serving = asyncio.create_task(serve(engines, "127.0.0.1", 0, lambda i, port: ports.append((i, port))))
+    try:
+        for _ in range(200):
+            if len(ports) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert [i for i, _ in ports] == [0, 1] and ports[0][1] != ports[1][1]
+        healths = []
+        for _, port in ports:
+            async with EngineClient(f"127.0.0.1:{port}") as client:
+                healths.append(await client.health(5))
+        assert [h.role for h in healths] == ["prefill", "decode"]
+        assert len({h.kv_endpoint for h in healths}) == 2 and len({h.session_port for h in healths}) == 2
+    finally:
+        serving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await serving
+    kv_ports = [int(h.kv_endpoint.rsplit(":", 1)[1]) for h in healths]
+    for port in [p for _, p in ports] + kv_ports:  # both servers and both KV transports stopped
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            pass
+
+
 def test_a_simulated_engine_and_its_server_never_import_torch():
     code = ("import sys; from pdserve.engine.server import serve; "
             "from pdserve.engine.config import EngineConfig; from pdserve.engine.sim import SimTiming; "
