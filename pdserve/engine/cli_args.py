@@ -59,6 +59,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="do not share KV blocks between requests with the same prompt prefix")
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's); per rank with tensor parallelism")
+    g.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
+                   help="keep linear weights plain (by default they are packed for oneDNN at load "
+                        "on a CPU with bfloat16 matmuls, when --dtype is bfloat16)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (processes, one device each: cuda:N+rank) the model's heads and "
                    "MLP are split over; above 1 only for a hybrid engine with --kv-transport none")
@@ -103,6 +106,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+        prepack_weights=args.prepack_weights,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
         kv_auth_token=args.kv_auth_token, decode_allocation=args.decode_allocation,

@@ -315,6 +315,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None
+    # Linear weights packed for oneDNN at load where that is faster (CPU, bfloat16, a CPU
+    # with bfloat16 matmuls: prepack.py); False keeps plain F.linear everywhere.
+    prepack_weights: bool = True
     # Ranks one engine shards its weights and KV heads over (parallel.py).
     tensor_parallel_size: int = 1
     # KV transfer between engines (disaggregation). "none" turns the connector off.

@@ -32,6 +32,7 @@ from pdserve.engine.config import PRESETS, ConfigError, EngineConfig, ModelConfi
 from pdserve.engine.device import prepare_device
 from pdserve.engine.model import Transformer
 from pdserve.engine.parallel import TensorParallel, rank_device
+from pdserve.engine.prepack import prepack_linears
 from pdserve.runtime.gguf_file import GGUFError, GGUFFile, is_gguf
 from pdserve.runtime.model_source import PRESETS as ALL_PRESETS
 from pdserve.runtime.model_source import ModelSourceError, resolve
@@ -333,7 +334,7 @@ def load_rank0(config: EngineConfig) -> tuple[Transformer, object, int]:
     tp = TensorParallel(0, config.tensor_parallel_size)
     device = config.device if tp.size == 1 else rank_device(config.device, 0)
     prepare_device(device, config.num_threads)
-    model, tokenizer = load_model(config.model, config.dtype, device, tp)
+    model, tokenizer = load_model(config.model, config.dtype, device, tp, config.prepack_weights)
     dtype_bytes = model.embed_tokens.element_size()
     bytes_per_block = model.config.kv_bytes_per_token(dtype_bytes) * config.block_size
     num_blocks = config.num_kv_blocks or config.kv_cache_bytes // bytes_per_block
@@ -345,9 +346,11 @@ def load_rank0(config: EngineConfig) -> tuple[Transformer, object, int]:
 
 
 def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
-               tp: TensorParallel = TensorParallel()):
+               tp: TensorParallel = TensorParallel(), prepack: bool = True):
     """Build the model (this rank's shard of it) and its tokenizer. Called once by the
-    engine at start-up, and by each tensor-parallel worker."""
+    engine at start-up, and by each tensor-parallel worker. ``prepack``: the linear
+    weights are packed for oneDNN once loaded, where the device and dtype gain from it
+    (``prepack.prepack_linears``)."""
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
@@ -363,9 +366,13 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
             filled: dict[str, int] = {}
             _copy_tensors(model, _PresetTensors(full), filled)
             _check_filled(model, filled)
+        if prepack:
+            prepack_linears(model)
         return model, ByteTokenizer(cfg.vocab_size)
     path = Path(_resolve(name_or_path))
     _load_checkpoint(model, path)
+    if prepack:
+        prepack_linears(model)
     tokenizer = load_tokenizer(path)
     if tokenizer is not None and not cfg.eos_token_ids and tokenizer.eos_token_ids:
         object.__setattr__(cfg, "eos_token_ids", tokenizer.eos_token_ids)

@@ -11,6 +11,9 @@ so building a large model costs nothing before its weights are copied in.
 
 With tensor parallelism (``parallel.TensorParallel``) each rank builds only its shard:
 its query and KV heads, its slice of the MLP; o_proj and down_proj all-reduce.
+
+Every projection goes through ``prepack.linear``: on a CPU with bfloat16 matmuls the
+loader may have replaced the linear weights by oneDNN-packed ones after loading.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.prepack import linear
 from pdserve.engine.rope import Rotary
 
 
@@ -74,7 +78,7 @@ class Attention(nn.Module):
         on_kv_written=None,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -84,7 +88,7 @@ class Attention(nn.Module):
         q, k = rotary(positions, q, k)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, on_kv_written,
                             self.window)
-        out = self.tp.all_reduce(F.linear(o.reshape(t, self.q_size), self.o_weight))
+        out = self.tp.all_reduce(linear(o.reshape(t, self.q_size), self.o_weight))
         return out if self.o_bias is None else out + self.o_bias
 
 
@@ -97,8 +101,8 @@ class MLP(nn.Module):
         self.down_weight = _param(cfg.hidden_size, self.intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        gate, up = linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
+        return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_weight))
 
 
 class DecoderLayer(nn.Module):
@@ -155,4 +159,4 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()

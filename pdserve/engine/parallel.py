@@ -236,7 +236,8 @@ def _worker_main(rank: int, size: int, port: int, config, conn, log_level: str) 
     device = rank_device(config.device, rank)
     prepare_device(device, config.num_threads)
     _init_group(rank, size, port, config.device)
-    model, _ = load_model(config.model, config.dtype, device, TensorParallel(rank, size))
+    model, _ = load_model(config.model, config.dtype, device, TensorParallel(rank, size),
+                          config.prepack_weights)
     runner = None
     while True:
         try:

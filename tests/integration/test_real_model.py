@@ -3,7 +3,8 @@
 Engines for the module: P (prefill) and D (decode) on the Hugging Face checkpoint
 that transformers converted from the ``smollm2`` preset's GGUF file
 (``tests/real_model.py``), and H (hybrid) on the preset itself (pdserve's own GGUF
-loader), all float32. Each test builds its own Coordinator on them. The oracle is
+loader), all float32. Each test builds its own Coordinator on them; one runs the
+preset in process in bfloat16, with and without prepacked linears. The oracle is
 transformers on the converted checkpoint: chat prompts (its ``chat_template.jinja``),
 token counts, greedy token ids.
 """
@@ -15,9 +16,14 @@ import json
 import httpx
 import openai
 import pytest
+import torch
 
+from pdserve.api.sampling import SamplingParams
 from pdserve.coordinator.app import create_app
 from pdserve.coordinator.settings import CoordinatorSettings
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.prepack import can_prepack
 from tests.procs import PDSERVE, Proc
 from tests.real_model import FRANCE, PRESET, Reference, gguf_path, hf_checkpoint
 from tests.unit.coordinator.harness import ALWAYS_PD, AppServer
@@ -145,3 +151,20 @@ def test_a_required_tool_call_ends_with_the_calls_the_model_makes(engines, loop)
         empty = [c for c in chunks if not c.choices[0].finish_reason
                  and c.choices[0].delta.model_dump(exclude_none=True) in ({}, {"content": ""})]
         assert not empty, f"{len(empty)} chunks without content, call or finish"
+
+
+@pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.bfloat16),
+                    reason="this CPU has no oneDNN bfloat16 matmuls")
+def test_bfloat16_prepacked_weights_answer_as_the_plain_ones(reference):
+    # The packed linears (the default in bfloat16 on such a CPU; tied head kept plain)
+    # against plain F.linear in one process, on the preset's own weights.
+    prompt = reference.chat_ids(FRANCE)
+    answers = {}
+    for prepack in (True, False):
+        engine = LLMEngine(EngineConfig(model=PRESET, dtype="bfloat16", num_threads=1, num_kv_blocks=16,
+                                        prepack_weights=prepack))
+        assert sum(p.is_mkldnn for p in engine.runner.model.parameters()) == (
+            4 * engine.model_config.num_hidden_layers if prepack else 0)
+        answers[prepack] = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0]
+    assert answers[True] == answers[False]
+    assert "Paris" in reference.tokenizer.decode(answers[True])

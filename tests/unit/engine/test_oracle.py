@@ -1,4 +1,5 @@
-"""pdserve's model against Hugging Face transformers on the same random checkpoints."""
+"""pdserve's model against Hugging Face transformers on the same random checkpoints, and
+bfloat16's prepacked linears against the plain ones."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
+from pdserve.engine.prepack import can_prepack
 from tests.unit.engine.hf_models import (
     build_hf_model,
     full_prefill_logits,
@@ -67,3 +69,40 @@ def test_sharded_checkpoint_with_tokenizer(tmp_path):
         engine.step()
     assert req.output_text == tokenizer.decode(req.output_token_ids)
     assert req.output_text.startswith("w")
+
+
+def packed_count(engine: LLMEngine) -> int:
+    return sum(p.is_mkldnn for p in engine.runner.model.parameters())
+
+
+@pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.bfloat16),
+                    reason="this CPU has no oneDNN bfloat16 matmuls")
+@pytest.mark.parametrize(("kind", "tie"), CASES)
+def test_prepacked_bfloat16_weights_give_the_plain_path_greedy_ids(tmp_path, kind, tie):
+    """bfloat16 on CPU: the oneDNN-packed linears (the default) against plain ``F.linear``
+    (``prepack_weights=False``) on the same weights, with and without a q/k/v bias and a
+    tied head. The float32 cases above hold the path to transformers."""
+    hf = build_hf_model(kind, tie, seed=1)
+    save_hf_model(hf, tmp_path)
+    prompts = [PROMPT, [7, 8, 9], list(range(40, 70))]
+    outs = {}
+    for prepack in (True, False):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="bfloat16", num_kv_blocks=64,
+                                        block_size=4, prepack_weights=prepack))
+        model = engine.runner.model
+        layers = model.config.num_hidden_layers
+        # Four linears a layer, and the head unless it is the embedding (kept plain: gathered).
+        assert packed_count(engine) == (layers * 4 + (not tie) if prepack else 0)
+        assert not model.embed_tokens.is_mkldnn
+        outs[prepack] = engine.generate(prompts, SamplingParams(max_tokens=24))
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert outs[True] == outs[False]
+    assert all(len(set(out)) >= 3 for out in outs[True]), outs[True]
+
+
+def test_weights_stay_plain_where_packing_does_not_pay(tmp_path):
+    # float32 (slower packed at batch 1) and presets alike: only bfloat16 on CPU packs.
+    engine = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=16))
+    assert engine.config.dtype == "float32" and packed_count(engine) == 0
+    assert not can_prepack(torch.device("cpu"), torch.float32)
+    assert not can_prepack(torch.device("cuda"), torch.bfloat16)

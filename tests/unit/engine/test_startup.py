@@ -59,6 +59,11 @@ def test_kv_cache_bytes_takes_spec_sizes(flag, num_bytes):
     assert engine_config_from_args(parse("--kv-cache-bytes", flag)).kv_cache_bytes == num_bytes
 
 
+def test_weights_are_prepacked_unless_the_flag_says_not():
+    assert engine_config_from_args(parse()).prepack_weights is True
+    assert engine_config_from_args(parse("--no-prepack-weights")).prepack_weights is False
+
+
 def test_a_kv_cache_size_that_is_not_one_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         parse("--kv-cache-bytes", "20GB")

@@ -27,6 +27,7 @@ from pdserve.api.sampling import SamplingParams
 from pdserve.engine.config import HOST_MEMORY_TRANSPORTS, ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model, preset_config
+from pdserve.engine.prepack import can_prepack
 from tests.unit.engine.hf_models import (
     build_hf_model,
     full_prefill_logits,
@@ -39,14 +40,15 @@ PROMPTS = [[5, 17, 99, 3, 250, 42, 42, 7, 64, 128, 1, 300, 11, 23], list(range(4
 NUM_NEW = 16
 
 
-def engine_config(model: str, tp: int) -> EngineConfig:
+def engine_config(model: str, tp: int, **overrides) -> EngineConfig:
     # Small chunks: the 50-token prompt takes several steps, mixed with decodes.
     return EngineConfig(model=model, tensor_parallel_size=tp, num_kv_blocks=64, block_size=4,
-                        prefill_chunk_tokens=16, max_num_batched_tokens=32, num_threads=1)
+                        prefill_chunk_tokens=16, max_num_batched_tokens=32, num_threads=1,
+                        **overrides)
 
 
-def generate(model: str, tp: int) -> list[list[int]]:
-    engine = LLMEngine(engine_config(model, tp))
+def generate(model: str, tp: int, **overrides) -> list[list[int]]:
+    engine = LLMEngine(engine_config(model, tp, **overrides))
     try:
         outs = engine.generate(PROMPTS, SamplingParams(max_tokens=NUM_NEW, ignore_eos=True))
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -72,6 +74,17 @@ def test_greedy_output_equals_tp1_and_transformers(tmp_path, kind, tp, overrides
     for prompt, out in zip(PROMPTS, single, strict=True):
         assert out == hf_greedy(hf, prompt, NUM_NEW)
         assert len(set(out)) >= 3, f"degenerate reference output {out}"
+
+
+@pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.bfloat16),
+                    reason="this CPU has no oneDNN bfloat16 matmuls")
+def test_bfloat16_shards_with_prepacked_weights_give_the_plain_shards_ids(tmp_path):
+    """Each rank packs its own shard once it is loaded (q/k/v bias: qwen2)."""
+    hf = build_hf_model("qwen2", seed=5, num_hidden_layers=2)
+    save_hf_model(hf, tmp_path)
+    packed = generate(str(tmp_path), 2, dtype="bfloat16")
+    assert packed == generate(str(tmp_path), 2, dtype="bfloat16", prepack_weights=False)
+    assert all(len(set(out)) >= 3 for out in packed), packed
 
 
 def test_a_sharded_preset_equals_the_whole_one():

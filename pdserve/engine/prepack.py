@@ -1,0 +1,62 @@
+"""Linear weights prepacked for oneDNN on CPU, and the one ``linear`` the model calls.
+
+On a CPU with bfloat16 matmul support (AVX-512 BF16, AMX), ``F.linear`` on a plain
+bfloat16 weight reorders the weight into oneDNN's blocked layout on every call; a
+weight reordered once at load (``torch.ops.mkldnn._reorder_linear_weight``, the
+packing inductor's freezing uses) skips that, and a decode step spends most of its
+time in these matmuls (figures in docs/benchmarks.md, "Engine throughput").
+
+``prepack_linears`` replaces each linear weight parameter of a loaded model by its
+packed form: the plain weight is dropped, so the model holds one copy. The embedding
+stays plain (it is gathered by token id), and so does a tied lm_head, which is the
+embedding. Packing happens only where ``can_prepack`` says so: CPU, bfloat16, oneDNN
+with bfloat16 support; float32 packed is slower at batch 1, and CUDA and NPU have
+their own matmul libraries. A packed weight is opaque (``is_mkldnn``): it cannot be
+sliced or copied into, so packing comes after every weight is loaded, on each
+tensor-parallel rank after its shard is.
+
+Invariant: ``linear(x, w, b)`` equals ``F.linear(x, w, b)`` on the plain weight (the
+same oneDNN bfloat16 kernel, fp32 accumulation), whichever form ``w`` has.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# The parameters of each layer that only ever meet ``linear`` (model.py).
+LINEAR_WEIGHTS = {"self_attn": ("qkv_weight", "o_weight"), "mlp": ("gate_up_weight", "down_weight")}
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a plain or a packed ``weight``; called by the model's
+    layers for every projection and the untied lm_head."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replace ``model``'s linear weights by oneDNN-packed ones, if ``can_prepack``; called
+    once by ``loader.load_model`` after the weights are in. Returns the number packed."""
+    if not can_prepack(model.embed_tokens.device, model.embed_tokens.dtype):
+        return 0
+    targets = [(getattr(layer, part), name) for layer in model.layers
+               for part, names in LINEAR_WEIGHTS.items() for name in names]
+    if model.lm_head is not None:
+        targets.append((model, "lm_head"))
+    for module, name in targets:
+        packed = torch.ops.mkldnn._reorder_linear_weight(getattr(module, name).detach())
+        setattr(module, name, nn.Parameter(packed, requires_grad=False))  # the plain one is freed
+    log.info("linear weights packed for oneDNN: %d", len(targets))
+    return len(targets)
