@@ -156,6 +156,7 @@ class RequestRun:
         self.num_attempts = 0
         self.plan: Plan | None = None  # the last attempt's
         self.prefer: Plan | None = None  # a sibling choice's plan, for the first attempt
+        self._move_to: Plan | None = None  # ``move``'s target, for the next attempt
         self._num_full_waits = 0
         self._full_since: float | None = None  # when an engine first said "full"
         self.collects = False  # set by an output read whole: legs hand on their tokens at the end
@@ -195,9 +196,9 @@ class RequestRun:
                     self.finish_reason = "length"
                     return
                 prompt = self.prompt_ids + self.generated
+                prefer, self._move_to = self.prefer if self.num_attempts == 0 else self._move_to, None
                 plan = self.plan = await self.deps.router.plan(
-                    RouteContext(prompt, s.block_size), exclude, self.deadline,
-                    self.prefer if self.num_attempts == 0 else None)
+                    RouteContext(prompt, s.block_size), exclude, self.deadline, prefer)
                 if last_full is not None and _is_full(plan):
                     await self._wait_for_room(last_full)
                 self.num_attempts += 1
@@ -276,12 +277,15 @@ class RequestRun:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
 
-    def move(self) -> bool:
+    def move(self, to: EngineEndpoint | None = None) -> bool:
         """Cuts the stream's leg: the attempt ends as a failure of its engine's, which
-        ``_attempts`` takes for a move and goes on with a new plan (a continuation)."""
+        ``_attempts`` takes for a move and goes on with a new plan (a continuation): on
+        ``to`` alone when given and still routable (it prefills the prompt and the tokens
+        so far itself), else as the router plans it."""
         legs = self._legs
         engine = None if legs is None or self._moving is not None else legs.interrupt()
         self._moving = engine
+        self._move_to = Plan("single", single=to) if engine is not None and to is not None else None
         return engine is not None
 
     def _checked_prompt_logprobs(self, legs: Leg | PairedLegs) -> list[pb.TokenLogprob]:

@@ -56,7 +56,8 @@ class CoordinatorMetrics:
         self.continuations = LoopCounter(p + "continuations_total", "Streams continued on a new "
                                      "pair after the decode engine failed mid-stream.", registry=r)
         self.moves = LoopCounter(p + "moves_total", "Streams moved off a decode engine that "
-                                 "queues requests to one with room (``moves.py``).", registry=r)
+                                 "queues requests, or has twice the legs of another, to one with room "
+                                 "(``moves.py``).", registry=r)
         self.overloads = KeptCounter(p + "overload_total", "Legs an engine refused for want "
                                      "of room (\"decode full\", \"prefill full\"): load, not "
                                      "failures.", ["leg"], registry=r)

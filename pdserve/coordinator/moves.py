@@ -24,7 +24,23 @@ Algorithm, each round (every ``move_stalled_s / 2``, at most ``MAX_INTERVAL_S``)
 A slow step stalls every stream of an engine, but only one that queues is busy,
 and no more streams move than it queues.
 
-Cost: nothing while no engine queues; else O(runs) per round.
+Balance, each round after the moves above: an engine that just joined a role (a
+switch, a new replica) gets no stream until one ends, while those that started before
+stay where they are; on a decode engine whose step grows with the batch, each of them
+runs slower than it would with half the batch, and its cache fills. So per role, with
+the legs this Coordinator has in flight on each engine (``num_inflight``: streaming,
+and planned: a PD leg waiting for its KV at P counts on its D, so a wave still at P is
+not taken for room), when the most loaded engine has at least ``BALANCE_MIN`` legs
+more than the least loaded one that takes streams (routable, queues nothing, not
+refused or failed a moment ago) and at least twice as many, half the difference of
+its streams moves to that one, the streams with the fewest tokens first (the
+cheapest to recompute, the most left to run), as far as the target's free blocks
+above ``RESERVE`` go. A stream moved for balance goes on on the target alone (it
+prefills its prompt and tokens so far there: no prefill engine's queue, which the
+planner would read as prompt demand), and neither rule moves it again, nor does the
+next balance start, until it has a new token.
+
+Cost: nothing while no engine queues and the legs are balanced; else O(runs) per round.
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ from .rounds import Rounds
 log = logging.getLogger(__name__)
 MAX_INTERVAL_S = 0.5
 RESERVE = 0.1  # of a target's cache kept free of moved streams
+BALANCE_MIN = 8  # a smaller difference of legs between two engines is left to the router
 ROLES = ("decode", "hybrid")  # whose streams move; prefill engines stream nothing
 
 
@@ -56,8 +73,9 @@ class Movable(Protocol):
     def num_tokens(self) -> int:
         """Prompt and output tokens so far: what its KV holds."""
 
-    def move(self) -> bool:
-        """Cut its stream so the request goes on elsewhere; False when it cannot now."""
+    def move(self, to: EngineEndpoint | None = None) -> bool:
+        """Cut its stream so the request goes on elsewhere (on ``to`` alone when given);
+        False when it cannot now."""
 
 
 class Mover(Rounds):
@@ -73,6 +91,7 @@ class Mover(Rounds):
         self._version = -1  # the view the counts below are of
         self._moved: dict[str, int] = {}  # busy engine id -> streams moved off it
         self._taken = 0  # blocks of the room moved streams took
+        self._settling: dict[Movable, int] = {}  # moved for balance -> its tokens then
 
     @property
     def enabled(self) -> bool:
@@ -86,16 +105,20 @@ class Mover(Rounds):
         await asyncio.sleep(min(self.stall_s / 2, MAX_INTERVAL_S))
 
     async def round(self) -> None:
-        self.move_stalled(time.monotonic())
+        now = time.monotonic()
+        self.move_stalled(now)
+        self.balance(now)
 
     def move_stalled(self, now: float) -> int:
         """One round (``Algorithm`` above); returns the number of streams moved."""
         if self.registry.version != self._version:
             self._version, self._moved, self._taken = self.registry.version, {}, 0
         stalled: dict[str, list[Movable]] = {}
+        self._settling = {r: n for r, n in self._settling.items() if r in self.runs and r.num_tokens() == n}
         for run in self.runs:
             engine = run.stream_engine()
-            if engine is None or engine.role not in ROLES or not self._queues(engine):
+            if (engine is None or engine.role not in ROLES or not self._queues(engine)
+                    or run in self._settling):
                 continue
             if now - run.progress_s() >= self.stall_s:
                 stalled.setdefault(engine.instance_id, []).append(run)
@@ -124,16 +147,52 @@ class Mover(Rounds):
                      ", ".join(sorted(self._moved)))
         return moved
 
+    def balance(self, now: float) -> int:
+        """Balance (``Algorithm`` above); returns the number of streams moved."""
+        if self._settling:
+            return 0
+        moved = 0
+        for role in ROLES:
+            engines = [e for e in self.registry.all() if e.role == role and e.routable]
+            takers = [e for e in engines if self._takes(e, now)]
+            if len(engines) < 2 or not takers:
+                continue
+            busy = max(engines, key=lambda e: e.num_inflight)
+            target = min(takers, key=lambda e: e.num_inflight)
+            many, few = busy.num_inflight, target.num_inflight
+            if target is busy or many - few < max(BALANCE_MIN, many - many // 2):
+                continue
+            streams = sorted((r for r in self.runs if r.stream_engine() is busy), key=lambda r: r.num_tokens())
+            room = self._free_above_reserve(target) - self._taken
+            moved_here = 0
+            for run in streams[:(many - few) // 2]:
+                tokens = run.num_tokens()
+                blocks = tokens // self.block_size + 1
+                if blocks > room or not run.move(target):
+                    continue
+                room -= blocks
+                self._settling[run] = tokens
+                self.metrics.moves.inc()
+                moved_here += 1
+            if moved_here:
+                log.info("moved %d stream(s) off %s engine %s (%d legs) to %s (%d legs) to balance",
+                         moved_here, role, busy.instance_id, many, target.instance_id, few)
+            moved += moved_here
+        return moved
+
     def _queues(self, engine: EngineEndpoint) -> bool:
         return engine.num_waiting > self._moved.get(engine.instance_id, 0)
 
+    def _takes(self, e: EngineEndpoint, now: float) -> bool:
+        """Whether streams may move to ``e`` now."""
+        return e.routable and not e.num_waiting and not e.is_full(now) and e.suspect_until <= now
+
+    @staticmethod
+    def _free_above_reserve(e: EngineEndpoint) -> int:
+        total = e.num_kv_blocks_used + e.num_kv_blocks_free
+        return max(0, e.num_kv_blocks_free - int(RESERVE * total))
+
     def _room(self, busy: EngineEndpoint, now: float) -> int:
         """Free blocks above the reserve of the engines a stream of ``busy`` may move to."""
-        room = 0
-        for e in self.registry.all():
-            if (e is busy or e.role != busy.role or not e.routable or e.num_waiting
-                    or e.is_full(now) or e.suspect_until > now):
-                continue
-            total = e.num_kv_blocks_used + e.num_kv_blocks_free
-            room += max(0, e.num_kv_blocks_free - int(RESERVE * total))
-        return room
+        return sum(self._free_above_reserve(e) for e in self.registry.all()
+                   if e is not busy and e.role == busy.role and self._takes(e, now))

@@ -5,6 +5,7 @@ one with nowhere to go."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass
@@ -73,6 +74,33 @@ def test_a_stream_stalled_on_a_queueing_decode_engine_goes_on_on_one_with_room(l
         assert endpoint.suspect_until == 0
 
 
+def test_a_stream_moved_to_a_given_engine_goes_on_there_alone(loop, stubs):
+    prefill = stubs(role="prefill")
+    decodes = [_decode(stubs), _decode(stubs)]
+    with serve(loop, [prefill, *decodes], move_stalled_s=0.3) as app:
+        thread, out, busy, other = _start_on_one_decode(app, stubs, decodes)
+        other.stall_s = 0.0
+        target = next(e for e in app.deps.registry.all() if stubs.by_address.get(e.address) is other)
+
+        async def move_once_streaming() -> bool:
+            for _ in range(500):
+                runs = list(app.deps.mover.runs)
+                if runs and runs[0].stream_engine() is not None:
+                    return runs[0].move(target)
+                await asyncio.sleep(0.01)
+            return False
+        assert loop.run(move_once_streaming())
+        thread.join(30)
+        r = out["response"]
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == LETTERS  # no token lost or repeated
+        assert out["seconds"] < 10  # not the 30 s stall
+        busy_id = busy.request_ids[0]
+        assert other.request_ids == [busy_id + ".2"]
+        # it prefilled its prompt and tokens so far on the target: no second prefill leg
+        assert len(stubs.by_address[prefill].request_ids) == 1
+
+
 @pytest.mark.parametrize("case", ["slow_engine_queues_nothing", "no_engine_has_room"])
 def test_a_stalled_stream_stays_when_its_engine_queues_nothing_or_none_has_room(loop, stubs, case):
     decodes = [_decode(stubs), _decode(stubs)]
@@ -99,6 +127,7 @@ class FakeRun:
     last_s: float
     tokens: int = 40
     moved: bool = False
+    to: object = None
 
     def stream_engine(self):
         return None if self.moved else self.engine
@@ -109,8 +138,8 @@ class FakeRun:
     def num_tokens(self) -> int:
         return self.tokens
 
-    def move(self) -> bool:
-        self.moved = True
+    def move(self, to=None) -> bool:
+        self.moved, self.to = True, to
         return True
 
 
@@ -169,3 +198,63 @@ def test_only_a_busy_engine_a_stream_moved_off_is_avoided_for_a_moment():
     assert moved_off.is_full(now)
     assert not kept.is_full(now)  # nothing moved off it: new requests may still try it
 
+
+
+def test_streams_piled_on_one_engine_half_move_to_one_that_joined_its_role_on_it_alone():
+    old = inst("d0", "decode", num_running=20, num_inflight=20, num_kv_blocks_used=200, num_kv_blocks_free=824)
+    new = inst("d1", "decode", num_kv_blocks_used=0, num_kv_blocks_free=1024)
+    prefill = inst("p0", "prefill", num_kv_blocks_used=0, num_kv_blocks_free=1024)
+    mover, _ = _mover(old, new, prefill)
+    now = 100.0
+    runs = [FakeRun(old, now - 0.1, tokens=40 + i) for i in range(20)]  # streaming, none stalled
+    mover.runs.update(runs)
+    assert mover.move_stalled(now) == 0  # nothing queues
+    assert mover.balance(now) == 10
+    # the ten with the fewest tokens (the most left to run, the cheapest to recompute),
+    # each to go on on the new engine itself (not through a prefill engine's queue)
+    assert sorted(r.tokens for r in runs if r.moved) == list(range(40, 50))
+    assert all(r.to is new for r in runs if r.moved)
+    assert not old.is_full(now)  # new requests are the router's to place, by their legs
+    # one balance at a time: until each moved stream has a new token, nothing more moves
+    # (and a moved stream waiting in its target's queue is not moved back as stalled)
+    old.num_inflight, new.num_inflight = 10, 0
+    new.num_waiting = 10
+    for r in runs:
+        if r.moved:
+            r.engine, r.moved, r.last_s = new, False, now - 5.0
+    assert mover.balance(now) == 0
+    assert mover.move_stalled(now) == 0
+    # with a token each they count as moved: 10 and 10 legs, nothing moves
+    for r in runs:
+        if r.engine is new:
+            r.tokens += 1
+    new.num_waiting, new.num_inflight = 0, 10
+    assert mover.balance(now) == 0
+
+
+def test_balance_counts_the_legs_planned_to_an_engine_not_only_its_streams():
+    # d0 streams 6 and has 14 more legs waiting for their KV at P (the next wave); d1
+    # streams 16. By streams d1 runs twice as many as d0; by legs d0 has more: nothing moves.
+    d0 = inst("d0", "decode", num_inflight=20, num_kv_blocks_free=1024)
+    d1 = inst("d1", "decode", num_inflight=16, num_kv_blocks_free=1024)
+    mover, _ = _mover(d0, d1)
+    mover.runs.update([FakeRun(d0, 100.0) for _ in range(6)] + [FakeRun(d1, 100.0) for _ in range(16)])
+    assert mover.balance(100.0) == 0
+    d0.num_inflight = 6  # the wave was not there: d1 has 16 legs, d0 6: five move
+    assert mover.balance(100.0) == 5
+
+
+def test_balance_leaves_small_differences_and_engines_with_no_room_or_a_queue():
+    def round_with(target, n: int = 12, tokens: int = 40) -> int:
+        busy = inst("d0", "decode", num_inflight=n, num_kv_blocks_used=0, num_kv_blocks_free=1024)
+        mover, _ = _mover(busy, target)
+        mover.runs.update(FakeRun(busy, 100.0, tokens=tokens) for _ in range(n))
+        return mover.balance(100.0)
+    assert round_with(inst("d1", "decode", num_kv_blocks_free=1024), n=7) == 0  # fewer than BALANCE_MIN
+    assert round_with(inst("d1", "decode", num_kv_blocks_free=1024)) == 6
+    assert round_with(inst("d1", "decode", num_inflight=11, num_kv_blocks_free=1024), n=20) == 0  # not 2x
+    assert round_with(inst("d1", "decode", num_waiting=1, num_kv_blocks_free=1024)) == 0  # it queues
+    assert round_with(inst("d1", "decode", draining=True, num_kv_blocks_free=1024)) == 0  # leaving
+    # 30 free, 10% of 32 kept: 27 blocks hold 3 streams of 9 (140 tokens)
+    assert round_with(inst("d1", "decode", num_kv_blocks_used=2, num_kv_blocks_free=30), tokens=140) == 3
+    assert round_with(inst("p1", "prefill", num_kv_blocks_free=1024)) == 0  # another role
