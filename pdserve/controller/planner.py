@@ -88,7 +88,8 @@ Actions, cheapest first, one at a time:
 
 Anti-oscillation: a decision acts only after it was the same for ``stable_ticks``
 ticks in a row (a switch to a pool saturated by what it holds now, prompt tokens
-waiting at P or a full D cache, one tick fewer: each tick it waits, its queue grows);
+waiting at P, a full D cache, or D caches filling towards full with the blocks their
+streams were already allowed, one tick fewer: each tick it waits, its queue grows);
 after an action nothing more until ``cooldown_s`` has passed (the effect is measured
 before the next move); what the requests measured (TTFT, TPOT, a
 full D) counts only from those seen since the last action, as does the comfort a
@@ -201,6 +202,7 @@ class DecodeKV(NamedTuple):
     is_full: bool = False       # one of them at least ``KV_FULL`` now
     projected: int = 0          # ``used`` a quarter window on (``Planner._decode_kv``)
     is_full_soon: bool = False  # ``projected`` at least ``KV_FULL`` of them all
+    is_held_full: bool = False  # the blocks their streams were allowed reach that alone
 
 
 @dataclass(frozen=True)
@@ -420,7 +422,8 @@ class Planner:
         if now_s - self._acted_s < s.cooldown_s:
             return Decision(wanted, have, None, f"cooling down after the last action: {reason}", model)
         # a switch to a pool saturated now by what it holds now (prompt tokens waiting, a
-        # full cache) holds one tick fewer: every tick it waits, the queue grows
+        # cache full or filling with what its streams were allowed) holds one tick fewer:
+        # every tick it waits, the queue grows
         hold = s.stable_ticks - 1 if action.kind == "switch" and action.role in self._saturated else s.stable_ticks
         if self._last[1] < max(1, hold):
             return Decision(wanted, have, None, f"waiting for the signal to hold "
@@ -603,6 +606,8 @@ class Planner:
             self._saturated |= {DECODE}
         elif self._kv.is_full_soon:
             out[DECODE] = f"the D engines' caches full within a quarter window ({self._kv.projected} blocks)"
+            if self._kv.is_held_full:  # by the streams they hold now, not a rate's forecast alone
+                self._saturated |= {DECODE}
         elif latest and latest.measured_tpot_s > tpot_s:
             out[DECODE] = f"TPOT {latest.measured_tpot_s * 1e3:.0f} ms measured"
         return out
@@ -660,7 +665,7 @@ class Planner:
         while seen[0][0] < now_s - quarter:
             seen.popleft()
         at_s, _, then = seen[0]
-        projected = used
+        projected, held = used, 0.0
         rate = (used - then) / (now_s - at_s) if now_s > at_s else 0.0
         if committed := sum(e.kv_blocks_committed for e in ready):
             # streams that just started grow at once: a quarter that began before them
@@ -668,12 +673,13 @@ class Planner:
             if len(seen) > 2 and now_s > seen[-2][0]:
                 rate = max(rate, (used - seen[-2][2]) / (now_s - seen[-2][0]))
             if rate > 0:
-                expected = used + output_share * max(0, committed - used)
-                projected = round(max(used, min(expected, used + rate * 2 * quarter)))
+                held = used + output_share * max(0, committed - used)
+                projected = round(max(used, min(held, used + rate * 2 * quarter)))
         elif rate > 0:
             projected = round(used + rate * quarter)
-        return DecodeKV(used, per_engine, is_full, projected,
-                        bool(ready) and projected >= KV_FULL * per_engine * len(ready))
+        full = KV_FULL * per_engine * len(ready)
+        return DecodeKV(used, per_engine, is_full, projected, bool(ready) and projected >= full,
+                        bool(ready) and held >= full)
 
 
 def decode_kv(engines: list[Engine]) -> tuple[int, float, bool]:

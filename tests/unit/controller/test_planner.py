@@ -551,11 +551,12 @@ def test_the_first_chunks_tell_the_prefill_speed_before_any_prompt_is_prefilled(
 def test_a_switch_to_a_pool_saturated_by_what_it_holds_now_holds_one_tick_fewer():
     settings = PlannerSettings(ttft_ms=1000, tpot_ms=50, stable_ticks=2, min_requests=20, max_engines=3)
 
-    def ticks_with(*used: int) -> list[Decision]:
+    def ticks_with(*used: int, committed: int = 0) -> list[Decision]:
         planner = Planner(settings)
         phases(planner, (940.0, 985.0, 2000, 10), (985.0, 1000.0, 100, 800))
         return [planner.decide([Engine(f"p{i}", PREFILL, READY) for i in range(2)]
-                               + [Engine("d0", DECODE, READY, kv_blocks_used=u, kv_blocks_total=1000)], now)
+                               + [Engine("d0", DECODE, READY, kv_blocks_used=u, kv_blocks_total=1000,
+                                         kv_blocks_committed=committed)], now)
                 for now, u in zip((996.0, 998.0, 1000.0), used, strict=False)]
     # the one D cache full now: the first tick that sees it acts
     full = ticks_with(990)
@@ -565,6 +566,14 @@ def test_a_switch_to_a_pool_saturated_by_what_it_holds_now_holds_one_tick_fewer(
     assert soon[0].action is None and "full within" not in soon[0].reason, soon[0].reason
     assert soon[1].action is None and "waiting for the signal to hold (1/2)" in soon[1].reason, soon[1].reason
     assert soon[2].action == Action("switch", DECODE, instance_id="p0"), soon[2].reason
+    # the streams it holds were allowed more blocks than its cache has: they will fill
+    # it whatever comes next; the first tick that sees the cache grow acts
+    held = ticks_with(500, 600, 700, committed=1700)
+    assert held[0].action is None, held[0].reason
+    assert held[1].action == Action("switch", DECODE, instance_id="p0"), held[1].reason
+    # allowed less than the cache holds: they stop short of full, nothing to switch for
+    under = ticks_with(500, 600, 700, committed=900)
+    assert all(d.action is None for d in under), under[-1].reason
 
 
 def test_a_pool_that_measures_over_its_target_gives_no_engine_away_whatever_is_predicted():
