@@ -2,12 +2,13 @@
 
 A ``pdserve up -f`` cluster of N simulated engines (``spec.engine.simulate``: the real
 server, scheduler, KV handshake and heartbeats, the model's time slept; half prefill,
-half decode) with its Controller, NodeAgent and one Coordinator; ``--per-process K``
-serves K engines of a pool per process (``simulate.perProcess``). For each N:
+half decode, or ``--prefill`` P of them prefill) with its Controller, NodeAgent and one
+Coordinator; ``--per-process K`` serves K engines of a pool per process
+(``simulate.perProcess``). For each N:
 
 - up: seconds from ``pdserve up`` to "pdserve is up", and to the Coordinator's /ready;
 - memory: resident MiB of each component once up, the engines' per engine (all engine
-  processes together over N);
+  processes together over N), and the cluster's threads;
 - idle: CPU (% of one core) of each component over ``--idle-seconds`` with no traffic,
   the engines' as their mean;
 - load: ``pdserve bench`` closed loop (``--concurrency`` streams of 256 -> 32 tokens) for
@@ -48,8 +49,8 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 COMPONENTS = ("coordinator", "controller", "nodeagent", "engine")
 
 
-def spec(num_engines: int, per_process: int) -> dict:
-    half = num_engines // 2
+def spec(num_engines: int, per_process: int, num_prefill: int | None) -> dict:
+    half = num_engines - num_prefill if num_prefill else num_engines // 2
     return {"apiVersion": "pdserve.io/v1alpha1", "kind": "PDCluster", "metadata": {"name": "scale"},
             "spec": {"model": {"preset": "small", "servedName": "sim"},
                      "engine": {"kvCacheBytes": "64Mi", "simulate": {"perProcess": per_process}},
@@ -97,6 +98,13 @@ def rss_mib(pid: int) -> float:
         return 0.0
 
 
+def num_threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
 def num_engines_in(pid: int) -> int:
     """Engines one engine process serves (``--roles``: one per role listed)."""
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -123,13 +131,14 @@ def bench(url: str, seconds: float, concurrency: int) -> dict:
 
 def run_one(n: int, args, workdir: Path) -> dict:
     spec_file, run_dir = workdir / f"scale-{n}.yaml", workdir / f"run-{n}"
-    spec_file.write_text(yaml.safe_dump(spec(n, args.per_process)))
+    spec_file.write_text(yaml.safe_dump(spec(n, args.per_process, args.prefill)))
     url = f"http://127.0.0.1:{args.port}"
     began = time.monotonic()
     up = subprocess.Popen([*PDSERVE, "up", "-f", str(spec_file), "--port", str(args.port),
                            "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
-    result: dict = {"engines": n, "per_process": args.per_process}
+    result: dict = {"engines": n, "per_process": args.per_process,
+                    "prefill": args.prefill or n - n // 2}
     try:
         for line in up.stdout:
             if "pdserve is up" in line:
@@ -148,6 +157,7 @@ def run_one(n: int, args, workdir: Path) -> dict:
         rss = {c: sum(map(rss_mib, procs[c])) for c in COMPONENTS}
         rss["engine"] /= n  # per engine
         result["rss_mib"] = {c: round(v, 2) for c, v in rss.items()}
+        result["threads"] = sum(num_threads(p) for ps in procs.values() for p in ps)
         before = {p: cpu_s(p) for ps in procs.values() for p in ps}
         time.sleep(args.idle_seconds)
         used = {p: cpu_s(p) - before[p] for p in before}
@@ -198,6 +208,9 @@ def main() -> int:
     parser.add_argument("--engines", default="8,32,100", help="engine counts, comma separated")
     parser.add_argument("--per-process", type=int, default=1,
                         help="simulated engines per process (spec.engine.simulate.perProcess)")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="prefill engines of each N, the rest decode (default: half); every P/D "
+                             "pair is probed and holds a KV link, so P x D bounds what fits")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--load-seconds", type=float, default=30.0)
