@@ -262,7 +262,7 @@ class Cluster:
     def _plan_step(self, now_s: float) -> None:
         """The SLO planner's tick: what the engines did since the last one, then its
         decision; a switch changes the engine's assigned role (``_send_role_commands``
-        drains and switches it), a scale changes the pool size the actuators follow."""
+        switches it in place), a scale changes the pool size the actuators follow."""
         if not self.mode.has_been_complete:
             return  # still starting: not idle, not measurable
         self.planner.observe(self._observe(now_s, now_s - self._planned_s))
@@ -374,7 +374,7 @@ class Cluster:
             rec.command_sent_s = now_s
             self.num_role_switches += 1
             self._command(rec, "switch_role", role=target, deadline_s=self.settings.drain_deadline_s)
-            self.record_event(f"{rec.instance_id}: switch role {rec.role} -> {target} (drain first)")
+            self.record_event(f"{rec.instance_id}: switch role {rec.role} -> {target} (in place: the legs in flight finish in the old role)")
 
     def _command(self, rec: InstanceRecord, kind: str, **fields) -> None:
         """Queue a command for ``rec``'s agent; its next heartbeat reply carries it."""

@@ -10,7 +10,8 @@ break for ``window_s``, move the least busy instance of the idle pool.
 
 No oscillation: at most one move per ``min_interval_s``, and never the reverse
 direction within ``reverse_cooldown_s`` of a move. The Controller executes a move
-by changing the instance's assigned role (drain, then SetRole on the agent).
+by changing the instance's assigned role (SetRole through the agent: in place, the
+legs in flight finish in the old role).
 """
 
 from __future__ import annotations

@@ -26,12 +26,15 @@ class EngineInputError(ValueError):
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine is draining and admits no new requests."""
+    """The engine admits no such request now: it is draining, or its role changed (a
+    Coordinator's view a moment old); another engine may take it."""
 
 
 def check_kv_transfer(kv: KVTransferParams, params: SamplingParams, role: str, connector) -> None:
-    """A disaggregated leg: valid parameters, a transport, a role that takes the leg, an
-    unused transfer id; a decode leg does not prefill, so it scores no prompt."""
+    """A disaggregated leg: valid parameters, a transport, a role that takes the leg (else
+    unavailable, not bad input: the engine's role was switched after the Coordinator's
+    view was sent), an unused transfer id; a decode leg does not prefill, so it scores no
+    prompt."""
     try:
         kv.validate()
     except KVTransferError as exc:
@@ -39,7 +42,7 @@ def check_kv_transfer(kv: KVTransferParams, params: SamplingParams, role: str, c
     if connector is None:
         raise EngineInputError("this engine has no KV transport (kv_transport=none)")
     if role not in (kv.role, "hybrid"):
-        raise EngineInputError(f"a {role} engine cannot take the {kv.role} leg")
+        raise EngineUnavailable(f"a {role} engine takes no {kv.role} leg (its role is {role} now)")
     if connector.has_transfer(kv.transfer_id):
         raise EngineInputError(f"transfer id {kv.transfer_id!r} is already in use")
     if kv.role == "decode" and params.prompt_logprobs:

@@ -184,17 +184,17 @@ class LLMEngine:
         return self.output.output(request, [], with_timings=False)
 
     def set_role(self, role: str) -> None:
-        """Switch role in place. Called by the server on the Controller's command, after a
-        drain: refused while requests or transfers are in flight."""
+        """Switch role in place, on the Controller's command. New legs are admitted in the
+        new role at once; the requests and transfers in flight finish in the role they
+        were admitted in (a decode leg waiting for its KV, a stream, a prefill sending its
+        KV): legs go by their own ``KVTransferParams.role``, and the engine runs both
+        kinds of step. A switch no longer waits for the old role's streams to end."""
         if role not in ("prefill", "decode", "hybrid"):
             raise EngineInputError(f"role must be prefill, decode or hybrid, got {role!r}")
-        if self.has_unfinished:
-            raise EngineUnavailable(
-                f"cannot switch role with {self.scheduler.num_unfinished} requests in flight; drain first"
-            )
         if role != "hybrid" and self.connector is None:
             raise EngineInputError(f"a {role} engine needs a KV transport (kv_transport=none)")
-        log.info("role %s -> %s", self.config.role, role)
+        log.info("role %s -> %s (%d requests in flight finish in theirs)", self.config.role, role,
+                 self.scheduler.num_unfinished)
         self.config.role = role
 
     def probe_peer(self, peer: str, test_transfer: bool, timeout_s: float, done) -> None:

@@ -9,8 +9,9 @@ per engine, one probe loop per engine, one heartbeat loop (every interval, and
 at once when an engine's process state changes, so a death is reported without
 waiting).
 
-Commands: ``drain`` (stop admitting), ``switch_role`` (drain, wait until idle or
-the deadline, SetRole, resume; if the engine cannot switch in place the process
+Commands: ``drain`` (stop admitting), ``switch_role`` (SetRole at once: the legs in
+flight finish in their old role; an engine that switches only when idle is drained,
+switched once idle or at the deadline, and resumed; one that cannot switch in place
 is relaunched with the new role), ``restart`` (kill; relaunch without backoff).
 
 Invariants: ``probe_ok`` is False until a probe succeeded since the last launch
@@ -278,6 +279,21 @@ class Agent:
         log.info("%s: now %s", inst.instance_id, cmd.role)
 
     async def _switch_role(self, inst: SupervisedEngine, client: EngineClient, role: str, deadline_s: float) -> None:
+        """In place at once (the legs in flight finish in their role, ``LLMEngine.set_role``);
+        an engine that switches only when idle (FAILED_PRECONDITION) is drained first and
+        switched once idle or at the deadline; one that cannot switch is relaunched."""
+        try:
+            await client.set_role(role)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                return self._relaunch_or_raise(inst, role, exc)
+            await self._drain_and_switch(inst, client, role, deadline_s)
+        inst.role = role
+        inst.health = await client.health(self.settings.probe_timeout_s)
+        log.info("%s: now %s", inst.instance_id, role)
+
+    async def _drain_and_switch(self, inst: SupervisedEngine, client: EngineClient, role: str,
+                                deadline_s: float) -> None:
         self._wake.set()  # report "draining" now: the Controller takes it out of the view
         await client.drain()
         deadline = time.monotonic() + deadline_s
@@ -286,20 +302,19 @@ class Agent:
                 await client.set_role(role)
                 break
             except grpc.aio.AioRpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT):
-                    log.warning("%s: engine cannot switch in place (%s); relaunching as %s",
-                                inst.instance_id, exc.details(), role)
-                    inst.role = role
-                    inst.process.kill()
-                    return
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
                     await client.drain(resume=True)
                     raise
             await asyncio.sleep(0.05)
         await client.drain(resume=True)
+
+    def _relaunch_or_raise(self, inst: SupervisedEngine, role: str, exc: grpc.aio.AioRpcError) -> None:
+        if exc.code() not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT):
+            raise exc
+        log.warning("%s: engine cannot switch in place (%s); relaunching as %s",
+                    inst.instance_id, exc.details(), role)
         inst.role = role
-        inst.health = await client.health(self.settings.probe_timeout_s)
-        log.info("%s: now %s", inst.instance_id, role)
+        inst.process.kill()
 
 
 def _command(members: list[SupervisedEngine]):

@@ -114,8 +114,10 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetRole(self, request, context):
-        """Change role in place (prefill <-> decode <-> hybrid). Refused with
-        FAILED_PRECONDITION while requests or KV transfers are in flight: drain first.
+        """Change role in place (prefill <-> decode <-> hybrid). New legs are admitted in the
+        new role at once (a leg of another role fails with UNAVAILABLE); the requests and
+        KV transfers in flight finish in the role they were admitted in. An engine that
+        cannot switch while busy answers FAILED_PRECONDITION: drain it first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
