@@ -30,18 +30,19 @@ class EngineUnavailable(RuntimeError):
     Coordinator's view a moment old); another engine may take it."""
 
 
-def check_kv_transfer(kv: KVTransferParams, params: SamplingParams, role: str, connector) -> None:
-    """A disaggregated leg: valid parameters, a transport, a role that takes the leg (else
-    unavailable, not bad input: the engine's role was switched after the Coordinator's
-    view was sent), an unused transfer id; a decode leg does not prefill, so it scores no
-    prompt."""
+def check_kv_transfer(kv: KVTransferParams, params: SamplingParams, role: str, connector,
+                      old_role: str = "") -> None:
+    """A disaggregated leg: valid parameters, a transport, a role that takes the leg
+    (``role``, or ``old_role`` in the moments after a switch, while Coordinators' views
+    still send it; else unavailable, not bad input, for another engine to take), an
+    unused transfer id; a decode leg does not prefill, so it scores no prompt."""
     try:
         kv.validate()
     except KVTransferError as exc:
         raise EngineInputError(str(exc)) from None
     if connector is None:
         raise EngineInputError("this engine has no KV transport (kv_transport=none)")
-    if role not in (kv.role, "hybrid"):
+    if role not in (kv.role, "hybrid") and old_role not in (kv.role, "hybrid"):
         raise EngineUnavailable(f"a {role} engine takes no {kv.role} leg (its role is {role} now)")
     if connector.has_transfer(kv.transfer_id):
         raise EngineInputError(f"transfer id {kv.transfer_id!r} is already in use")

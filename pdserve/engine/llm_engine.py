@@ -39,6 +39,7 @@ from pdserve.engine.sim import build_sim_model
 from pdserve.runtime.model_source import AUTO, auto_dtype
 
 log = logging.getLogger(__name__)
+ROLE_GRACE_S = 3.0  # after a role switch, the old role's legs are still admitted this long
 
 
 class ModelParts(NamedTuple):
@@ -116,6 +117,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = self.output.requests  # live, by request id
         self.last_step_idle = False
         self.draining = False
+        self._old_role, self._old_role_until = "", 0.0  # still admitted after a switch (``set_role``)
         log.info(
             "engine ready: model=%s role=%s device=%s dtype=%s kv_blocks=%d (%.1f MiB) block_size=%d",
             cfg.name, config.role, config.device, config.dtype, num_blocks,
@@ -146,7 +148,8 @@ class LLMEngine:
         if self.draining:
             raise EngineUnavailable("the engine is draining and admits no new requests")
         if kv_transfer is not None:
-            check_kv_transfer(kv_transfer, params, self.config.role, self.connector)
+            old_role = self._old_role if time.monotonic() < self._old_role_until else ""
+            check_kv_transfer(kv_transfer, params, self.config.role, self.connector, old_role)
         if request_id in self.requests:
             raise EngineInputError(f"request id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -188,13 +191,17 @@ class LLMEngine:
         new role at once; the requests and transfers in flight finish in the role they
         were admitted in (a decode leg waiting for its KV, a stream, a prefill sending its
         KV): legs go by their own ``KVTransferParams.role``, and the engine runs both
-        kinds of step. A switch no longer waits for the old role's streams to end."""
+        kinds of step. A switch no longer waits for the old role's streams to end. For
+        ``ROLE_GRACE_S`` the old role's legs are still admitted: a Coordinator routes by
+        a view that hears of the switch a heartbeat later."""
         if role not in ("prefill", "decode", "hybrid"):
             raise EngineInputError(f"role must be prefill, decode or hybrid, got {role!r}")
         if role != "hybrid" and self.connector is None:
             raise EngineInputError(f"a {role} engine needs a KV transport (kv_transport=none)")
         log.info("role %s -> %s (%d requests in flight finish in theirs)", self.config.role, role,
                  self.scheduler.num_unfinished)
+        if role != self.config.role:
+            self._old_role, self._old_role_until = self.config.role, time.monotonic() + ROLE_GRACE_S
         self.config.role = role
 
     def probe_peer(self, peer: str, test_transfer: bool, timeout_s: float, done) -> None:

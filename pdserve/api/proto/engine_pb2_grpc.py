@@ -115,8 +115,9 @@ class EngineServicer:
 
     def SetRole(self, request, context):
         """Change role in place (prefill <-> decode <-> hybrid). New legs are admitted in the
-        new role at once (a leg of another role fails with UNAVAILABLE); the requests and
-        KV transfers in flight finish in the role they were admitted in. An engine that
+        new role at once, and in the old one for a few seconds while the Coordinators' views
+        catch up (after that, a leg of another role fails with UNAVAILABLE); the requests
+        and KV transfers in flight finish in the role they were admitted in. An engine that
         cannot switch while busy answers FAILED_PRECONDITION: drain it first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,7 +1,8 @@
 """A role switch in place (``LLMEngine.set_role``): the engine takes the new role's legs
 at once, while the legs in flight finish in the role they were admitted in; a leg of the
-old role sent after the switch (a Coordinator's view a moment old) is refused as
-unavailable, for another engine to take, not as bad input.
+old role sent just after the switch (a Coordinator's view a heartbeat old) is still
+served, and later one is refused as unavailable, for another engine to take, not as
+bad input.
 
 In-process engines over TCP (``pd_harness``), token ids checked against a hybrid
 engine's.
@@ -42,17 +43,21 @@ def test_a_decode_engine_switched_to_prefill_ends_its_streams_and_prefills_at_on
 
     d.set_role("prefill")  # with its stream in flight
     assert d.config.role == "prefill" and d.has_unfinished
-    with pytest.raises(EngineUnavailable, match="takes no decode leg"):
-        d.add_request("d-late", SECOND, PARAMS,
-                      kv_transfer=KVTransferParams("decode", "push", "x-late", p.connector.endpoint))
     submit_pair(d, other, "second", SECOND, PARAMS, "push")  # d prefills for another D now
+    submit_pair(p, d, "straggler", SECOND, PARAMS, "push")  # routed by a view not yet told
 
     for rid, more in run_until_idle(p, d, other).items():
         outs.setdefault(rid, []).extend(more)
-    assert tokens(outs["d-first"]) == reference[0] and outs["d-first"][-1].finish_reason == "length"
-    assert tokens(outs["d-second"]) == reference[1] and outs["d-second"][-1].finish_reason == "length"
+    for rid in ("d-first", "d-second", "d-straggler"):
+        assert outs[rid][-1].finish_reason == "length", outs[rid][-1]
+    assert tokens(outs["d-first"]) == reference[0]
+    assert tokens(outs["d-second"]) == reference[1] == tokens(outs["d-straggler"])
     assert outs["p-second"][-1].finish_reason == "handoff"
-    assert "d-late" not in outs
+    # once the grace is over, a decode leg is no longer taken
+    d._old_role_until = time.monotonic()
+    with pytest.raises(EngineUnavailable, match="takes no decode leg"):
+        d.add_request("d-late", SECOND, PARAMS,
+                      kv_transfer=KVTransferParams("decode", "push", "x-late", p.connector.endpoint))
     assert_all_free(p, d, other)
 
 
