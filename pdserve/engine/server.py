@@ -285,6 +285,11 @@ async def serve(
     listens, in the list's order. Main thread only (signals)."""
     security = security or SecuritySettings()
     served = [ServedEngine(engine) for engine in engines]
+    # the handlers first: a signal that comes as soon as "ready" is printed shuts down in order
+    stop, hurry = asyncio.Event(), asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
     try:
         for i, one in enumerate(served):
             await one.start(host, port and port + i, security,
@@ -294,17 +299,11 @@ async def serve(
                 metrics_ready(i, one.metrics_port)
             if ready is not None:
                 ready(i, one.port)
-        stop, hurry = asyncio.Event(), asyncio.Event()
-        aio_loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            aio_loop.add_signal_handler(sig, lambda: hurry.set() if stop.is_set() else stop.set())
-        try:
-            await stop.wait()
-            await asyncio.gather(*(shut_down(one.loop, shutdown_grace_s, hurry) for one in served))
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                aio_loop.remove_signal_handler(sig)
+        await stop.wait()
+        await asyncio.gather(*(shut_down(one.loop, shutdown_grace_s, hurry) for one in served))
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            aio_loop.remove_signal_handler(sig)
         await asyncio.gather(*(one.stop() for one in served))
 
 
