@@ -154,6 +154,23 @@ async def test_engines_served_by_one_process_have_servers_of_their_own_and_stop_
             pass
 
 
+def test_a_signal_once_the_first_of_several_engines_serves_shuts_them_all_down_in_order():
+    import signal
+
+    from tests.procs import PDSERVE, Proc
+
+    proc = Proc([*PDSERVE, "engine", "--simulate", "--model", "small", "--port", "0",
+                 "--metrics-port", "0", "--roles", ",".join(["decode"] * 20)])
+    try:
+        proc.wait_for(r"pdserve engine 0 \(decode\) serving model", timeout_s=60)
+        proc.signal(signal.SIGTERM)  # the other 19 are still starting
+        assert proc.popen.wait(30) == 0
+    finally:
+        proc.stop()
+    assert "pdserve engine stopped" in proc.output and "interrupted" not in proc.output
+    assert "Traceback" not in proc.output
+
+
 def test_a_simulated_engine_and_its_server_never_import_torch():
     code = ("import sys; from pdserve.engine.server import serve; "
             "from pdserve.engine.config import EngineConfig; from pdserve.engine.sim import SimTiming; "
