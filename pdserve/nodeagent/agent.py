@@ -4,10 +4,10 @@ Controller and executes its commands.
 Owns one ``SupervisedEngine`` per instance (its ``EngineProcess`` and probe
 state), the Controller channel, and the command tasks. Simulated instances that share
 one ``EmbeddedLaunch`` share one process (``pdserve engine --roles``, in their order:
-``SupervisedEngine.index``); a restart or a relaunch of one of them is one of all. Loops: one supervisor
-per engine, one probe loop per engine, one heartbeat loop (every interval, and
-at once when an engine's process state changes, so a death is reported without
-waiting).
+``SupervisedEngine.index``); a restart or a relaunch of one of them is one of all.
+Loops: one supervisor per engine process, one probe loop per engine, one heartbeat
+loop (every interval, and at once when an engine's process state changes, so a death
+is reported without waiting).
 
 Commands: ``drain`` (stop admitting), ``switch_role`` (SetRole at once: the legs in
 flight finish in their old role; an engine that switches only when idle is drained,
