@@ -1,18 +1,24 @@
-"""Engine step time with linear weights packed for oneDNN against plain ``F.linear``.
+"""The engine's CPU step tricks, each against what it replaced, in one process.
 
-Two ``LLMEngine``s in one process on the same model and dtype, one with
-``prepack_weights`` (``pdserve/engine/prepack.py``) and one without. For each batch size
-B, each round gives both engines the same B prompts of ``--prompt-len`` random token
-ids, prefilled in one step each (the token budget is raised to B×P), then runs
-``--decode-steps`` decode steps of the whole batch on each, the two engines' steps
-interleaved; which engine goes first alternates from round to round.
-Per round and engine: the prefill step's time and the median decode step; the table
-shows the median over rounds and the median of the per-round ratios (plain / packed:
-above 1 is packed faster). Only ratios within one run compare on a shared machine.
-The greedy token ids of the two engines must be equal (checked every round).
+1. Linear weights packed for oneDNN against plain ``F.linear``: two ``LLMEngine``s on
+the same model and dtype, one with ``prepack_weights`` (``pdserve/engine/prepack.py``)
+and one without. For each batch size B, each round gives both engines the same B
+prompts of ``--prompt-len`` random token ids, prefilled in one step each (the token
+budget is raised to B×P), then runs ``--decode-steps`` decode steps of the whole batch
+on each, the two engines' steps interleaved; which engine goes first alternates from
+round to round. Per round and engine: the prefill step's time and the median decode
+step; the table shows the median over rounds and the median of the per-round ratios
+(plain / packed: above 1 is packed faster). The greedy token ids of the two engines
+must be equal (checked every round).
 
-    taskset -c 0 .venv/bin/python benchmarks/engine_prepack.py              # smollm2, bfloat16
-    taskset -c 0 .venv/bin/python benchmarks/engine_prepack.py --quick      # a short check
+2. The greedy pick (``sampler.argmax``: ``max``'s indices) against ``Tensor.argmax``
+over float32 logits of the model's vocabulary, B rows: the fastest of 30 alternated
+calls each.
+
+Only ratios within one run compare on a shared machine.
+
+    taskset -c 0 .venv/bin/python benchmarks/engine_cpu_step.py              # smollm2, bfloat16
+    taskset -c 0 .venv/bin/python benchmarks/engine_cpu_step.py --quick      # a short check
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.api.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.sampler import argmax  # noqa: E402
 
 BLOCK_SIZE = 16
 ARMS = ("packed", "plain")
@@ -131,6 +138,24 @@ def main(argv: list[str] | None = None) -> None:
               f"| {r['decode_ratio']:.2f}x ({r['decode_ratio_range'][0]:.2f}-{r['decode_ratio_range'][1]:.2f}) "
               f"| {r['packed_prefill_ms']:,.0f} | {r['plain_prefill_ms']:,.0f} "
               f"| {r['prefill_ratio']:.2f}x ({r['prefill_ratio_range'][0]:.2f}-{r['prefill_ratio_range'][1]:.2f}) |")
+    time_greedy_pick(args.batch_sizes, vocab)
+
+
+def time_greedy_pick(batch_sizes: list[int], vocab: int) -> None:
+    import torch
+
+    print("\n| batch | Tensor.argmax us | sampler.argmax us | ratio |")
+    print("|---:|---:|---:|---:|")
+    for bs in batch_sizes:
+        logits = torch.randn(bs, vocab)
+        best = {"argmax": math.inf, "max": math.inf}
+        for _ in range(30):
+            for name, pick in (("argmax", lambda x: x.argmax(-1)), ("max", argmax)):
+                t0 = time.perf_counter()
+                pick(logits)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        print(f"| {bs} | {best['argmax'] * 1e6:,.0f} | {best['max'] * 1e6:,.0f} "
+              f"| {best['argmax'] / best['max']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pdserve.api.proto import engine_pb2 as pb
 from pdserve.api.sampling import SamplingError, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampler import TokenHistory, sample
+from pdserve.engine.sampler import TokenHistory, argmax, sample
 from pdserve.engine.server import sampling_from_proto
 
 PROMPT = [5, 9, 200, 31, 7, 77, 140, 9, 9]
@@ -27,6 +27,16 @@ def greedy(**kw) -> SamplingParams:
 
 
 # -- one row of logits --------------------------------------------------------------
+
+
+def test_greedy_takes_the_first_of_equal_largest_logits_as_argmax():
+    inf = float("inf")
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [-inf, -inf, -inf, -inf], [0.0, 0.0, 5.0, 5.0]])
+    assert argmax(logits).tolist() == [1, 0, 2] == logits.argmax(-1).tolist()
+    assert int(argmax(logits[2])) == 2
+    ties = torch.randint(0, 4, (16, 4096)).float()  # thousands of equal maxima a row
+    assert torch.equal(argmax(ties), ties.argmax(-1))
+    assert sample(logits, [greedy()] * 3, [0, 0, 0]) == [1, 0, 2]
 
 
 def test_logit_bias_moves_a_greedy_choice():
