@@ -52,6 +52,7 @@ class EngineEndpoint:
     max_model_len: int = 0  # longest request (prompt + output) it takes; 0: not reported
     # Coordinator-side, exact: legs in flight and prompt tokens not yet prefilled.
     num_inflight: int = 0
+    inflight_at_report: int = 0  # ``num_inflight`` when the view's load was last written
     num_pending_prefill_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # EWMA from observed prefill timings; 0: unknown
     suspect_until: float = 0.0
@@ -71,8 +72,11 @@ class EngineEndpoint:
 
     @property
     def queue_depth(self) -> int:
-        """Requests ahead of a new one: reported load or our own count, whichever is larger."""
-        return max(self.num_running + self.num_waiting, self.num_inflight)
+        """Requests ahead of a new one: our own legs now (exact) and the others' the last
+        report had beyond ours then (other Coordinators', up to a report old). Not the
+        report alone: when a wave of streams ends together, the report still counts them
+        until the next one, and a wave of new requests would all go elsewhere."""
+        return self.num_inflight + max(0, self.num_running + self.num_waiting - self.inflight_at_report)
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """Called by a leg when the engine reports how long a prefill of ``num_tokens`` took."""
@@ -122,7 +126,11 @@ class InstanceRegistry:
         new: dict[str, EngineEndpoint] = {}
         for inst in instances:
             old = self._instances.get(inst.instance_id)
-            if old is not None:
+            if old is None:
+                inst.inflight_at_report = inst.num_inflight
+            else:
+                if (inst.num_running, inst.num_waiting) != (old.num_running, old.num_waiting):
+                    old.inflight_at_report = old.num_inflight  # a new report of its load
                 for name in VIEW_FIELDS:
                     setattr(old, name, getattr(inst, name))
                 inst = old

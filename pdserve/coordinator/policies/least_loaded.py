@@ -1,8 +1,8 @@
 """least_loaded: the engine with the fewest requests ahead, then the lowest KV usage.
 
-Load per engine: ``queue_depth = max(running + waiting from the last Stats poll or
-Controller view, legs this Coordinator has in flight there)`` (polled load is up to
-one interval stale; our own count is exact but misses other Coordinators), then
+Load per engine: ``queue_depth``: the legs this Coordinator has in flight there now
+(exact), plus what the last Stats poll or Controller view reported beyond this
+Coordinator's legs at the time (the others' load, up to one interval stale), then
 ``kv_usage = used / (used + free)`` blocks.
 Algorithm: minimum of (queue_depth, kv_usage); ties go to the next engine after
 the last pick, so equal engines share work.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.coordinator.instances import InstanceRegistry
 from pdserve.coordinator.policies import RouteContext
 from pdserve.coordinator.policies.least_loaded import LeastLoaded
 from pdserve.coordinator.policies.prefix_cache_aware import BALANCE_ABS, PrefixCacheAware
@@ -34,6 +35,26 @@ def test_least_loaded_prefers_short_queue_then_low_kv_usage():
     full = inst("c", "decode", num_kv_blocks_used=90, num_kv_blocks_free=10)
     empty = inst("d", "decode", num_kv_blocks_used=10, num_kv_blocks_free=90)
     assert policy.choose([full, empty], ctx()) is empty
+
+
+def test_a_report_counts_the_others_load_and_our_own_legs_count_as_they_are_now():
+    registry = InstanceRegistry()
+    a, b = inst("a", "decode"), inst("b", "decode")
+    registry.replace([a, b])
+    a.num_inflight = 40  # a wave of our streams on a
+    registry.replace([inst("a", "decode", num_running=44), inst("b", "decode", num_running=2)])
+    assert (a.queue_depth, b.queue_depth) == (44, 2)  # 40 ours + 4 another Coordinator's; 2 others'
+    # the wave ends together: until the next report says so, a counts only the others' 4
+    # (the report alone would still say 44, and the next wave would all go to b)
+    a.num_inflight = 0
+    assert a.queue_depth == 4
+    policy = LeastLoaded()
+    assert policy.choose([a, b], ctx()) is b  # 4 against 2
+    b.num_inflight = 5
+    assert policy.choose([a, b], ctx()) is a  # b: 5 of ours now + 2 others'
+    # a view that changes nothing of a's load is no new report of it
+    registry.replace([inst("a", "decode", num_running=44), inst("b", "decode", num_running=7)])
+    assert (a.queue_depth, b.queue_depth) == (4, 7)
 
 
 def test_least_loaded_spreads_ties():
