@@ -277,6 +277,9 @@ class RequestRun:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
 
+    def tokens_left(self) -> int:
+        return self.params.max_tokens - len(self.generated)
+
     def move(self, to: EngineEndpoint | None = None) -> bool:
         """Cuts the stream's leg: the attempt ends as a failure of its engine's, which
         ``_attempts`` takes for a move and goes on with a new plan (a continuation): on

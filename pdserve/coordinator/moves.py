@@ -35,7 +35,9 @@ more than the least loaded one that takes streams (routable, queues nothing, not
 refused or failed a moment ago) and at least twice as many, half the difference of
 its streams moves to that one, the streams with the fewest tokens first (the
 cheapest to recompute, the most left to run), as far as the target's free blocks
-above ``RESERVE`` go. A stream moved for balance goes on on the target alone (it
+above ``RESERVE`` go; only streams with at least as many tokens left to generate as
+they hold (a stream near its end, as a phase's streams end together, is not worth
+its recompute). A stream moved for balance goes on on the target alone (it
 prefills its prompt and tokens so far there: no prefill engine's queue, which the
 planner would read as prompt demand), and neither rule moves it again, nor does the
 next balance start, until it has a new token.
@@ -72,6 +74,9 @@ class Movable(Protocol):
 
     def num_tokens(self) -> int:
         """Prompt and output tokens so far: what its KV holds."""
+
+    def tokens_left(self) -> int:
+        """Output tokens it may still generate (``max_tokens`` less those streamed)."""
 
     def move(self, to: EngineEndpoint | None = None) -> bool:
         """Cut its stream so the request goes on elsewhere (on ``to`` alone when given);
@@ -162,7 +167,8 @@ class Mover(Rounds):
             many, few = busy.num_inflight, target.num_inflight
             if target is busy or many - few < max(BALANCE_MIN, many - many // 2):
                 continue
-            streams = sorted((r for r in self.runs if r.stream_engine() is busy), key=lambda r: r.num_tokens())
+            streams = sorted((r for r in self.runs if r.stream_engine() is busy
+                              and r.tokens_left() >= r.num_tokens()), key=lambda r: r.num_tokens())
             room = self._free_above_reserve(target) - self._taken
             moved_here = 0
             for run in streams[:(many - few) // 2]:

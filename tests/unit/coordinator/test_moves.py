@@ -128,6 +128,7 @@ class FakeRun:
     tokens: int = 40
     moved: bool = False
     to: object = None
+    left: int = 1000
 
     def stream_engine(self):
         return None if self.moved else self.engine
@@ -137,6 +138,9 @@ class FakeRun:
 
     def num_tokens(self) -> int:
         return self.tokens
+
+    def tokens_left(self) -> int:
+        return self.left
 
     def move(self, to=None) -> bool:
         self.moved, self.to = True, to
@@ -255,6 +259,12 @@ def test_balance_leaves_small_differences_and_engines_with_no_room_or_a_queue():
     assert round_with(inst("d1", "decode", num_inflight=11, num_kv_blocks_free=1024), n=20) == 0  # not 2x
     assert round_with(inst("d1", "decode", num_waiting=1, num_kv_blocks_free=1024)) == 0  # it queues
     assert round_with(inst("d1", "decode", draining=True, num_kv_blocks_free=1024)) == 0  # leaving
+    # streams near their end (fewer tokens left than they hold) are not worth a recompute
+    busy = inst("d0", "decode", num_inflight=12, num_kv_blocks_free=1024)
+    mover, _ = _mover(busy, inst("d1", "decode", num_kv_blocks_free=1024))
+    mover.runs.update(FakeRun(busy, 100.0, tokens=100, left=99 + i % 2) for i in range(12))
+    assert mover.balance(100.0) == 6  # only the six with 100 left: all of them
+    assert all(r.left == 100 for r in mover.runs if r.moved)
     # 30 free, 10% of 32 kept: 27 blocks hold 3 streams of 9 (140 tokens)
     assert round_with(inst("d1", "decode", num_kv_blocks_used=2, num_kv_blocks_free=30), tokens=140) == 3
     assert round_with(inst("p1", "prefill", num_kv_blocks_free=1024)) == 0  # another role
