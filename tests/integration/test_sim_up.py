@@ -68,15 +68,21 @@ def engine_stats(run_dir: Path) -> dict[str, list[engine_pb2.StatsResponse]]:
     return stats
 
 
-def test_up_serves_through_simulated_prefill_and_decode_engines(tmp_path):
+def up_simulated(tmp_path: Path, name: str, decode: int, **simulate) -> tuple[Proc, int, Path]:
+    """``pdserve up -f`` of two simulated prefill engines and ``decode`` decode engines;
+    returns the process, its port and its run directory."""
     spec = write_yaml(tmp_path / "cluster.yaml", {
         "model": {"preset": "small", "servedName": "sim"},
-        "engine": {"kvCacheBytes": "64Mi", "simulate": {"prefillPerTokenMs": 0.1}},
-        "prefill": {"replicas": 2, "threads": 1}, "decode": {"replicas": 2, "threads": 1},
+        "engine": {"kvCacheBytes": "64Mi", "simulate": {"prefillPerTokenMs": 0.1, **simulate}},
+        "prefill": {"replicas": 2, "threads": 1}, "decode": {"replicas": decode, "threads": 1},
         # Every request is disaggregated: no prompt is short enough to prefill on D.
-        "routing": {"localPrefillMaxTokens": 0, "loadAwareLocalPrefill": False}}, name="sim")
+        "routing": {"localPrefillMaxTokens": 0, "loadAwareLocalPrefill": False}}, name=name)
     port, run_dir = free_port(), tmp_path / "run"
-    up = Proc([*PDSERVE, "up", "-f", str(spec), "--port", str(port), "--run-dir", str(run_dir)])
+    return Proc([*PDSERVE, "up", "-f", str(spec), "--port", str(port), "--run-dir", str(run_dir)]), port, run_dir
+
+
+def test_up_serves_through_simulated_prefill_and_decode_engines(tmp_path):
+    up, port, run_dir = up_simulated(tmp_path, "sim", decode=2)
     try:
         up.wait_for(r"starting cluster 'sim': model small in float32 \(auto\), simulated", timeout_s=30)
         up.wait_for(r"pdserve is up", timeout_s=120)
@@ -125,13 +131,7 @@ def until(predicate, timeout_s: float, what: str) -> float:
 
 
 def test_engines_sharing_processes_serve_and_a_killed_process_is_routed_around(tmp_path):
-    spec = write_yaml(tmp_path / "cluster.yaml", {
-        "model": {"preset": "small", "servedName": "sim"},
-        "engine": {"kvCacheBytes": "64Mi", "simulate": {"perProcess": 2, "prefillPerTokenMs": 0.1}},
-        "prefill": {"replicas": 2, "threads": 1}, "decode": {"replicas": 4, "threads": 1},
-        "routing": {"localPrefillMaxTokens": 0, "loadAwareLocalPrefill": False}}, name="simpp")
-    port, run_dir = free_port(), tmp_path / "run"
-    up = Proc([*PDSERVE, "up", "-f", str(spec), "--port", str(port), "--run-dir", str(run_dir)])
+    up, port, run_dir = up_simulated(tmp_path, "simpp", decode=4, perProcess=2)
     try:
         up.wait_for(r"pdserve is up", timeout_s=120)
         base = f"http://127.0.0.1:{port}"

@@ -30,8 +30,20 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 def test_a_decode_engine_switched_to_prefill_ends_its_streams_and_prefills_at_once():
-    reference = make_engine("hybrid", transport="none").generate([FIRST, SECOND], PARAMS)
+    hybrid = make_engine("hybrid", transport="none")
+    try:
+        reference = hybrid.generate([FIRST, SECOND], PARAMS)
+    finally:
+        hybrid.close()
     p, d, other = make_engine("prefill"), make_engine("decode"), make_engine("decode")
+    try:
+        switch_with_a_stream_in_flight(p, d, other, reference)
+    finally:
+        for engine in (p, d, other):
+            engine.close()
+
+
+def switch_with_a_stream_in_flight(p, d, other, reference) -> None:
     submit_pair(p, d, "first", FIRST, PARAMS, "push")
     outs: dict[str, list] = {}
     deadline = time.monotonic() + 20
@@ -63,8 +75,11 @@ def test_a_decode_engine_switched_to_prefill_ends_its_streams_and_prefills_at_on
 
 def test_a_role_needs_a_known_name_and_a_kv_transport():
     hybrid = make_engine("hybrid", transport="none")
-    with pytest.raises(ValueError, match="needs a KV transport"):
-        hybrid.set_role("decode")
-    with pytest.raises(ValueError, match="role must be"):
-        hybrid.set_role("mixed")
-    assert hybrid.config.role == "hybrid"
+    try:
+        with pytest.raises(ValueError, match="needs a KV transport"):
+            hybrid.set_role("decode")
+        with pytest.raises(ValueError, match="role must be"):
+            hybrid.set_role("mixed")
+        assert hybrid.config.role == "hybrid"
+    finally:
+        hybrid.close()
