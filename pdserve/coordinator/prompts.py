@@ -27,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pdserve.runtime.chat_template import HOW_TO_ADD, find_chat_template
 from pdserve.runtime.detokenizer import Detokenizer
+from pdserve.runtime.gguf_file import parsed_once
 from pdserve.runtime.model_source import resolve
 from pdserve.runtime.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -68,9 +69,10 @@ class PromptBuilder:
             template, self.template_source = PRESET_CHAT_TEMPLATE, "built-in (random-weight preset)"
         else:
             path = Path(resolve(model))
-            if path.exists():
-                self.tokenizer = load_tokenizer(path)
-            found = find_chat_template(path)
+            with parsed_once():  # one parse of a GGUF file for both
+                if path.exists():
+                    self.tokenizer = load_tokenizer(path)
+                found = find_chat_template(path)
             template, self.template_source, self._specials = found.template, found.source, found.specials
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise

@@ -60,21 +60,23 @@ def load_model_parts(config: EngineConfig) -> ModelParts:
     from pdserve.engine.loader import load_rank0, model_config
     from pdserve.engine.parallel import TPWorkers
     from pdserve.engine.runner import ModelRunner
+    from pdserve.runtime.gguf_file import parsed_once
 
-    config.check_model(model_config(config.model))
-    # With tensor parallelism this process is rank 0; the other ranks start first.
-    tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
-    try:
-        model, tokenizer, num_blocks = load_rank0(config)
-        allocator = kv_allocator(config)
-        runner = ModelRunner(model, num_blocks, config.block_size, allocator,
-                             tp_workers.send_step if tp_workers else None)
-        if tp_workers is not None:
-            tp_workers.start_cache(num_blocks, config.block_size, getattr(allocator, "fd", None))
-    except BaseException:
-        if tp_workers is not None:
-            tp_workers.close()
-        raise
+    with parsed_once():  # the check and the load read one parse of a GGUF file
+        config.check_model(model_config(config.model))
+        # With tensor parallelism this process is rank 0; the other ranks start first.
+        tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
+        try:
+            model, tokenizer, num_blocks = load_rank0(config)
+            allocator = kv_allocator(config)
+            runner = ModelRunner(model, num_blocks, config.block_size, allocator,
+                                 tp_workers.send_step if tp_workers else None)
+            if tp_workers is not None:
+                tp_workers.start_cache(num_blocks, config.block_size, getattr(allocator, "fd", None))
+        except BaseException:
+            if tp_workers is not None:
+                tp_workers.close()
+            raise
     return ModelParts(runner, model.config, tokenizer, num_blocks, tp_workers,
                       getattr(allocator, "segment", None))
 

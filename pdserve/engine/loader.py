@@ -33,7 +33,7 @@ from pdserve.engine.device import prepare_device
 from pdserve.engine.model import Transformer
 from pdserve.engine.parallel import TensorParallel, rank_device
 from pdserve.engine.prepack import prepack_linears
-from pdserve.runtime.gguf_file import GGUFError, GGUFFile, is_gguf
+from pdserve.runtime.gguf_file import GGUFError, GGUFFile, is_gguf, parsed_once
 from pdserve.runtime.model_source import PRESETS as ALL_PRESETS
 from pdserve.runtime.model_source import ModelSourceError, resolve
 from pdserve.runtime.tokenizer import ByteTokenizer, load_tokenizer
@@ -353,7 +353,12 @@ def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu",
     (``prepack.prepack_linears``)."""
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    torch_dtype, torch_device = DTYPES[dtype], torch.device(device)
+    with parsed_once():  # config, weights and tokenizer from one parse of a GGUF file
+        return _load_model(name_or_path, DTYPES[dtype], torch.device(device), tp, prepack)
+
+
+def _load_model(name_or_path: str, torch_dtype: torch.dtype, torch_device: torch.device,
+                tp: TensorParallel, prepack: bool):
     cfg = model_config(name_or_path)
     model = Transformer(cfg, torch_dtype, torch_device, tp)
     if name_or_path in PRESETS:

@@ -159,10 +159,12 @@ def build_sim_model(config: EngineConfig) -> tuple[SimRunner, ModelConfig, objec
     if config.model in PRESETS:
         modelled, tokenizer = preset_config(config.model), ByteTokenizer(PRESETS[config.model]["vocab_size"])
     else:
+        from pdserve.runtime.gguf_file import parsed_once
         from pdserve.runtime.model_source import resolve
 
         path = Path(resolve(config.model))
-        modelled, tokenizer = ModelConfig.from_path(path), load_tokenizer(path)
+        with parsed_once():
+            modelled, tokenizer = ModelConfig.from_path(path), load_tokenizer(path)
         if tokenizer is None:
             raise ConfigError(f"{path} has no tokenizer.json, which a simulated engine "
                               f"generates its text with")

@@ -8,19 +8,18 @@ the BOS/EOS ids, and ``tensor(name)`` / ``tensor_names()`` under Hugging Face's 
 names and layouts, dequantized to float32 by ``gguf.quants``. The control plane uses
 the metadata only (no torch here); the engine loads the tensors.
 
-What is understood (anything else raises ``GGUFError`` naming what):
-- architectures ``llama``, ``mistral``, ``qwen2``, ``qwen3``; llama.cpp writes Llama's
-  and Mistral's q/k rows interleaved for its RoPE, so they are put back in Hugging
-  Face's order (``_unpermute``);
-- BPE vocabularies (``tokenizer.ggml.model == "gpt2"``), pre-tokenized with the
-  expression the file's ``tokenizer.ggml.pre`` names (``PRE_TOKENIZER_PATTERNS``,
-  GPT-2's otherwise); control tokens (type 3) are special, user-defined ones (type 4)
-  are added tokens;
-- every tensor type ``gguf.quants`` dequantizes.
+Parsing the metadata is the slow part (``GGUFReader`` builds every field, the whole
+vocabulary included: about 2 s for SmolLM2's 49,152 tokens), and an engine's start asks
+four times (config, model check, weights, tokenizer). Inside ``parsed_once()`` every
+``GGUFFile`` of the same file (path, size, modification time) shares one parse; on
+leaving it the parse is dropped, so neither the parsed fields nor the file's mapped
+pages stay for the process's life.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
 
@@ -81,6 +80,36 @@ def _unpermute(rows, num_heads: int):
     return shaped.swapaxes(1, 2).reshape(rows.shape)
 
 
+_shared: dict | None = None  # (path, size, mtime) -> reader, inside ``parsed_once``
+
+
+@contextlib.contextmanager
+def parsed_once() -> Iterator[None]:
+    """Share one parse per file among the ``GGUFFile`` objects made inside (an engine's
+    or a Coordinator's start); nested uses share the outermost one's."""
+    global _shared
+    outermost = _shared is None
+    if outermost:
+        _shared = {}
+    try:
+        yield
+    finally:
+        if outermost:
+            _shared = None
+
+
+def _parse(path: Path):
+    from gguf import GGUFReader
+
+    if _shared is None:
+        return GGUFReader(str(path))
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)  # a changed file: parsed again
+    if key not in _shared:
+        _shared[key] = GGUFReader(str(path))
+    return _shared[key]
+
+
 class GGUFFile:
     """One GGUF file, opened lazily: ``path`` is checked, the metadata parsed on first use."""
 
@@ -89,12 +118,10 @@ class GGUFFile:
 
     @cached_property
     def _reader(self):
-        from gguf import GGUFReader
-
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: no such GGUF file")
         try:
-            return GGUFReader(str(self.path))
+            return _parse(self.path)
         except Exception as exc:  # the reader raises bare ValueErrors, struct and OS errors
             raise GGUFError(f"{self.path} is not a readable GGUF file: {exc}") from None
 
