@@ -11,6 +11,10 @@ step; the table shows the median over rounds and the median of the per-round rat
 (plain / packed: above 1 is packed faster). The greedy token ids of the two engines
 must be equal (checked every round).
 
+With ``--against plain-head`` the other engine is packed too, but multiplies by the
+plain tied embedding for its logits, as before the tied head got a packed copy of its
+own: the head's share alone.
+
 2. The greedy pick (``sampler.argmax``: ``max``'s indices) against ``Tensor.argmax``
 over float32 logits of the model's vocabulary, B rows: the fastest of 30 alternated
 calls each.
@@ -19,6 +23,7 @@ Only ratios within one run compare on a shared machine.
 
     taskset -c 0 .venv/bin/python benchmarks/engine_cpu_step.py              # smollm2, bfloat16
     taskset -c 0 .venv/bin/python benchmarks/engine_cpu_step.py --quick      # a short check
+    taskset -c 0 .venv/bin/python benchmarks/engine_cpu_step.py --against plain-head
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampler import argmax  # noqa: E402
 
 BLOCK_SIZE = 16
-ARMS = ("packed", "plain")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--against", default="plain", choices=["plain", "plain-head"],
+                        help="the other engine: no packing, or packed with the tied head plain")
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8, 2 rounds, 8 steps")
     args = parser.parse_args(argv)
     if args.quick:
@@ -96,47 +102,53 @@ def run_round(engines: dict[str, LLMEngine], order: tuple[str, ...], prompts: li
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    engines = {"packed": build_engine(args, True), "plain": build_engine(args, False)}
+    base = args.against
+    engines = {"packed": build_engine(args, True), base: build_engine(args, base == "plain-head")}
+    if base == "plain-head":
+        if not engines[base].model_config.tie_word_embeddings:
+            sys.exit("error: --against plain-head needs a model with a tied head")
+        engines[base].runner.model.lm_head = None  # the logits from the plain embedding
+    arms = ("packed", base)
     num_packed = sum(p.is_mkldnn for p in engines["packed"].runner.model.parameters())
     if num_packed == 0:
         sys.exit(f"error: nothing was packed (device cpu, dtype {args.dtype}: prepack.can_prepack)")
-    vocab = engines["plain"].model_config.vocab_size
-    run_round(engines, ARMS, [[1] * 32, [2] * 32], 2, "warm")  # first calls of every kernel
+    vocab = engines[base].model_config.vocab_size
+    run_round(engines, arms, [[1] * 32, [2] * 32], 2, "warm")  # first calls of every kernel
     rows = []
     for bs in args.batch_sizes:
         rng = random.Random(bs)
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(bs)]
-        got = {arm: {"prefill": [], "decode": []} for arm in ARMS}
+        got = {arm: {"prefill": [], "decode": []} for arm in arms}
         for rnd in range(args.rounds):
-            done = run_round(engines, ARMS if rnd % 2 == 0 else ARMS[::-1], prompts,
+            done = run_round(engines, arms if rnd % 2 == 0 else arms[::-1], prompts,
                              args.decode_steps, f"{bs}-{rnd}")
             for arm, (prefill_s, steps, _) in done.items():
                 got[arm]["prefill"].append(prefill_s)
                 got[arm]["decode"].append(statistics.median(steps))
-            if done["packed"][2] != done["plain"][2]:
+            if done["packed"][2] != done[base][2]:
                 sys.exit(f"error: batch {bs} round {rnd}: the packed engine's greedy ids differ")
             print(f"batch {bs} round {rnd}: decode step packed "
-                  f"{got['packed']['decode'][-1] * 1e3:.1f} ms, plain {got['plain']['decode'][-1] * 1e3:.1f}"
-                  f" ms; prefill packed {got['packed']['prefill'][-1] * 1e3:.0f} ms, plain "
-                  f"{got['plain']['prefill'][-1] * 1e3:.0f} ms", file=sys.stderr, flush=True)
+                  f"{got['packed']['decode'][-1] * 1e3:.1f} ms, {base} {got[base]['decode'][-1] * 1e3:.1f}"
+                  f" ms; prefill packed {got['packed']['prefill'][-1] * 1e3:.0f} ms, {base} "
+                  f"{got[base]['prefill'][-1] * 1e3:.0f} ms", file=sys.stderr, flush=True)
         row = {"batch": bs}
         for what in ("decode", "prefill"):
-            for arm in ARMS:
+            for arm in arms:
                 row[f"{arm}_{what}_ms"] = statistics.median(got[arm][what]) * 1e3
-            ratios = [b / a for a, b in zip(got["packed"][what], got["plain"][what], strict=True)]
+            ratios = [b / a for a, b in zip(got["packed"][what], got[base][what], strict=True)]
             row[f"{what}_ratio"] = statistics.median(ratios)
             row[f"{what}_ratio_range"] = (min(ratios), max(ratios))
         rows.append(row)
     print(f"\nmodel={args.model} dtype={args.dtype} threads={args.threads} prompt_len={args.prompt_len}"
           f" decode_steps={args.decode_steps} rounds={args.rounds}; {num_packed} weights packed; "
           "greedy ids equal in every round\n")
-    print("| batch | decode step packed ms | plain ms | plain / packed (min-max) "
-          "| prefill packed ms | plain ms | plain / packed (min-max) |")
+    print(f"| batch | decode step packed ms | {base} ms | {base} / packed (min-max) "
+          f"| prefill packed ms | {base} ms | {base} / packed (min-max) |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['packed_decode_ms']:.1f} | {r['plain_decode_ms']:.1f} "
+        print(f"| {r['batch']} | {r['packed_decode_ms']:.1f} | {r[f'{base}_decode_ms']:.1f} "
               f"| {r['decode_ratio']:.2f}x ({r['decode_ratio_range'][0]:.2f}-{r['decode_ratio_range'][1]:.2f}) "
-              f"| {r['packed_prefill_ms']:,.0f} | {r['plain_prefill_ms']:,.0f} "
+              f"| {r['packed_prefill_ms']:,.0f} | {r[f'{base}_prefill_ms']:,.0f} "
               f"| {r['prefill_ratio']:.2f}x ({r['prefill_ratio_range'][0]:.2f}-{r['prefill_ratio_range'][1]:.2f}) |")
     time_greedy_pick(args.batch_sizes, vocab)
 
