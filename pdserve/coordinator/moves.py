@@ -119,7 +119,7 @@ class Mover(Rounds):
         if self.registry.version != self._version:
             self._version, self._moved, self._taken = self.registry.version, {}, 0
         stalled: dict[str, list[Movable]] = {}
-        self._settling = {r: n for r, n in self._settling.items() if r in self.runs and r.num_tokens() == n}
+        self._prune_settled()
         for run in self.runs:
             engine = run.stream_engine()
             if (engine is None or engine.role not in ROLES or not self._queues(engine)
@@ -154,6 +154,7 @@ class Mover(Rounds):
 
     def balance(self, now: float) -> int:
         """Balance (``Algorithm`` above); returns the number of streams moved."""
+        self._prune_settled()
         if self._settling:
             return 0
         moved = 0
@@ -185,6 +186,10 @@ class Mover(Rounds):
                          moved_here, role, busy.instance_id, many, target.instance_id, few)
             moved += moved_here
         return moved
+
+    def _prune_settled(self) -> None:
+        """Forget the streams balance moved that have a new token since, or ended."""
+        self._settling = {r: n for r, n in self._settling.items() if r in self.runs and r.num_tokens() == n}
 
     def _queues(self, engine: EngineEndpoint) -> bool:
         return engine.num_waiting > self._moved.get(engine.instance_id, 0)

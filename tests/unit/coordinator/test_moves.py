@@ -234,6 +234,10 @@ def test_streams_piled_on_one_engine_half_move_to_one_that_joined_its_role_on_it
             r.tokens += 1
     new.num_waiting, new.num_inflight = 0, 10
     assert mover.balance(now) == 0
+    # settled, a new pile-up moves again (balance forgets the settled streams itself)
+    old.num_inflight, new.num_inflight = 20, 0
+    assert mover.balance(now) == 10
+    assert all(r.to is new for r in runs if r.moved)
 
 
 def test_balance_counts_the_legs_planned_to_an_engine_not_only_its_streams():
