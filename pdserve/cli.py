@@ -56,6 +56,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0],
                                      usage="pdserve [--debug] [--version] COMMAND ...")
@@ -72,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     is_debug = parser.parse_args(argv[:at]).debug
     name = argv[at]
     is_simulated = "--simulate" in argv[at + 1:]  # a simulated engine runs without torch
+    if name == "engine" and from_command_line and not is_simulated:
+        from pdserve.runtime.huge_pages import reexec_with_huge_pages
+
+        reexec_with_huge_pages()  # weights on 2 MiB pages; returns only if nothing to add
     if (extra := NEEDS_EXTRA.get(name)) and not is_simulated and extras.missing_modules(extra):
         print(f"error: {extras.explain(f'pdserve {name}', extra)}", file=sys.stderr)
         return 1
