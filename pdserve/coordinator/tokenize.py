@@ -24,7 +24,10 @@ from .settings import CoordinatorSettings
 
 class TokenizeRequest(BaseModel):
     """Either ``prompt`` (tokenized as /v1/completions does, BOS as the checkpoint asks)
-    or ``messages`` (rendered by the chat template as /v1/chat/completions does)."""
+    or ``messages`` (rendered by the chat template as /v1/chat/completions does).
+    ``add_special_tokens`` as vLLM's: whether the tokenizer adds BOS (by default yes
+    for a prompt, no for messages, whose template has its own); clients such as
+    ``vllm bench serve`` send it."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -32,6 +35,7 @@ class TokenizeRequest(BaseModel):
     prompt: Annotated[str | None, AfterValidator(_valid_unicode)] = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=1024)
     return_token_strs: bool = False
+    add_special_tokens: bool | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -67,11 +71,12 @@ def register_tokenize(app: FastAPI, prompts: PromptBuilder, registry: InstanceRe
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ServeError(400, "give exactly one of prompt and messages", param="prompt")
+        add_bos = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
         if body.messages is not None:
             text = prompts.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-            ids = prompts.encode_text(text)
+            ids = prompts.encode_text(text, add_bos=add_bos)
         else:
-            ids = prompts.encode_text(body.prompt, add_bos=True)
+            ids = prompts.encode_text(body.prompt, add_bos=add_bos)
         out = {"count": len(ids), "max_model_len": registry.max_model_len() or None, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = [prompts.tokenizer.decode([t]) for t in ids]

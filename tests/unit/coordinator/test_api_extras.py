@@ -28,6 +28,11 @@ def test_tokenize_and_detokenize_agree_with_the_prompts_the_coordinator_sends(lo
         assert out["max_model_len"] == 64
         back = httpx.post(app.url + "/detokenize", json={"tokens": out["tokens"]}, timeout=10)
         assert back.json() == {"prompt": "héllo"}
+        # vLLM's add_special_tokens, as `vllm bench serve` sends it (this preset has no BOS)
+        plain = httpx.post(app.url + "/tokenize", json={"prompt": "héllo", "add_special_tokens": False},
+                           timeout=10)
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["tokens"] == out["tokens"]
         # A completion's prompt is exactly what /tokenize counted.
         httpx.post(app.url + "/v1/completions", json={"model": "tiny", "prompt": "héllo",
                                                       "max_tokens": 2}, timeout=10)
