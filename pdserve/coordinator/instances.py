@@ -13,14 +13,25 @@ Invariants: only ``routable`` instances (healthy, not draining) are in pools; an
 instance that just failed a leg is ``suspect`` for ``suspect_s``, and one that just
 answered "full" is avoided for a moment (``mark_full``): either is picked only when
 nothing else is left; waiters on ``wait_changed`` wake on every change.
+
+Cost: ``replace`` O(N). What a request reads is kept: ``max_model_len()`` until the
+next view, and ``pools()`` (no ``exclude``) until a view changes an instance's
+``MEMBER_FIELDS`` or the set of instances (``members_version``), an instance is marked
+failed or full, or one of those marks runs out; a view of new load figures keeps it.
+So view fields are written through ``replace`` alone, never on an instance in place.
+With ``exclude`` (a retry) pools are built afresh, O(N). Each pool is a ``Pool``, in
+id order, whose ``order`` (``load_order``) keeps its engines ordered by load as their
+load fields are written, so the policies find the least loaded in O(log N).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pdserve.runtime.aio import wait_event
 from pdserve.runtime.engine_client import EngineClient
@@ -28,14 +39,22 @@ from pdserve.runtime.security import SecuritySettings
 from pdserve.runtime.vllm_server import is_vllm_address
 
 from .engines import Engine
+from .load_order import LoadOrder
 from .sessions import EmbeddedEngine
 from .vllm_engine import VllmBackend
+
+LOAD_FIELDS = frozenset({"num_inflight", "inflight_at_report", "num_running", "num_waiting",
+                         "num_kv_blocks_used", "num_kv_blocks_free"})
+"""What ``queue_depth`` and ``kv_usage`` are read from: writing one marks the engine in
+its pools' load orders (``load_order``)."""
 
 
 @dataclass
 class EngineEndpoint:
     """One engine as the router sees it. The view's fields are written by the view
     source; the Coordinator-side counters by the legs running on it (``legs.Leg``)."""
+
+    _load_orders = ()  # not a field: weak references to the LoadOrders it is in (``watch_load``)
 
     instance_id: str
     address: str
@@ -57,6 +76,19 @@ class EngineEndpoint:
     prefill_tokens_per_s: float = 0.0  # EWMA from observed prefill timings; 0: unknown
     suspect_until: float = 0.0
     full_until: float = 0.0  # it answered "full": avoided until then (monotonic seconds)
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in LOAD_FIELDS:
+            for ref in self._load_orders:
+                order = ref()
+                if order is not None:
+                    order.mark(self)
+
+    def watch_load(self, order: LoadOrder) -> None:
+        """Called by a ``LoadOrder`` it is in: told of every write of its load from now
+        (weakly: the orders of pools the registry dropped drop out here)."""
+        self._load_orders = [*(r for r in self._load_orders if r() is not None), weakref.ref(order)]
 
     def is_full(self, now: float) -> bool:
         return self.full_until > now
@@ -91,12 +123,37 @@ VIEW_FIELDS = (
     "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "block_size", "max_model_len",
 )
 
+MEMBER_FIELDS = ("role", "kv_endpoint", "kv_compat_hash", "healthy", "draining")
+"""The view fields pools, pairings and pair checks read (load aside): a view that changes
+one of them on some instance bumps ``InstanceRegistry.members_version``."""
+
+
+class Pool(list):
+    """One role's routable instances in id order, as ``InstanceRegistry.pools`` hands them
+    out; never changed once built. ``order``: the same ordered by load, for the policies."""
+
+    @cached_property
+    def order(self) -> LoadOrder:
+        return LoadOrder(self)
+
+    @cached_property
+    def by_id(self) -> dict[str, EngineEndpoint]:
+        return {i.instance_id: i for i in self}
+
 
 @dataclass
 class Pools:
-    prefill: list[EngineEndpoint] = field(default_factory=list)
-    decode: list[EngineEndpoint] = field(default_factory=list)
-    hybrid: list[EngineEndpoint] = field(default_factory=list)
+    """Routable instances by role. Read it, never change it: the registry hands the same
+    one to every request until it changes (``Cost`` above)."""
+
+    prefill: list[EngineEndpoint] = field(default_factory=Pool)
+    decode: list[EngineEndpoint] = field(default_factory=Pool)
+    hybrid: list[EngineEndpoint] = field(default_factory=Pool)
+
+    @cached_property
+    def members(self) -> tuple:
+        """Which objects the prefill and decode pools hold: the router's pairing key."""
+        return tuple(map(id, self.prefill)), tuple(map(id, self.decode))
 
 
 class InstanceRegistry:
@@ -114,7 +171,11 @@ class InstanceRegistry:
         self.mode = "PD"  # the Controller's view mode: "PD" | "FALLBACK"
         self.fallback_reason = ""
         self.recent_events: list[str] = []  # the Controller's, newest last
-        self.version = 0
+        self.version = 0  # every view
+        self.members_version = 0  # views that changed the instances or their MEMBER_FIELDS
+        self._pools: Pools | None = None  # pools() without exclude, kept (``Cost`` above)
+        self._pools_until = 0.0  # monotonic: a suspect or full mark in them runs out
+        self._max_model_len: int | None = None  # max_model_len(), kept until the next view
         self.on_failed = None  # called with an instance id after mark_failed (pair checks)
 
     # -- written by the view source (static poller / Controller watcher) --
@@ -124,18 +185,27 @@ class InstanceRegistry:
         """A whole new view. Instances that stay keep their object (requests hold it)
         and Coordinator-side counters; only the view's fields are updated."""
         new: dict[str, EngineEndpoint] = {}
+        members_changed = False
         for inst in instances:
             old = self._instances.get(inst.instance_id)
             if old is None:
                 inst.inflight_at_report = inst.num_inflight
+                members_changed = True
             else:
                 if (inst.num_running, inst.num_waiting) != (old.num_running, old.num_waiting):
                     old.inflight_at_report = old.num_inflight  # a new report of its load
+                if not members_changed:
+                    members_changed = any(getattr(old, name) != getattr(inst, name)
+                                          for name in MEMBER_FIELDS)
                 for name in VIEW_FIELDS:
                     setattr(old, name, getattr(inst, name))
                 inst = old
             new[inst.instance_id] = inst
+        if members_changed or len(new) != len(self._instances):
+            self.members_version += 1
+            self._pools = None
         self._instances = new
+        self._max_model_len = None
         self.mode, self.fallback_reason = mode, reason
         if events is not None:
             self.recent_events = events
@@ -164,8 +234,11 @@ class InstanceRegistry:
         return self._instances.get(instance_id)
 
     def pools(self, exclude: set[str] = frozenset()) -> Pools:
-        """Routable instances by role; suspects and ``exclude`` only as a last resort."""
+        """Routable instances by role; suspects and ``exclude`` only as a last resort.
+        Called by the router per request: without ``exclude``, the kept ``Pools``."""
         now = time.monotonic()
+        if not exclude and self._pools is not None and now < self._pools_until:
+            return self._pools
         pools = Pools()
         spare = Pools()
         for inst in self._instances.values():
@@ -176,19 +249,28 @@ class InstanceRegistry:
         for role in ("prefill", "decode", "hybrid"):
             if not getattr(pools, role):
                 setattr(pools, role, getattr(spare, role))
+            getattr(pools, role).sort(key=_instance_id)
+        if not exclude:
+            marks = [t for i in self._instances.values() if i.routable
+                     for t in (i.suspect_until, i.full_until) if t > now]
+            self._pools, self._pools_until = pools, min(marks, default=float("inf"))
         return pools
 
     def max_model_len(self) -> int:
         """The longest request every routable engine takes (the smallest of what they
-        report), 0 while none reports one. Read per request by serving, and by /v1/models."""
-        lens = [i.max_model_len for i in self._instances.values() if i.routable and i.max_model_len]
-        return min(lens, default=0)
+        report), 0 while none reports one. Read per request by serving, and by /v1/models:
+        worked out once per view."""
+        if self._max_model_len is None:
+            lens = [i.max_model_len for i in self._instances.values() if i.routable and i.max_model_len]
+            self._max_model_len = min(lens, default=0)
+        return self._max_model_len
 
     def mark_failed(self, instance_id: str) -> None:
         """Called by the lifecycle when a leg on this instance failed."""
         inst = self._instances.get(instance_id)
         if inst is not None:
             inst.suspect_until = time.monotonic() + self._suspect_s
+            self._pools = None
         if self.on_failed is not None:
             self.on_failed(instance_id)
 
@@ -199,6 +281,7 @@ class InstanceRegistry:
         inst = self._instances.get(instance_id)
         if inst is not None:
             inst.full_until = max(inst.full_until, time.monotonic() + seconds)
+            self._pools = None
 
     def _by_address(self, address: str) -> Engine:
         if is_vllm_address(address):
@@ -223,3 +306,7 @@ class InstanceRegistry:
         for engine in self._engines.values():
             await engine.close()
         self._engines.clear()
+
+
+def _instance_id(inst: EngineEndpoint) -> str:
+    return inst.instance_id

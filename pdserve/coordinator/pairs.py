@@ -22,6 +22,11 @@ One task (``run``), on the app's event loop, owns the results; the router and
 /ready read them on the same loop. ``version`` counts the changes of what ``usable``
 answers (a pair's verdict, the KV endpoint it was probed at, a pair dropped), so the
 router may keep its pairing until it moves.
+
+Cost: a round looks at every P × D pair only when one may be due: the view changed
+what pairs read (``InstanceRegistry.members_version``: instances, roles, KV endpoints,
+compat hashes, health), a leg failed (``recheck``), or the earliest probe's age runs
+out; else (the usual view: new load figures) it returns at once.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ class PairChecks(Rounds):
         self._limit = asyncio.Semaphore(max_concurrency)
         self._results: dict[tuple[str, str], PairResult] = {}  # (P id, D id) -> last probe
         self.version = 0  # bumped whenever ``usable`` may answer differently
+        self._members_seen = -1  # the registry's ``members_version`` the last scan saw
+        self._next_due_s = 0.0  # monotonic: the earliest probe's age runs out
 
     # -- read by the router and /ready ---------------------------------------------
 
@@ -93,6 +100,7 @@ class PairChecks(Rounds):
         for (p_id, d_id), result in self._results.items():
             if instance_id in (p_id, d_id):
                 result.due = True
+                self._next_due_s = 0.0
 
     # -- the task ------------------------------------------------------------------
 
@@ -105,9 +113,13 @@ class PairChecks(Rounds):
     async def check_once(self) -> None:
         """Probe every pair that is due; wake route waiters if usability changed."""
         now = time.monotonic()
+        members = self.registry.members_version
+        if members == self._members_seen and now < self._next_due_s:
+            return  # nothing due (``Cost`` above)
         due = [(p, d) for p, d in self._pairs(self.registry.all(), routable_only=True)
                if self._not_probed_reason(p, d) is None and self._is_due(p, d, now)]
         if not due:
+            self._scanned(members)
             return
         before = {key for key, r in self._results.items() if r.ok}
         await asyncio.gather(*(self._probe(p, d) for p, d in due))
@@ -117,6 +129,13 @@ class PairChecks(Rounds):
             self.version += 1
         if {key for key, r in self._results.items() if r.ok} != before:
             self.registry.notify_changed()
+        self._scanned(members)
+
+    def _scanned(self, members: int) -> None:
+        """After a round that looked at every pair: when the next one must look again."""
+        self._members_seen = members
+        self._next_due_s = min((0.0 if r.due else r.checked_s + (self.interval_s if r.ok else self.retry_s)
+                                for r in self._results.values()), default=float("inf"))
 
     def _is_due(self, p: EngineEndpoint, d: EngineEndpoint, now: float) -> bool:
         result = self._results.get((p.instance_id, d.instance_id))

@@ -9,13 +9,20 @@ every prompt this Coordinator routed to it (an estimate: the engine may have
 evicted blocks since), at most ``max_blocks`` hashes, least recently routed
 evicted first (an ``OrderedDict`` used as an LRU).
 
+A chain's first block also maps to the engines holding it (``_holders``; for an
+engine that publishes, every block it holds, as its events do not say which blocks
+open a chain): an engine that lacks a prompt's first block matches none of it, so
+``longest`` asks only the engines holding it, not every engine of the pool.
+
 Cost: ``record`` O(B) and ``match`` O(B) look-ups for a prompt of B blocks;
-``apply`` O(events).
+``longest`` O(H * B), H the engines of the pool holding its first block; ``apply``
+O(events).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 
 
 class PrefixIndex:
@@ -23,6 +30,7 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self._routed: dict[str, OrderedDict[bytes, None]] = {}
         self._published: dict[str, set[bytes]] = {}
+        self._holders: dict[bytes, set[str]] = {}  # first block (any, published) -> engines
 
     def record(self, instance_id: str, hashes: list[bytes]) -> None:
         """Called by the router once a request is routed to ``instance_id``; a no-op for
@@ -30,20 +38,31 @@ class PrefixIndex:
         if instance_id in self._published:
             return
         lru = self._routed.setdefault(instance_id, OrderedDict())
+        if hashes and hashes[0] not in lru:
+            self._holders.setdefault(hashes[0], set()).add(instance_id)
         for h in hashes:
             lru[h] = None
             lru.move_to_end(h)
         while len(lru) > self.max_blocks:
-            lru.popitem(last=False)
+            h = lru.popitem(last=False)[0]
+            if h in self._holders:  # a chain's first block
+                self._drop(h, instance_id)
 
     def apply(self, instance_id: str, snapshot: bool, stored, removed) -> None:
         """Called by the engine's event feed: a snapshot replaces what is known of it."""
         held = self._published.get(instance_id)
         if snapshot or held is None:
+            self._forget_holders(instance_id)
             self._routed.pop(instance_id, None)
             held = self._published[instance_id] = set()
-        held.update(stored)
-        held.difference_update(removed)
+        for h in stored:
+            if h not in held:
+                held.add(h)
+                self._holders.setdefault(h, set()).add(instance_id)
+        for h in removed:
+            if h in held:
+                held.discard(h)
+                self._drop(h, instance_id)
 
     def match(self, instance_id: str, hashes: list[bytes]) -> int:
         """Number of leading blocks of the chain this engine (probably) holds."""
@@ -59,10 +78,37 @@ class PrefixIndex:
             n += 1
         return n
 
+    def longest(self, hashes: list[bytes], among: Container[str]) -> tuple[int, set[str]]:
+        """The longest leading run of the chain that engines of ``among`` (ids) probably
+        hold, and which of them hold it: ``match``'s largest answer over ``among``, and
+        whose it is. Called by the prefix-aware policy."""
+        best, holders = 0, set()
+        for i in self._holders.get(hashes[0], ()) if hashes else ():
+            if i not in among:
+                continue
+            n = self.match(i, hashes)
+            if n > best:
+                best, holders = n, {i}
+            elif n == best and n:
+                holders.add(i)
+        return best, holders
+
     def forget(self, instance_id: str) -> None:
         """Called when an engine restarted or left: its cache is gone."""
+        self._forget_holders(instance_id)
         self._routed.pop(instance_id, None)
         self._published.pop(instance_id, None)
+
+    def _forget_holders(self, instance_id: str) -> None:
+        for h in self._published.get(instance_id) or self._routed.get(instance_id) or ():
+            self._drop(h, instance_id)
+
+    def _drop(self, h: bytes, instance_id: str) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(instance_id)
+            if not holders:
+                del self._holders[h]
 
     def is_published(self, instance_id: str) -> bool:
         return instance_id in self._published

@@ -26,10 +26,13 @@ Controller takes a dead engine out of the view within a heartbeat and, with the
 ``hybrid`` policy, switches the other pool's engines to serve whole requests.
 
 Cost: which engines can pair (``compatible``: every P × D) is worked out once per
-set of pools and kept while the registry's ``version``, the pair checks' ``version``
-and the pools' members stay the same (the only inputs of ``can_pair``: compat
-hashes and KV endpoints change only through ``InstanceRegistry.replace``); a
-request then costs the policies' choices and the prefix index's look-ups.
+set of pools and kept while the registry's ``members_version``, the pair checks'
+``version`` and the pools' members stay the same (the only inputs of ``can_pair``:
+compat hashes and KV endpoints change only through ``InstanceRegistry.replace``,
+which bumps ``members_version`` when they do; a view of new load figures keeps it);
+a request then costs the policies' choices and the prefix index's look-ups. Partner
+lists equal to a whole pool are that pool's list, one object (the usual case: every
+pair usable), not a copy per engine.
 """
 
 from __future__ import annotations
@@ -202,8 +205,8 @@ class Router:
         """``compatible``'s answer with each candidate's partners; the last one is kept
         (``Cost`` above) and built afresh when the registry, the pair checks or the
         pools' members changed."""
-        key = (self.registry.version, self.pairs.version if self.pairs is not None else 0,
-               tuple(map(id, pools.prefill)), tuple(map(id, pools.decode)))
+        key = (self.registry.members_version, self.pairs.version if self.pairs is not None else 0,
+               pools.members)
         if key != self._pairing_key:
             self._pairing = self._build_pairing(pools)
             self._pairing_key = key
@@ -220,12 +223,15 @@ class Router:
         common = {p.kv_compat_hash for p in pools.prefill} & {d.kv_compat_hash for d in pools.decode}
         if not common:
             return Pairing([], [], "no_compatible_pair")
-        partners = {p.instance_id: [d for d in pools.decode if self.can_pair(p, d)]
+        partners = {p.instance_id: _whole([d for d in pools.decode if self.can_pair(p, d)], pools.decode)
                     for p in pools.prefill}
-        partners.update({d.instance_id: [p for p in pools.prefill if self.can_pair(p, d)]
-                         for d in pools.decode})
-        prefill = [p for p in pools.prefill if partners[p.instance_id]]
-        decode = [d for d in pools.decode if partners[d.instance_id]]
+        columns: dict[str, list[EngineEndpoint]] = {d.instance_id: [] for d in pools.decode}
+        for p in pools.prefill:
+            for d in partners[p.instance_id]:
+                columns[d.instance_id].append(p)
+        partners.update((d_id, _whole(ps, pools.prefill)) for d_id, ps in columns.items())
+        prefill = _whole([p for p in pools.prefill if partners[p.instance_id]], pools.prefill)
+        decode = _whole([d for d in pools.decode if partners[d.instance_id]], pools.decode)
         if not prefill:
             return Pairing([], [], "no_probed_pair")
         return Pairing(prefill, decode, "", partners)
@@ -259,3 +265,8 @@ class Router:
         self.metrics.routes.labels("prefill", self.settings.prefill_policy).inc()
         self.metrics.routes.labels("decode", self.settings.decode_policy).inc()
         return Plan("pd", prefill=p, decode=d), ""
+
+
+def _whole(part: list[EngineEndpoint], pool: list[EngineEndpoint]) -> list[EngineEndpoint]:
+    """``pool`` itself when ``part`` holds all of it (``part`` keeps the pool's order)."""
+    return pool if len(part) == len(pool) else part

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pdserve.runtime.block_hash import hash_chain
 
-from ..instances import EngineEndpoint
+from ..instances import EngineEndpoint, Pool
 
 
 @dataclass
@@ -39,8 +39,33 @@ class Policy:
         raise NotImplementedError
 
 
+def in_id_order(candidates: list[EngineEndpoint]) -> list[EngineEndpoint]:
+    """``candidates`` sorted by instance id: a registry's ``Pool`` as it is."""
+    if isinstance(candidates, Pool):
+        return candidates
+    return sorted(candidates, key=lambda i: i.instance_id)
+
+
+def by_id(candidates: list[EngineEndpoint]) -> dict[str, EngineEndpoint]:
+    """``candidates`` by instance id (a ``Pool``'s kept)."""
+    if isinstance(candidates, Pool):
+        return candidates.by_id
+    return {i.instance_id: i for i in candidates}
+
+
+def depth_range(candidates: list[EngineEndpoint]) -> tuple[int, int]:
+    """The lowest and highest queue depth of ``candidates`` (a ``Pool``'s from its order)."""
+    if isinstance(candidates, Pool):
+        return candidates.order.depth_range()
+    depths = [i.queue_depth for i in candidates]
+    return min(depths), max(depths)
+
+
 def least_queue(candidates: list[EngineEndpoint], start: int = 0) -> EngineEndpoint:
-    """Smallest queue depth, then KV usage; ties broken from ``start`` (rotating)."""
+    """Smallest queue depth, then KV usage; ties broken from ``start`` (rotating over
+    ``candidates``' order). A ``Pool``'s answer from its load order, O(log N)."""
+    if isinstance(candidates, Pool):
+        return candidates.order.least(start)
     n = len(candidates)
     best = candidates[start % n]
     for k in range(1, n):

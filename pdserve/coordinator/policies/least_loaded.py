@@ -6,13 +6,14 @@ Coordinator's legs at the time (the others' load, up to one interval stale), the
 ``kv_usage = used / (used + free)`` blocks.
 Algorithm: minimum of (queue_depth, kv_usage); ties go to the next engine after
 the last pick, so equal engines share work.
-Cost: O(N) over the pool's N candidates. No thresholds.
+Cost: O(log N) for a registry's whole pool (its ``LoadOrder``), else O(N) over the
+N candidates (a retry's, or a pool some of whose pairs are not usable). No thresholds.
 """
 
 from __future__ import annotations
 
 from ..instances import EngineEndpoint
-from .base import Policy, RouteContext, least_queue
+from .base import Policy, RouteContext, in_id_order, least_queue
 
 
 class LeastLoaded(Policy):
@@ -23,5 +24,4 @@ class LeastLoaded(Policy):
 
     def choose(self, candidates: list[EngineEndpoint], ctx: RouteContext) -> EngineEndpoint:
         self._tick += 1
-        ordered = sorted(candidates, key=lambda i: i.instance_id)
-        return least_queue(ordered, self._tick)
+        return least_queue(in_id_order(candidates), self._tick)

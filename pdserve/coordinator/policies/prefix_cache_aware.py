@@ -11,8 +11,10 @@ the engine matching the longest leading run of block hashes (``PrefixIndex``); i
 that covers at least CACHE_THRESHOLD of the blocks pick it (ties: least loaded),
 else pick the least loaded (its choice is recorded by the router, so the next
 prompt with this prefix follows it).
-Cost: O(N * B) hash look-ups for N candidates and a prompt of B full blocks; none
-for a pool of one.
+Cost: for a registry's whole pool (``Pool``), O(log N) for the load and O(B * H) for
+the cache, H the engines holding one of the prompt's B full blocks
+(``PrefixIndex.longest``), plus O(T) for T engines tied on the longest match; for
+other candidates O(N) more. None for a pool of one.
 The index is the Coordinator's estimate (see ``prefix_index``), not engine events.
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from ..instances import EngineEndpoint
 from ..prefix_index import PrefixIndex
-from .base import Policy, RouteContext, least_queue
+from .base import Policy, RouteContext, by_id, depth_range, in_id_order, least_queue
 
 CACHE_THRESHOLD = 0.5
 BALANCE_ABS = 32
@@ -38,16 +40,15 @@ class PrefixCacheAware(Policy):
         self._tick += 1
         if len(candidates) == 1:  # no choice: neither load nor the index can change it
             return candidates[0]
-        ordered = sorted(candidates, key=lambda i: i.instance_id)
-        depths = [i.queue_depth for i in ordered]
-        lo, hi = min(depths), max(depths)
+        ordered = in_id_order(candidates)
+        lo, hi = depth_range(ordered)
         imbalanced = hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo
         hashes = ctx.hashes
         if imbalanced or not hashes:
             return least_queue(ordered, self._tick)
-        matches = [self.index.match(i.instance_id, hashes) for i in ordered]
-        best = max(matches)
+        engines = by_id(ordered)
+        best, holders = self.index.longest(hashes, engines)
         if best / len(hashes) < CACHE_THRESHOLD:
             return least_queue(ordered, self._tick)
-        tied = [i for i, m in zip(ordered, matches, strict=True) if m == best]
+        tied = [engines[i] for i in sorted(holders)]  # in id order, as ``ordered``
         return least_queue(tied, self._tick)

@@ -7,7 +7,7 @@ Cost: O(1). No thresholds. Ignores load and cache: the baseline.
 from __future__ import annotations
 
 from ..instances import EngineEndpoint
-from .base import Policy, RouteContext
+from .base import Policy, RouteContext, in_id_order
 
 
 class RoundRobin(Policy):
@@ -18,7 +18,7 @@ class RoundRobin(Policy):
 
     def choose(self, candidates: list[EngineEndpoint], ctx: RouteContext) -> EngineEndpoint:
         # Sorted by id so the rotation is stable while views are replaced.
-        ordered = sorted(candidates, key=lambda i: i.instance_id)
+        ordered = in_id_order(candidates)
         inst = ordered[self._cursor % len(ordered)]
         self._cursor += 1
         return inst

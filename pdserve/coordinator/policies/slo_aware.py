@@ -15,14 +15,15 @@ the learned rate after the first request), TRANSFER_S_PER_TOKEN = 2e-6 (about
 prefill unless the pool is idle).
 When every estimate misses ``ttft_slo_s`` the minimum is still chosen and the
 router counts a predicted SLO miss.
-Cost: O(N * B) for N candidates and B prompt blocks.
+Cost: O(N * B) for N prefill candidates and B prompt blocks; a decode pool's choice
+is least_loaded's.
 """
 
 from __future__ import annotations
 
 from ..instances import EngineEndpoint
 from ..prefix_index import PrefixIndex
-from .base import Policy, RouteContext, least_queue
+from .base import Policy, RouteContext, in_id_order, least_queue
 
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
 TRANSFER_S_PER_TOKEN = 2e-6
@@ -46,7 +47,7 @@ class SLOAware(Policy):
 
     def choose(self, candidates: list[EngineEndpoint], ctx: RouteContext) -> EngineEndpoint:
         self._tick += 1
-        ordered = sorted(candidates, key=lambda i: i.instance_id)
+        ordered = in_id_order(candidates)
         if self.pool != "prefill":
             return least_queue(ordered, self._tick)
         n = len(ordered)

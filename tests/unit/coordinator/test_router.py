@@ -102,7 +102,8 @@ def test_failed_and_excluded_instances_only_as_last_resort():
     registry.mark_failed("p1")
     assert {plan(router).prefill.instance_id for _ in range(4)} == {"p2"}
     assert plan(router, exclude={"p2"}).prefill.instance_id in ("p1", "p2")
-    registry.get("p2").draining = True
+    registry.replace([inst("p1", "prefill"), inst("p2", "prefill", draining=True),
+                      inst("d1", "decode")])  # a view drains p2
     assert plan(router).prefill.instance_id == "p1"
 
 
@@ -236,9 +237,10 @@ def test_the_kept_pairing_follows_the_view_the_pools_and_the_probes():
     assert decode_ids() == "no_probed_pair"  # the view changed d1's compat hash; d2 failed
     registry.replace([inst("p1", "prefill"), inst("d1", "decode"), inst("d2", "decode")])
     assert decode_ids() == ["d1"]
-    registry.get("d1").draining = True  # out of the pools: only d2 is left, unusable
+    registry.replace([inst("p1", "prefill"), inst("d1", "decode", draining=True),
+                      inst("d2", "decode")])  # d1 out of the pools: only d2 is left, unusable
     assert decode_ids() == "no_probed_pair"
-    registry.get("d1").draining = False
+    registry.replace([inst("p1", "prefill"), inst("d1", "decode"), inst("d2", "decode")])
     registry.mark_failed("d1")  # a suspect is only a last resort: d2 alone in the pool
     assert decode_ids() == "no_probed_pair"
     assert [d.instance_id for d in router.compatible(registry.pools({"d2"}))[1]] == ["d1"]
