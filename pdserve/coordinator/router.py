@@ -32,7 +32,10 @@ compat hashes and KV endpoints change only through ``InstanceRegistry.replace``,
 which bumps ``members_version`` when they do; a view of new load figures keeps it);
 a request then costs the policies' choices and the prefix index's look-ups. Partner
 lists equal to a whole pool are that pool's list, one object (the usual case: every
-pair usable), not a copy per engine.
+pair usable), not a copy per engine. Which engines pair with every routable engine of
+the other role (``_complete``) is worked out over every P × D only when the members or
+the probes changed; a change of the pools alone (an engine marked full or failed, or
+its mark running out) then costs O(P + D) while every engine is complete.
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ class Router:
         self._pairing: Pairing | None = None
         self._pairing_key: tuple = ()
         self._pairing_members: tuple[EngineEndpoint, ...] = ()  # alive: the key's ids stay theirs
+        self._complete_ids: set[str] = set()
+        self._complete_key: tuple = ()
 
     async def plan(self, ctx: RouteContext, exclude: set[str], deadline: float,
                    prefer: Plan | None = None) -> Plan:
@@ -223,18 +228,31 @@ class Router:
         common = {p.kv_compat_hash for p in pools.prefill} & {d.kv_compat_hash for d in pools.decode}
         if not common:
             return Pairing([], [], "no_compatible_pair")
-        partners = {p.instance_id: _whole([d for d in pools.decode if self.can_pair(p, d)], pools.decode)
+        complete = self._complete()
+        partners = {p.instance_id: pools.decode if p.instance_id in complete else
+                    _whole([d for d in pools.decode if self.can_pair(p, d)], pools.decode)
                     for p in pools.prefill}
-        columns: dict[str, list[EngineEndpoint]] = {d.instance_id: [] for d in pools.decode}
-        for p in pools.prefill:
-            for d in partners[p.instance_id]:
-                columns[d.instance_id].append(p)
-        partners.update((d_id, _whole(ps, pools.prefill)) for d_id, ps in columns.items())
+        partners.update({d.instance_id: pools.prefill if d.instance_id in complete else
+                         _whole([p for p in pools.prefill if self.can_pair(p, d)], pools.prefill)
+                         for d in pools.decode})
         prefill = _whole([p for p in pools.prefill if partners[p.instance_id]], pools.prefill)
         decode = _whole([d for d in pools.decode if partners[d.instance_id]], pools.decode)
         if not prefill:
             return Pairing([], [], "no_probed_pair")
         return Pairing(prefill, decode, "", partners)
+
+    def _complete(self) -> set[str]:
+        """The routable prefill and decode engines that pair with every routable engine of
+        the other role; worked out afresh when the members or the probes changed."""
+        key = (self.registry.members_version, self.pairs.version if self.pairs is not None else 0)
+        if key != self._complete_key:
+            routable = [i for i in self.registry.all() if i.routable]
+            prefill = [i for i in routable if i.role == "prefill"]
+            decode = [i for i in routable if i.role == "decode"]
+            complete = {p.instance_id for p in prefill if all(self.can_pair(p, d) for d in decode)}
+            complete.update(d.instance_id for d in decode if all(self.can_pair(p, d) for p in prefill))
+            self._complete_ids, self._complete_key = complete, key
+        return self._complete_ids
 
     def plan_now(self, pools: Pools, ctx: RouteContext) -> tuple[Plan | None, str]:
         """The PD plan for these pools, or (None, reason label). Called by ``plan``."""

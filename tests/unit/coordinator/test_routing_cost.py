@@ -204,3 +204,23 @@ class CountingDict(dict):
     def values(self):
         self.reads += 1
         return super().values()
+
+
+def test_an_engine_marked_full_changes_the_pairing_without_probing_every_pair_again():
+    """The pools change (d1 full: the others first) but not the members or the probes:
+    the pairing follows without asking ``can_pair`` of every P x D again."""
+    registry = InstanceRegistry()
+    registry.replace(view())
+    pairs, _ = probed(registry)
+    asyncio.run(pairs.check_once())
+    router = Router(CoordinatorSettings(**ALWAYS_PD), registry, PrefixIndex(100),
+                    CoordinatorMetrics(), pairs)
+    router.pairing(registry.pools())
+    asked = []
+    can_pair = router.can_pair
+    router.can_pair = lambda p, d: asked.append((p, d)) or can_pair(p, d)
+    registry.mark_full("d1", 60)
+    pools = registry.pools()
+    pairing = router.pairing(pools)
+    assert [d.instance_id for d in pairing.decode] == ["d2"] and pairing.partners["d2"] is pools.prefill
+    assert asked == []
