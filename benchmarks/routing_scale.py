@@ -180,6 +180,8 @@ async def memory(num_engines: int, args, rng: random.Random) -> float:
     gc.collect()
     tracemalloc.start()
     state = await build(num_engines, args, rng)
+    for _ in range(3):
+        await asyncio.sleep(0)  # the pair-check round's tasks end and are freed
     router = state[4]
     for _ in range(args.view_every):
         await router.plan(prompt(rng, state[5], args.prefix), set(), time.monotonic() + 10)

@@ -9,7 +9,7 @@ import time
 
 from pdserve.coordinator.instances import EngineEndpoint, InstanceRegistry
 from pdserve.coordinator.metrics import CoordinatorMetrics
-from pdserve.coordinator.pairs import PairChecks
+from pdserve.coordinator.pairs import PairChecks, PairResult
 from pdserve.coordinator.policies import RouteContext
 from pdserve.coordinator.policies.base import least_queue
 from pdserve.coordinator.policies.least_loaded import LeastLoaded
@@ -224,3 +224,8 @@ def test_an_engine_marked_full_changes_the_pairing_without_probing_every_pair_ag
     pairing = router.pairing(pools)
     assert [d.instance_id for d in pairing.decode] == ["d2"] and pairing.partners["d2"] is pools.prefill
     assert asked == []
+
+
+def test_a_pair_result_holds_no_dict():
+    """One result per P x D pair (187,500 at 250 x 750 engines): slots, not a dict each."""
+    assert not hasattr(PairResult(True, "", "d1:2", 0.0), "__dict__")
