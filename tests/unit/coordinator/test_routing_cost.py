@@ -40,6 +40,16 @@ def probed(registry: InstanceRegistry) -> tuple[PairChecks, list]:
     return pairs, asked
 
 
+def checked_router() -> tuple[InstanceRegistry, Router]:
+    """A registry with ``view()``, its pairs checked once, and a router over both."""
+    registry = InstanceRegistry()
+    registry.replace(view())
+    pairs, _ = probed(registry)
+    asyncio.run(pairs.check_once())
+    return registry, Router(CoordinatorSettings(**ALWAYS_PD), registry, PrefixIndex(100),
+                            CoordinatorMetrics(), pairs)
+
+
 def test_pools_are_kept_until_a_view_changes_members_or_an_engine_is_marked():
     registry = InstanceRegistry()
     registry.replace(view())
@@ -60,12 +70,7 @@ def test_pools_are_kept_until_a_view_changes_members_or_an_engine_is_marked():
 
 
 def test_the_pairing_is_kept_through_a_view_of_new_load_figures():
-    registry = InstanceRegistry()
-    registry.replace(view())
-    pairs, _ = probed(registry)
-    asyncio.run(pairs.check_once())
-    router = Router(CoordinatorSettings(**ALWAYS_PD), registry, PrefixIndex(100),
-                    CoordinatorMetrics(), pairs)
+    registry, router = checked_router()
     pairing = router.pairing(registry.pools())
     registry.replace(view(load=3))
     assert router.pairing(registry.pools()) is pairing
@@ -209,12 +214,7 @@ class CountingDict(dict):
 def test_an_engine_marked_full_changes_the_pairing_without_probing_every_pair_again():
     """The pools change (d1 full: the others first) but not the members or the probes:
     the pairing follows without asking ``can_pair`` of every P x D again."""
-    registry = InstanceRegistry()
-    registry.replace(view())
-    pairs, _ = probed(registry)
-    asyncio.run(pairs.check_once())
-    router = Router(CoordinatorSettings(**ALWAYS_PD), registry, PrefixIndex(100),
-                    CoordinatorMetrics(), pairs)
+    registry, router = checked_router()
     router.pairing(registry.pools())
     asked = []
     can_pair = router.can_pair
