@@ -40,10 +40,17 @@ def huge_pages_env(environ: Mapping[str, str]) -> dict[str, str] | None:
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{TUNABLE}" if tunables else TUNABLE}
 
 
+def _is_glibc() -> bool:
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") is not None
+    except (ValueError, OSError):  # a C library that does not know the name (musl)
+        return False
+
+
 def reexec_with_huge_pages() -> None:
     """Replace this process by itself with the tunable set (no return), unless
     ``huge_pages_env`` says there is nothing to add or the platform has no glibc."""
-    if not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None:
+    if not sys.platform.startswith("linux") or not _is_glibc():
         return
     env = huge_pages_env(os.environ)
     if env is None:
