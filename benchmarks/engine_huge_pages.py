@@ -24,7 +24,6 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,35 +45,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def child(args: argparse.Namespace) -> None:
-    """One arm: the decode steps of each batch size in this process; JSON on stdout."""
-    import math
-
-    from pdserve.api.sampling import SamplingParams
-    from pdserve.engine.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
+    """One arm: the decode steps of each batch size in this process (engine_cpu_step's
+    engine and round, one engine); JSON on stdout."""
+    from benchmarks.engine_cpu_step import build_engine, run_round
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    seq = args.prompt_len + args.decode_steps + 1
-    engine = LLMEngine(EngineConfig(
-        model=args.model, dtype=args.dtype, num_threads=1, block_size=16,
-        num_kv_blocks=max(sizes) * math.ceil(seq / 16), max_num_seqs=max(sizes),
-        max_num_batched_tokens=max(sizes) * args.prompt_len,
-        prefill_chunk_tokens=max(sizes) * args.prompt_len, enable_prefix_caching=False))
+    engine = build_engine(argparse.Namespace(model=args.model, dtype=args.dtype, threads=1, batch_sizes=sizes,
+                                             prompt_len=args.prompt_len, decode_steps=args.decode_steps),
+                          prepack=True)
     vocab = engine.model_config.vocab_size
     out = {"decode_ms": {}, "ids": {}}
     for bs in sizes:
         rng = random.Random(bs)
-        params = SamplingParams(max_tokens=args.decode_steps + 1, ignore_eos=True)
-        reqs = [engine.add_request(f"{bs}-{i}", [rng.randrange(vocab) for _ in range(args.prompt_len)], params)
-                for i in range(bs)]
-        engine.step()  # the prefill
-        steps = []
-        while engine.has_unfinished:
-            t0 = time.perf_counter()
-            engine.step()
-            steps.append(time.perf_counter() - t0)
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(bs)]
+        _, steps, ids = run_round({"arm": engine}, ("arm",), prompts, args.decode_steps, str(bs))["arm"]
         out["decode_ms"][bs] = statistics.median(steps) * 1e3
-        out["ids"][bs] = [r.output_token_ids for r in reqs]
+        out["ids"][bs] = ids
     rollup = Path("/proc/self/smaps_rollup").read_text().splitlines()
     out["huge_mib"], out["rss_mib"] = (next(int(line.split()[1]) // 1024 for line in rollup if line.startswith(key))
                                        for key in ("AnonHugePages", "Rss"))

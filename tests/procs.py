@@ -71,8 +71,8 @@ class Proc:
         return self.popen.returncode
 
 
-def start_engine(*extra: str, model: str = "tiny") -> tuple[Proc, str]:
+def start_engine(*extra: str, model: str = "tiny", env: dict | None = None) -> tuple[Proc, str]:
     """Start ``pdserve engine`` on a free port; returns the process and its address."""
-    proc = Proc([*PDSERVE, "engine", "--model", model, "--port", "0", *extra])
+    proc = Proc([*PDSERVE, "engine", "--model", model, "--port", "0", *extra], env=env)
     m = proc.wait_for(r"serving model .* on (\S+:\d+)", timeout_s=120)
     return proc, m.group(1)

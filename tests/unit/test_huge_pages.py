@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.runtime.huge_pages import TUNABLE, huge_pages_env
-from tests.procs import PDSERVE, Proc
+from tests.procs import Proc, start_engine
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -24,10 +24,7 @@ def test_the_tunable_is_added_once_beside_the_users_and_never_over_their_choice(
 
 
 def _engine(env: dict | None = None) -> Proc:
-    proc = Proc([*PDSERVE, "engine", "--model", "tiny", "--port", "0", "--threads", "1",
-                 "--log-level", "WARNING"], env=env)
-    proc.wait_for(r"serving model .* on \S+:\d+", 120)
-    return proc
+    return start_engine("--threads", "1", "--log-level", "WARNING", env=env)[0]
 
 
 def _read(pid: int) -> tuple[str, int]:
