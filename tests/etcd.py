@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import shutil
 import socket
 import ssl
@@ -30,27 +29,8 @@ import grpc
 import pytest
 from aetcd import rpc
 
+from pdserve.runtime.ports import free_port
 from pdserve.runtime.security import SecuritySettings
-
-FIXED_PORTS = range(20000, 32000)
-"""Ports tests hand to processes, below the kernel's ephemeral range (32768 and up
-here): a port picked from that range can be taken, before the process binds it, as
-the source port of any outgoing connection on the machine (a Coordinator dialling
-the very Controller that is about to listen on it)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that binds now on ``host``, outside the ephemeral range."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.choice(FIXED_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise OSError("no free port below the ephemeral range")
 
 
 class EtcdServer:

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import tempfile
 from dataclasses import replace
@@ -22,6 +21,7 @@ import httpx
 import yaml
 
 from pdserve.runtime import extras
+from pdserve.runtime.ports import free_port
 
 from .client import CompletionClient
 from .compare import (
@@ -181,12 +181,6 @@ def _single(args, workload, slos: SLOSet, points, settings, config: dict) -> int
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _compare(args, workload, slos: SLOSet, points, settings, config: dict) -> int:
     specs = {"A": args.compare[0], "B": args.compare[1]}
     stems = {t: p.stem for t, p in specs.items()}
@@ -194,7 +188,7 @@ def _compare(args, workload, slos: SLOSet, points, settings, config: dict) -> in
     run_root = args.run_dir or Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     measured: dict[str, list[Measured]] = {"A": [], "B": []}
     for i, (target, rnd) in enumerate(round_order(args.rounds)):
-        port = args.port + i if args.port else _free_port()
+        port = args.port + i if args.port else free_port()
         print(f"== round {rnd + 1}/{args.rounds}: {names[target]} ({specs[target]}) on port {port}",
               flush=True)
         echo = (lambda line: None) if args.no_progress else \

@@ -44,7 +44,6 @@ import multiprocessing.connection
 import multiprocessing.reduction
 import os
 import pickle
-import socket
 import threading
 from dataclasses import dataclass
 
@@ -53,6 +52,7 @@ import torch.distributed as dist
 
 from pdserve.engine.config import kv_heads_of
 from pdserve.engine.device import prepare_device
+from pdserve.runtime.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +109,6 @@ def map_shared_kv(shape: tuple[int, ...], dtype: torch.dtype, fd: int) -> torch.
     return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_group(rank: int, size: int, port: int, device: str) -> None:
     """Join the engine's group as ``rank``; NCCL and HCCL bind to the current device, so
     it is set first."""
@@ -145,7 +139,7 @@ class TPWorkers:
     def __init__(self, config) -> None:
         self.size = config.tensor_parallel_size
         prepare_device(rank_device(config.device, 0))  # a missing device fails here, alone
-        port = _free_port()
+        port = free_port()
         ctx = multiprocessing.get_context("spawn")
         self._conns = []
         self._procs = []

@@ -61,6 +61,7 @@ from pdserve.runtime.model_source import (
     resolve_dtype,
 )
 from pdserve.runtime.model_source import check as check_model_source
+from pdserve.runtime.ports import free_ports
 from pdserve.runtime.security import TOKEN_FILE_ENV, SecuritySettings
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
@@ -394,19 +395,13 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
 def start_kv_pool(launcher: Launcher) -> str | None:
     """The shared KV pool's master (``pdserve kv-pool``) on free loopback ports; its
     address once it serves (None: stopped meanwhile)."""
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports("127.0.0.1", 2)
     launcher.spawn("kvpool", ["kv-pool", "--port", str(port), "--metrics-port", str(metrics_port)])
     if launcher.wait_line("kvpool", KV_POOL_READY, 30) is None:
         return None
     launcher.state.write_addresses(kv_pool=f"127.0.0.1:{port}")
     print(f"KV pool on 127.0.0.1:{port} (metrics on port {metrics_port})", flush=True)
     return f"127.0.0.1:{port}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def url_host(host: str) -> str:

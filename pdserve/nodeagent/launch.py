@@ -26,9 +26,7 @@ Probe errors of either backend are ``ProbeFailed``.
 
 from __future__ import annotations
 
-import contextlib
 import re
-import socket
 from collections.abc import Callable
 from urllib.parse import quote
 
@@ -39,6 +37,7 @@ from pdserve.api.instance import Pool
 from pdserve.nodeagent.engine_args import with_role
 from pdserve.nodeagent.vllm_args import READY_LINE, build_vllm_argv, kv_transfer_config, vllm_env
 from pdserve.runtime.engine_client import EngineClient
+from pdserve.runtime.ports import free_ports
 from pdserve.runtime.security import SecuritySettings
 from pdserve.runtime.vllm_server import SCHEME, VllmClient, VllmUnavailable
 
@@ -48,15 +47,6 @@ VLLM_PROBE_TIMEOUT_S = 5.0
 
 class ProbeFailed(Exception):
     """A probe of an engine got no answer, or a bad one; the message says which."""
-
-
-def free_ports(host: str, n: int) -> list[int]:
-    """``n`` distinct ports free on ``host`` now (held together while chosen)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 class Prober:
