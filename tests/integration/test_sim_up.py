@@ -51,8 +51,8 @@ def chat(base: str, i: int) -> str:
     return text
 
 
-def engine_stats(run_dir: Path) -> dict[str, list[engine_pb2.StatsResponse]]:
-    """Each engine's Stats by role, asked of the engines the Controller's view lists."""
+def engine_stats_by_address(run_dir: Path) -> dict[str, engine_pb2.StatsResponse]:
+    """Each engine's Stats by its address, asked of the engines the Controller's view lists."""
     token = (run_dir / "cluster-token").read_text()
     controller = re.search(r"controller serving on (\S+)",
                            (run_dir / "controller.log").read_text()).group(1)
@@ -60,21 +60,30 @@ def engine_stats(run_dir: Path) -> dict[str, list[engine_pb2.StatsResponse]]:
     with grpc.insecure_channel(controller) as channel:
         view = pb_grpc.ControllerStub(channel).GetView(pb.WatchViewRequest(), timeout=5,
                                                        metadata=metadata)
-    stats: dict[str, list] = {}
+    stats = {}
     for instance in view.instances:
         with grpc.insecure_channel(instance.engine_address) as channel:
-            stats.setdefault(instance.role, []).append(engine_pb2_grpc.EngineStub(channel).Stats(
-                engine_pb2.StatsRequest(), timeout=5, metadata=metadata))
+            stats[instance.engine_address] = engine_pb2_grpc.EngineStub(channel).Stats(
+                engine_pb2.StatsRequest(), timeout=5, metadata=metadata)
     return stats
 
 
-def up_simulated(tmp_path: Path, name: str, decode: int, **simulate) -> tuple[Proc, int, Path]:
-    """``pdserve up -f`` of two simulated prefill engines and ``decode`` decode engines;
-    returns the process, its port and its run directory."""
+def engine_stats(run_dir: Path) -> dict[str, list[engine_pb2.StatsResponse]]:
+    """Each engine's Stats by role (``engine_stats_by_address``)."""
+    stats: dict[str, list] = {}
+    for s in engine_stats_by_address(run_dir).values():
+        stats.setdefault(s.role, []).append(s)
+    return stats
+
+
+def up_simulated(tmp_path: Path, name: str, decode: int, prefill: int = 2,
+                 **simulate) -> tuple[Proc, int, Path]:
+    """``pdserve up -f`` of ``prefill`` simulated prefill engines and ``decode`` decode
+    engines; returns the process, its port and its run directory."""
     spec = write_yaml(tmp_path / "cluster.yaml", {
         "model": {"preset": "small", "servedName": "sim"},
         "engine": {"kvCacheBytes": "64Mi", "simulate": {"prefillPerTokenMs": 0.1, **simulate}},
-        "prefill": {"replicas": 2, "threads": 1}, "decode": {"replicas": decode, "threads": 1},
+        "prefill": {"replicas": prefill, "threads": 1}, "decode": {"replicas": decode, "threads": 1},
         # Every request is disaggregated: no prompt is short enough to prefill on D.
         "routing": {"localPrefillMaxTokens": 0, "loadAwareLocalPrefill": False}}, name=name)
     port, run_dir = free_port(), tmp_path / "run"
