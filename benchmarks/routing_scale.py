@@ -13,7 +13,8 @@ builds only the routing state, with the real classes, and times the decision alo
             one round probes every P x D pair, as a Coordinator's first round does
   router    ``Router`` with the default settings (prefill ``prefix_cache_aware``,
             decode ``least_loaded``, layerwise: decode first) and a ``PrefixIndex`` of
-            ``--index-blocks`` per engine, every engine's filled first with blocks of
+            ``--index-blocks`` per engine (its bound, the Coordinator's, N times
+            that), every engine's filled first with blocks of
             its own (so each new prompt evicts as many, at every N, as in a steady
             state); ``--prefix``: then ``--prefix-chains`` shared chains of 64 blocks
             (of 4 x that many) recorded on each engine, and half the prompts open
@@ -108,7 +109,8 @@ def prompt(rng: random.Random, chains: list[list[int]], prefix: bool) -> RouteCo
 
 async def build(num_engines: int, args, rng: random.Random):
     """The Coordinator's routing state for ``num_engines`` engines, every pair probed."""
-    settings = CoordinatorSettings(controller="controller:1", prefix_index_max_blocks=args.index_blocks)
+    settings = CoordinatorSettings(controller="controller:1",
+                                   prefix_index_max_blocks=args.index_blocks * num_engines)
     registry = InstanceRegistry(SecuritySettings(), settings.suspect_s, connect=lambda _: ProbeOnly())
     watcher = ControllerWatcher(registry, "controller:1", "bench", SecuritySettings())
     watcher.apply(build_view(num_engines, args.prefill_share, rng))
@@ -203,8 +205,8 @@ def main() -> None:
     ap.add_argument("--prefix", action="store_true", help="fill the prefix index first")
     ap.add_argument("--prefix-chains", type=int, default=8, help="chains of 64 blocks per engine")
     ap.add_argument("--index-blocks", type=int, default=1024,
-                    help="the prefix index's bound per engine (filled first; the Coordinator's "
-                         "default is 65,536, too much to fill for 1,000 engines here)")
+                    help="the prefix index's blocks per engine, filled first (its bound, one for "
+                         "all engines, is this times the engines; a Coordinator's default: 65,536)")
     ap.add_argument("--no-memory", action="store_true")
     args = ap.parse_args()
     sizes = [int(n) for n in args.engines.split(",")]

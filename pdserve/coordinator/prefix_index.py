@@ -6,17 +6,22 @@ its last snapshot and the events since say, so every Coordinator replica has the
 same index, a restarted Coordinator rebuilds it from the snapshot, and evictions
 are seen. For an engine that publishes nothing, the index records the chain of
 every prompt this Coordinator routed to it (an estimate: the engine may have
-evicted blocks since), at most ``max_blocks`` hashes, least recently routed
-evicted first (an ``OrderedDict`` used as an LRU).
+evicted blocks since). These estimates share one bound, ``max_blocks`` (engine,
+hash) entries for the whole Coordinator, not per engine (at 1,000 engines a
+per-engine bound let the index grow a thousandfold): one LRU over every engine's
+entries (``_lru``, an ``OrderedDict``), so the entry least recently recorded,
+whichever engine's, is evicted first, and an engine keeps a share as large as its
+recent routes. A published set is not bounded here: it is what the engine's cache
+holds, bounded by that cache.
 
 A chain's first block also maps to the engines holding it (``_holders``; for an
 engine that publishes, every block it holds, as its events do not say which blocks
 open a chain): an engine that lacks a prompt's first block matches none of it, so
 ``longest`` asks only the engines holding it, not every engine of the pool.
 
-Cost: ``record`` O(B) and ``match`` O(B) look-ups for a prompt of B blocks;
-``longest`` O(H * B), H the engines of the pool holding its first block; ``apply``
-O(events).
+Cost: ``record`` O(B) (and O(1) an eviction) and ``match`` O(B) look-ups for a
+prompt of B blocks; ``longest`` O(H * B), H the engines of the pool holding its
+first block; ``apply`` O(events); ``forget`` O(the engine's entries).
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from collections.abc import Container
 
 class PrefixIndex:
     def __init__(self, max_blocks: int) -> None:
+        """``max_blocks``: the most routed (engine, hash) entries held, all engines together."""
         self.max_blocks = max_blocks
-        self._routed: dict[str, OrderedDict[bytes, None]] = {}
+        self._routed: dict[str, set[bytes]] = {}  # engine -> hashes recorded for it
+        self._lru: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # oldest first
         self._published: dict[str, set[bytes]] = {}
         self._holders: dict[bytes, set[str]] = {}  # first block (any, published) -> engines
 
@@ -37,23 +44,32 @@ class PrefixIndex:
         an engine that publishes its events (they say what it holds)."""
         if instance_id in self._published:
             return
-        lru = self._routed.setdefault(instance_id, OrderedDict())
-        if hashes and hashes[0] not in lru:
+        held = self._routed.setdefault(instance_id, set())
+        if hashes and hashes[0] not in held:
             self._holders.setdefault(hashes[0], set()).add(instance_id)
         for h in hashes:
-            lru[h] = None
-            lru.move_to_end(h)
-        while len(lru) > self.max_blocks:
-            h = lru.popitem(last=False)[0]
-            if h in self._holders:  # a chain's first block
-                self._drop(h, instance_id)
+            held.add(h)
+            key = (instance_id, h)
+            self._lru[key] = None
+            self._lru.move_to_end(key)
+        while len(self._lru) > self.max_blocks:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        instance_id, h = self._lru.popitem(last=False)[0]
+        held = self._routed[instance_id]
+        held.discard(h)
+        if not held:
+            del self._routed[instance_id]
+        if h in self._holders:  # a chain's first block
+            self._drop(h, instance_id)
 
     def apply(self, instance_id: str, snapshot: bool, stored, removed) -> None:
         """Called by the engine's event feed: a snapshot replaces what is known of it."""
         held = self._published.get(instance_id)
         if snapshot or held is None:
             self._forget_holders(instance_id)
-            self._routed.pop(instance_id, None)
+            self._forget_routed(instance_id)
             held = self._published[instance_id] = set()
         for h in stored:
             if h not in held:
@@ -96,8 +112,12 @@ class PrefixIndex:
     def forget(self, instance_id: str) -> None:
         """Called when an engine restarted or left: its cache is gone."""
         self._forget_holders(instance_id)
-        self._routed.pop(instance_id, None)
+        self._forget_routed(instance_id)
         self._published.pop(instance_id, None)
+
+    def _forget_routed(self, instance_id: str) -> None:
+        for h in self._routed.pop(instance_id, ()):
+            del self._lru[(instance_id, h)]
 
     def _forget_holders(self, instance_id: str) -> None:
         for h in self._published.get(instance_id) or self._routed.get(instance_id) or ():
@@ -115,3 +135,7 @@ class PrefixIndex:
 
     def num_blocks(self, instance_id: str) -> int:
         return len(self._published.get(instance_id) or self._routed.get(instance_id) or ())
+
+    def num_routed_blocks(self) -> int:
+        """Routed entries held, all engines together (at most ``max_blocks``)."""
+        return len(self._lru)

@@ -46,7 +46,8 @@ class CoordinatorSettings(BaseModel):
     tpot_slo_s: float | None = Field(default=None, gt=0)
     """TPOT target; bounds how long a prefill on D may stall D's streams."""
     prefix_index_max_blocks: int = Field(default=65536, ge=1)
-    """LRU bound of the prefix index, per instance."""
+    """LRU bound of the prefix index's routed estimates: (engine, block) entries of all
+    engines together, least recently routed evicted first (``prefix_index.py``)."""
 
     first_token_timeout_s: float = Field(default=60.0, gt=0, allow_inf_nan=False)
     """How long a request may wait for its first token: admission, routing waits,

@@ -78,6 +78,22 @@ def test_prefix_index_matches_leading_blocks_and_is_lru_bounded():
     assert index.num_blocks("a") == 0
 
 
+def test_prefix_index_bound_is_for_all_engines_together_least_recent_first():
+    index = PrefixIndex(max_blocks=40)
+    chains = {f"e{i}": ctx(range(100 * i, 100 * i + 64)).hashes for i in range(10)}  # 8 blocks each
+    for engine, hashes in chains.items():
+        index.record(engine, hashes)
+    assert index.num_routed_blocks() == 40  # not 10 x 8: the bound is the Coordinator's
+    assert sum(index.num_blocks(e) for e in chains) == 40
+    assert [index.match(e, h) for e, h in chains.items()] == [0] * 5 + [8] * 5  # the oldest went
+    index.record("e5", chains["e5"])  # used again: now the newest
+    index.record("e0", chains["e0"])  # evicts e6's chain, the least recently recorded
+    assert [index.match(e, chains[e]) for e in ("e0", "e5", "e6", "e7")] == [8, 8, 0, 8]
+    assert index.longest(chains["e6"], among=set(chains)) == (0, set())
+    index.forget("e0")
+    assert index.num_routed_blocks() == 32 and index.num_blocks("e0") == 0
+
+
 def test_prefix_cache_aware_follows_the_cache_unless_imbalanced():
     index = PrefixIndex(1000)
     policy = PrefixCacheAware(index)
