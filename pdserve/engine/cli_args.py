@@ -62,6 +62,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prepack-weights", dest="prepack_weights", action="store_false",
                    help="keep linear weights plain (by default they are packed for oneDNN at load "
                         "on a CPU with bfloat16 matmuls, when --dtype is bfloat16)")
+    g.add_argument("--no-compile-prefill", dest="compile_prefill", action="store_false",
+                   help="run prefill steps eager (by default their dense parts are compiled at start "
+                        "on CPU in bfloat16 with packed weights; PDSERVE_COMPILE=0 does the same)")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (processes, one device each: cuda:N+rank) the model's heads and "
                    "MLP are split over; above 1 only for a hybrid engine with --kv-transport none")
@@ -106,7 +109,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
-        prepack_weights=args.prepack_weights,
+        prepack_weights=args.prepack_weights, compile_prefill=args.compile_prefill,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_transport=args.kv_transport, kv_host=args.kv_host, kv_port=args.kv_port,
         kv_auth_token=args.kv_auth_token, decode_allocation=args.decode_allocation,

@@ -318,6 +318,9 @@ class EngineConfig:
     # Linear weights packed for oneDNN at load where that is faster (CPU, bfloat16, a CPU
     # with bfloat16 matmuls: prepack.py); False keeps plain F.linear everywhere.
     prepack_weights: bool = True
+    # The dense parts of prefill steps compiled by torch.compile at start (compiled.py:
+    # CPU, bfloat16, packed weights, no tensor parallelism); PDSERVE_COMPILE=0 also turns it off.
+    compile_prefill: bool = True
     # Ranks one engine shards its weights and KV heads over (parallel.py).
     tensor_parallel_size: int = 1
     # KV transfer between engines (disaggregation). "none" turns the connector off.

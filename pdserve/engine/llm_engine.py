@@ -68,6 +68,10 @@ def load_model_parts(config: EngineConfig) -> ModelParts:
         tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         try:
             model, tokenizer, num_blocks = load_rank0(config)
+            if config.compile_prefill:
+                from pdserve.engine.compiled import enable  # torch._dynamo: only where it runs
+
+                enable(model)
             allocator = kv_allocator(config)
             runner = ModelRunner(model, num_blocks, config.block_size, allocator,
                                  tp_workers.send_step if tp_workers else None)

@@ -53,6 +53,7 @@ class Attention(nn.Module):
                  window: int | None = None):
         super().__init__()
         self.tp = tp
+        self.packed = False  # prepack.prepack_linears packed its weights
         self.window = window  # sliding window of this layer (None: full attention)
         self.num_heads = tp.split(cfg.num_attention_heads)[1]  # this rank's
         self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)[1]
@@ -68,17 +69,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
-        kv_cache: torch.Tensor,  # [2, num_slots, KVH, D] for this layer
-        meta: AttentionMetadata,
-        on_kv_written=None,
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
+        """This layer's q, k and v of the normed input ``x``, rotated to their positions."""
         t = x.shape[0]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -86,9 +80,16 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, on_kv_written,
-                            self.window)
-        out = self.tp.all_reduce(linear(o.reshape(t, self.q_size), self.o_weight))
+        return q, k, v
+
+    def attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               on_kv_written=None) -> torch.Tensor:
+        """``kv_cache``: [2, num_slots, KVH, D] for this layer."""
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, on_kv_written,
+                               self.window)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(linear(o.reshape(o.shape[0], self.q_size), self.o_weight, packed=self.packed))
         return out if self.o_bias is None else out + self.o_bias
 
 
@@ -96,13 +97,14 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
         super().__init__()
         self.tp = tp
+        self.packed = False  # prepack.prepack_linears packed its weights
         self.intermediate = tp.split(cfg.intermediate_size)[1]  # this rank's
         self.gate_up_weight = _param(2 * self.intermediate, cfg.hidden_size, dtype=dtype, device=device)
         self.down_weight = _param(cfg.hidden_size, self.intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_weight))
+        gate, up = linear(x, self.gate_up_weight, packed=self.packed).split(self.intermediate, dim=-1)
+        return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_weight, packed=self.packed))
 
 
 class DecoderLayer(nn.Module):
@@ -113,6 +115,21 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, dtype, device, tp, cfg.window_of(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device, tp)
+
+
+def before_attention(layer: DecoderLayer, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
+    """A layer's dense part before attention: norm, q/k/v projection, q/k norm, rotary."""
+    return layer.self_attn.project(layer.input_layernorm(h), positions, rotary)
+
+
+def after_attention(layer: DecoderLayer, h: torch.Tensor, o: torch.Tensor,
+                    on_output=None) -> torch.Tensor:
+    """A layer's dense part after attention: o projection, residual, norm, MLP, residual.
+    ``on_output()`` fires once the o projection (and its all-reduce) returned."""
+    h = h + layer.self_attn.output(o)
+    if on_output is not None:
+        on_output()
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 class Transformer(nn.Module):
@@ -131,6 +148,7 @@ class Transformer(nn.Module):
             else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = Rotary(cfg, device)
+        self.compiled = None  # compiled.CompiledDense, once compiled.enable() has built it
 
     @torch.inference_mode()
     def forward(
@@ -146,15 +164,20 @@ class Transformer(nn.Module):
         # all-reduce returned (each rank writes its heads before it joins), so the hook
         # fires after attention instead of between the cache write and attention.
         sharded = self.tp.size > 1
+        before, after = self.dense_parts(input_ids.shape[0])
         for i, layer in enumerate(self.layers):
             hook = None if kv_ready is None else functools.partial(kv_ready, i)
-            a = layer.self_attn(layer.input_layernorm(h), positions, self.rotary, kv_cache[i], meta,
-                                None if sharded else hook)
-            if sharded and hook is not None:
-                hook()
-            h = h + a
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            q, k, v = before(layer, h, positions, self.rotary)
+            o = layer.self_attn.attend(q, k, v, kv_cache[i], meta, None if sharded else hook)
+            h = after(layer, h, o, hook if sharded else None)
         return self.norm(h)
+
+    def dense_parts(self, num_tokens: int):
+        """The functions a step of ``num_tokens`` runs around each layer's attention: the
+        compiled ones (``compiled.CompiledDense``) where they are on and pay, else eager."""
+        if self.compiled is not None and self.compiled.covers(num_tokens):
+            return self.compiled.before, self.compiled.after
+        return before_attention, after_attention
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

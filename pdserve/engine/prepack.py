@@ -41,12 +41,27 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for a plain or a packed ``weight``; called by the model's
-    layers for every projection and the untied lm_head."""
+    layers for every projection and the lm_head. ``packed``: the owner's weights were
+    packed (``prepack_linears`` marks the module); a traced weight (``torch.compile``)
+    no longer shows it, and the packed call is opaque to the compiler (``packed_linear``)."""
+    if torch.compiler.is_compiling():
+        return packed_linear(x, weight, bias) if packed else F.linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("pdserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def prepack_linears(model: nn.Module) -> int:
@@ -62,6 +77,7 @@ def prepack_linears(model: nn.Module) -> int:
     for module, name in targets:
         packed = torch.ops.mkldnn._reorder_linear_weight(getattr(module, name).detach())
         setattr(module, name, nn.Parameter(packed, requires_grad=False))  # the plain one is freed
+        module.packed = True
     if tied:  # a copy: the embedding stays plain for its lookups
         packed = torch.ops.mkldnn._reorder_linear_weight(model.embed_tokens.detach())
         model.lm_head = nn.Parameter(packed, requires_grad=False)

@@ -1,0 +1,130 @@
+"""Prefill steps with compiled dense parts (``pdserve/engine/compiled.py``) against the
+eager path, on the real model (SmolLM2 in bfloat16, packed weights, one engine in this
+process): the same greedy ids on real prompts, prompt logprobs within bfloat16's
+rounding, one graph for every layer and size, the KV hook fired per layer in order."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from pdserve.api.sampling import SamplingParams
+from pdserve.engine import compiled
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model import after_attention, before_attention
+from pdserve.engine.prepack import can_prepack
+from tests.real_model import PRESET
+
+pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.bfloat16),
+                                reason="this CPU has no oneDNN bfloat16 matmuls")
+
+PROMPTS = [
+    "Photosynthesis is the process by which green plants, algae and some bacteria turn light "
+    "into chemical energy. In the chloroplasts, chlorophyll absorbs mostly blue and red light; "
+    "the energy splits water, releasing oxygen, and drives the Calvin cycle, which fixes carbon "
+    "dioxide into sugars. Some of that sugar is burned for energy right away; the rest is "
+    "stored as starch or built into cellulose. Explain in two sentences why leaves look green.",
+    "Here is a Python function:\n\ndef fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+    "        a, b = b, a + b\n    return a\n\nWhat does fib(10) return, and how many additions "
+    "does the loop make? Then rewrite the function so that it returns the whole list of the "
+    "first n Fibonacci numbers instead of only the last one, keeping it iterative.",
+    "The old lighthouse stood at the end of the harbour wall for two hundred years. Every "
+    "night the keeper climbed its hundred and twelve steps, trimmed the wick and wound the "
+    "clockwork that turned the lens. Ships from the north came in by its light through the "
+    "narrow channel between the rocks, and the fishermen's children learned to count by its "
+    "flashes: three short, one long. When the electric lamp came, the keeper stayed on to "
+    "polish the brass and log the weather, though no one asked him to. One winter a storm "
+    "broke the power line, and for three nights the harbour was dark, until the old man "
+    "found the last can of oil in the cellar. Write the next paragraph of this story, in the "
+    "same style, telling what happened on the fourth night.",
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def engine():
+    saved = os.environ.pop(compiled.SWITCH, None)
+    try:
+        engine = LLMEngine(EngineConfig(model=PRESET, dtype="bfloat16", num_threads=1, num_kv_blocks=256,
+                                        enable_prefix_caching=False))
+    finally:
+        if saved is not None:
+            os.environ[compiled.SWITCH] = saved
+    yield engine
+    engine.close()
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], on: bool, tag: str):
+    """Each prompt alone (its prefill one step), compiled or eager; the finished requests."""
+    model = engine.runner.model
+    kept, model.compiled = model.compiled, model.compiled if on else None
+    try:
+        reqs = []
+        for i, p in enumerate(prompts):
+            reqs.append(engine.add_request(f"{tag}-{on}-{i}", p, SamplingParams(
+                max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=True)))
+            while engine.has_unfinished:
+                engine.step()
+        return reqs
+    finally:
+        model.compiled = kept
+
+
+def test_the_engine_compiles_prefill_at_start_and_decode_stays_eager(engine):
+    model = engine.runner.model
+    assert model.compiled is not None
+    assert model.dense_parts(compiled.COMPILE_MIN_TOKENS) == (model.compiled.before, model.compiled.after)
+    assert model.dense_parts(compiled.COMPILE_MIN_TOKENS - 1) == (before_attention, after_attention)
+    assert model.dense_parts(8) == (before_attention, after_attention)
+
+
+def test_compiled_prefill_gives_eager_greedy_ids_and_logprobs_as_close_to_float32(engine):
+    prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
+    assert all(len(p) >= compiled.COMPILE_MIN_TOKENS for p in prompts), [len(p) for p in prompts]
+    graphs = counters["stats"]["unique_graphs"]
+    eager, comp = run(engine, prompts, False, "ids"), run(engine, prompts, True, "ids")
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompile for new sizes or layers
+    exact = LLMEngine(EngineConfig(model=PRESET, dtype="float32", num_threads=1, num_kv_blocks=64,
+                                   enable_prefix_caching=False))
+    reference = run(exact, prompts, False, "f32")
+    for e, c, r in zip(eager, comp, reference, strict=True):
+        assert c.output_token_ids == e.output_token_ids
+        # Both bfloat16 paths round; the compiled one (fused, summed in another order) is
+        # to be no further from float32's prompt logprobs than eager is.
+        err_eager, err_comp = error(e, r), error(c, r)
+        print(f"{e.num_prompt_tokens} tokens: mean |logprob - float32's| eager {err_eager:.4f}, "
+              f"compiled {err_comp:.4f}, between them {error(c, e):.4f}")
+        assert err_comp < 1.25 * err_eager
+
+
+def error(request, reference) -> float:
+    """Mean absolute difference of two requests' prompt logprobs."""
+    pairs = list(zip(request.prompt_logprobs, reference.prompt_logprobs, strict=True))
+    assert len(pairs) == request.num_prompt_tokens - 1
+    return sum(abs(a.logprob - b.logprob) for a, b in pairs) / len(pairs)
+
+
+def test_the_kv_hook_fires_for_every_layer_in_order_on_the_compiled_path(engine, monkeypatch):
+    model, runner = engine.runner.model, engine.runner
+    calls, fired = [], []
+    before = model.compiled.before
+    monkeypatch.setattr(model.compiled, "before", lambda *a: calls.append(1) or before(*a))
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda batch, kv_ready=None: execute(batch, fired.append))
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    engine.add_request("hook", prompt, SamplingParams(max_tokens=1))
+    engine.step()
+    layers = engine.model_config.num_hidden_layers
+    assert fired == list(range(layers)) and len(calls) == layers
+
+
+def test_a_float32_engine_or_the_switch_leaves_prefill_eager(monkeypatch):
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_kv_blocks=16))
+    assert compiled.can_compile(engine.runner.model).startswith("dtype")
+    assert engine.runner.model.compiled is None
+    monkeypatch.setenv(compiled.SWITCH, "0")
+    assert compiled.can_compile(engine.runner.model) == "PDSERVE_COMPILE=0"
