@@ -99,10 +99,11 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:${PATH}
 # libibverbs1: the Mooncake transfer engine loads it even without an RDMA NIC.
+# g++ (with libc6-dev): torch.compile's C++ code for the compiled prefill (engine/compiled.py).
 # The python base has python3 and venv; a CUDA (Ubuntu) base gets them from apt.
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      ca-certificates libibverbs1 \
+      ca-certificates libibverbs1 g++ libc6-dev \
       $(python3 -c 'import venv, ensurepip' 2>/dev/null || echo python3 python3-venv) \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv

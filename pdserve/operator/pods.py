@@ -39,6 +39,7 @@ from pdserve.operator.settings import OperatorSettings
 
 PLACEHOLDER_INSTANCE = "{instance}"
 """Stands for the instance name in the Pod ``engine_pod_hash`` hashes."""
+COMPILE_CACHE_DIR = "/var/cache/pdserve/compile"  # TORCHINDUCTOR_CACHE_DIR of engine Pods
 
 
 def engine_settings(cluster: PDCluster, pool: Pool) -> dict:
@@ -146,6 +147,11 @@ def engine_image_for(cluster: PDCluster, settings: OperatorSettings) -> str:
 
 def _pod_spec(cluster: PDCluster, instance: str, pool: Pool, settings: OperatorSettings) -> dict:
     env, volumes, mounts = b.shared_mounts(cluster, with_model=True)
+    # torch.compile's code cache (the embedded engine's compiled prefill, vLLM's graphs) in a
+    # volume of the Pod: a restarted container compiles from it in seconds.
+    env = [*env, {"name": "TORCHINDUCTOR_CACHE_DIR", "value": COMPILE_CACHE_DIR}]
+    volumes = [*volumes, {"name": "compile-cache", "emptyDir": {}}]
+    mounts = [*mounts, {"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR}]
     container = {
         "name": "nodeagent",
         "image": engine_image_for(cluster, settings),

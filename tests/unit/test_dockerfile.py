@@ -51,6 +51,8 @@ def test_the_engine_installs_its_extras_and_torch_from_the_chosen_index():
     torch_pin = next(r for r in optional["engine"] if r.startswith("torch"))
     assert torch_pin == f"torch=={arg(engine, 'TORCH_VERSION')}"
     assert 'pip install "${wheel}[${ENGINE_EXTRAS}]"' in engine
+    # The compiled prefill (engine/compiled.py) builds C++ at start; without it the engine serves eager.
+    assert re.search(r"apt-get install[^&]*\bg\+\+", runs(engine))
 
 
 def test_the_vllm_engine_adds_pdserve_to_vllms_image_without_touching_vllm():

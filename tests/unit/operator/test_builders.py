@@ -9,7 +9,12 @@ from pdserve.api.manifest import load_manifest, parse_manifest
 from pdserve.operator import builders as b
 from pdserve.operator.deployments import build_controller_deployment, build_coordinator_deployment
 from pdserve.operator.desired import build_static_objects
-from pdserve.operator.pods import build_engine_config_map, build_engine_pod, engine_pod_hash
+from pdserve.operator.pods import (
+    COMPILE_CACHE_DIR,
+    build_engine_config_map,
+    build_engine_pod,
+    engine_pod_hash,
+)
 from pdserve.operator.settings import OperatorSettings
 
 SETTINGS = OperatorSettings()
@@ -91,6 +96,15 @@ def test_a_vllm_engine_pod_runs_the_agent_on_the_pods_address_with_gpus_in_pd_po
     assert args[args.index("--engine-host") + 1] == "$(POD_IP)"
     assert not [a for a in args if a.startswith("--engine-arg")]  # the embedded engine's flags
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+
+
+def test_engine_pods_keep_torch_compiles_cache_in_a_volume_of_the_pod():
+    """A restarted engine container finds the code its compiled prefill built before."""
+    spec = build_engine_pod(cluster(), "c-prefill-0", "prefill", "u", SETTINGS)["spec"]
+    [container] = spec["containers"]
+    mount = {"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR}
+    assert {"name": "compile-cache", "emptyDir": {}} in spec["volumes"] and mount in container["volumeMounts"]
+    assert {"name": "TORCHINDUCTOR_CACHE_DIR", "value": COMPILE_CACHE_DIR} in container["env"]
 
 
 def test_pvc_weights_are_mounted_read_only():
