@@ -37,6 +37,7 @@ longest costs B x max_len; buckets cost about the sum of the lengths).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,9 @@ class AttentionMetadata:
     # Masks of sliding-window layers, built by the first such layer of a step and reused
     # by the others: (window, "prefill" or "decode", chunk or bucket index) -> mask.
     window_masks: dict = field(default_factory=dict)
+    # The native kernel reading the decode rows' KV in place (native.PagedDecode; the
+    # runner then plans a single bucket, rows in order); None: gather, then SDPA.
+    decode_kernel: object = None
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
         """Prefill chunk ``index``'s mask: causal, and within ``window`` if one is given
@@ -147,7 +151,8 @@ def build_decode_buckets(
     blocks.
     """
     num_blocks = [-(-n // block_size) for n in context_lens]
-    plan = plan_decode_buckets(num_blocks, call_cost)
+    # An infinite call cost: one bucket, rows in order (the native kernel takes each row's length).
+    plan = [list(range(len(num_blocks)))] if call_cost == math.inf else plan_decode_buckets(num_blocks, call_cost)
     buckets = []
     for rows in plan:
         lens = [context_lens[i] for i in rows]
@@ -188,7 +193,12 @@ def paged_attention(
         on_kv_written()
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    for i, bucket in enumerate(meta.decode_buckets):
+    kernel = meta.decode_kernel
+    if nd and kernel is not None and len(meta.decode_buckets) == 1 and kernel.fits(q, k_cache):
+        bucket = meta.decode_buckets[0]
+        out[:nd] = kernel(q[:nd], k_cache, v_cache, bucket.blocks, bucket.lens, meta.block_size, scale, window)
+        nd = 0  # done: no bucket below
+    for i, bucket in enumerate(meta.decode_buckets if nd else ()):
         qd = q[:nd] if bucket.rows is None else q.index_select(0, bucket.rows)
         od = _decode_bucket(qd, k_cache, v_cache, bucket, meta.block_size, scale,
                             meta.decode_mask(i, window))

@@ -12,9 +12,16 @@ prompt logprobs, for the prompt positions of its chunk not yet scored; the logpr
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, PrefillChunk, build_decode_buckets
+from pdserve.engine.attention import (
+    DECODE_CALL_COST_BLOCKS,
+    AttentionMetadata,
+    PrefillChunk,
+    build_decode_buckets,
+)
 from pdserve.engine.logprobs import score_positions, token_logprobs
 from pdserve.engine.model import Transformer
 from pdserve.engine.request import Request
@@ -47,6 +54,12 @@ class ModelRunner:
             cfg.num_hidden_layers, 2, num_blocks * block_size, kv_heads, cfg.head_dim
         )
         self._slot_offsets = torch.arange(block_size, device=self.device)
+        # Decode attention read in place by the native kernel where it runs (CPU, bfloat16).
+        self.decode_kernel = None
+        if self.device.type == "cpu" and dtype == torch.bfloat16:
+            from pdserve.engine.native import decode_kernel
+
+            self.decode_kernel = decode_kernel()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -74,7 +87,7 @@ class ModelRunner:
         scored: list[tuple[Request, int, int, int]] = []
         decodes = [(r, n) for r, n in items if n == 1]
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes),
-                                 block_size=bs)
+                                 block_size=bs, decode_kernel=self.decode_kernel)
         for request, n in items:
             start = request.num_computed_tokens
             tokens = request.all_token_ids[start : start + n]
@@ -105,6 +118,8 @@ class ModelRunner:
             meta.decode_buckets = build_decode_buckets(
                 [r.num_computed_tokens + 1 for r, _ in decodes],
                 [r.block_table for r, _ in decodes], bs, self.device,
+                # The kernel reads each row's own length: one bucket, no padding cost.
+                math.inf if self.decode_kernel is not None else DECODE_CALL_COST_BLOCKS,
             )
         meta.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)

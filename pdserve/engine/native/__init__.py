@@ -1,0 +1,127 @@
+"""Native CPU kernels of the engine, built from their C source on first use.
+
+``decode_kernel()`` returns the paged decode attention (``paged_decode.c``) as a function
+of torch tensors, or None where it cannot run (no C compiler, a build that failed,
+``PDSERVE_NATIVE=0``); the engine then takes the torch path (gather, then SDPA), which
+gives the same results within float rounding. The kernel reads each decode row's K and V
+where they lie in the paged cache; the torch path copies them into a dense tensor first
+and reads the copy again: at batch 32 on SmolLM2 a layer's decode attention 1.37 ms ->
+0.99 ms (docs/benchmarks.md, "Decode attention read in place").
+
+Build: ``cc -O3 -march=native -fopenmp`` into a shared library, cached by the source's
+hash and this CPU's feature flags (``-march=native`` code runs only where it was built)
+under ``$PDSERVE_NATIVE_CACHE`` or ``~/.cache/pdserve/native``; written to a temporary
+name and renamed, so engines starting together on one machine never load half a file.
+Loaded with ctypes: no Python headers or torch extension build involved.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+SWITCH = "PDSERVE_NATIVE"  # "0": never build or use the native kernels
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC"]
+DIMS = (64, 128)  # head sizes the kernel is built for
+MAX_HEADS, MAX_BLOCK = 64, 64
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_NATIVE_CACHE") or Path.home() / ".cache" / "pdserve" / "native")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build(directory: Path | None = None) -> Path:
+    """The kernel library for this CPU, built unless already cached. Raises
+    ``RuntimeError`` with the compiler's message when it cannot be built."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"paged_decode-{key}.so"
+    if target.is_file():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class PagedDecode:
+    """The loaded kernel: ``__call__`` attends ``q`` [rows, heads, D] over the cache."""
+
+    def __init__(self, library: Path) -> None:
+        fn = ctypes.CDLL(str(library)).paged_decode
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                       ptr, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    @staticmethod
+    def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether the kernel takes this layer: CPU, bfloat16, a head size it was built for."""
+        return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+                and q.shape[-1] in DIMS and q.shape[1] <= MAX_HEADS and q.shape[1] % k_cache.shape[1] == 0
+                and k_cache.is_contiguous())
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                 lens: torch.Tensor, block_size: int, scale: float, window: int | None) -> torch.Tensor:
+        """``q`` [rows, heads, D]; ``k_cache``/``v_cache`` [num_slots, kv_heads, D], contiguous;
+        ``blocks`` [rows, max_blocks] int64 block tables; ``lens`` [rows] int64 contexts."""
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()
+        blocks, lens = blocks.contiguous(), lens.contiguous()
+        rows, heads, dim = q.shape
+        out = torch.empty((rows, heads, dim), dtype=q.dtype)
+        rc = self._fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
+                      blocks.stride(0), lens.data_ptr(), rows, heads, k_cache.shape[1], dim, block_size,
+                      scale, window or 0, out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"paged_decode: sizes past the kernel's (heads {heads}, dim {dim}, block {block_size})")
+        return out
+
+
+@functools.cache
+def decode_kernel() -> PagedDecode | None:
+    """The paged decode kernel, built and loaded once per process; None where it cannot be
+    (the reason logged once)."""
+    if os.environ.get(SWITCH) == "0":
+        log.info("native decode attention off (%s=0)", SWITCH)
+        return None
+    try:
+        return PagedDecode(build())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("native decode attention unavailable (%s): decode attention gathers, then SDPA", exc)
+        return None

@@ -1,0 +1,104 @@
+/* Decode attention over the paged KV cache, read in place (pdserve/engine/native/__init__.py
+ * builds and loads it; attention.paged_attention calls it for a step's decode rows).
+ *
+ * Each decode row's query heads attend to its own context, read block by block where it
+ * lies in the cache: no gather into a dense copy, which the torch path makes (and SDPA
+ * then reads again). bfloat16 in and out, float32 sums. Layout (attention.py): a layer's
+ * cache is [num_slots, kv_heads, D], slot = block * block_size + offset; a row's block
+ * table lists its blocks in order, ``lens`` its context (its new token included).
+ * Grouped-query: query head h reads kv head h / (heads / kv_heads). A token's K (then V)
+ * row for every kv head is one contiguous read.
+ *
+ * Per row: an online softmax over the blocks (running max and sum per head, the
+ * accumulator rescaled once per block), as flash attention does; a sliding window starts
+ * the row at len - window. Rows are independent: split over ``threads`` OpenMP threads
+ * where more than one is asked for. D is 64 or 128 (compile-time loops the compiler
+ * vectorizes); anything else returns -1 and the caller takes the torch path.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#define MAX_HEADS 64
+#define MAX_BLOCK 64
+
+static inline float bf16_to_f32(uint16_t x) { uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);
+}
+
+#define ROW(NAME, D) \
+static void NAME(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, \
+                 int64_t len, int64_t start, int64_t heads, int64_t kv_heads, int64_t block_size, float scale, \
+                 uint16_t *out) { \
+    const int64_t group = heads / kv_heads; \
+    float qf[MAX_HEADS][D], acc[MAX_HEADS][D], m[MAX_HEADS], l[MAX_HEADS]; \
+    float s[MAX_HEADS][MAX_BLOCK]; \
+    for (int64_t h = 0; h < heads; h++) { \
+        for (int d = 0; d < D; d++) { qf[h][d] = bf16_to_f32(q[h * D + d]) * scale; acc[h][d] = 0.0f; } \
+        m[h] = -INFINITY; l[h] = 0.0f; \
+    } \
+    const int64_t row_stride = kv_heads * D; \
+    for (int64_t b0 = start - start % block_size; b0 < len; b0 += block_size) { \
+        const int64_t base = table[b0 / block_size] * block_size; \
+        const int64_t j0 = b0 < start ? start - b0 : 0; \
+        const int64_t j1 = len - b0 < block_size ? len - b0 : block_size; \
+        for (int64_t j = j0; j < j1; j++) { \
+            const uint16_t *kp = k_cache + (base + j) * row_stride; \
+            for (int64_t kvh = 0; kvh < kv_heads; kvh++) { \
+                float kf[D]; \
+                for (int d = 0; d < D; d++) kf[d] = bf16_to_f32(kp[kvh * D + d]); \
+                for (int64_t g = 0; g < group; g++) { \
+                    const int64_t h = kvh * group + g; float dot = 0.0f; \
+                    _Pragma("omp simd reduction(+ : dot)") \
+                    for (int d = 0; d < D; d++) dot += qf[h][d] * kf[d]; \
+                    s[h][j] = dot; \
+                } \
+            } \
+        } \
+        for (int64_t h = 0; h < heads; h++) { \
+            float mx = m[h]; \
+            for (int64_t j = j0; j < j1; j++) mx = s[h][j] > mx ? s[h][j] : mx; \
+            const float corr = expf(m[h] - mx); \
+            l[h] *= corr; \
+            for (int d = 0; d < D; d++) acc[h][d] *= corr; \
+            m[h] = mx; float sum = 0.0f; \
+            for (int64_t j = j0; j < j1; j++) { s[h][j] = expf(s[h][j] - mx); sum += s[h][j]; } \
+            l[h] += sum; \
+        } \
+        for (int64_t j = j0; j < j1; j++) { \
+            const uint16_t *vp = v_cache + (base + j) * row_stride; \
+            for (int64_t kvh = 0; kvh < kv_heads; kvh++) { \
+                float vf[D]; \
+                for (int d = 0; d < D; d++) vf[d] = bf16_to_f32(vp[kvh * D + d]); \
+                for (int64_t g = 0; g < group; g++) { \
+                    const int64_t h = kvh * group + g; const float p = s[h][j]; \
+                    _Pragma("omp simd") \
+                    for (int d = 0; d < D; d++) acc[h][d] += p * vf[d]; \
+                } \
+            } \
+        } \
+    } \
+    for (int64_t h = 0; h < heads; h++) { \
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f; \
+        for (int d = 0; d < D; d++) out[h * D + d] = f32_to_bf16(acc[h][d] * inv); \
+    } \
+}
+ROW(row_64, 64)
+ROW(row_128, 128)
+
+int paged_decode(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                 const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t rows, int64_t heads,
+                 int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int64_t window, uint16_t *out,
+                 int threads) {
+    if (heads % kv_heads || heads > MAX_HEADS || (dim != 64 && dim != 128) || block_size > MAX_BLOCK) return -1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t len = lens[row];
+        const int64_t start = window > 0 && len > window ? len - window : 0;
+        (dim == 64 ? row_64 : row_128)(q + row * q_row_stride, k_cache, v_cache, tables + row * table_stride, len,
+                                       start, heads, kv_heads, block_size, scale, out + row * heads * dim);
+    }
+    return 0;
+}

@@ -1,0 +1,102 @@
+"""The native paged decode attention (``pdserve/engine/native``) against the torch path
+(gather, then SDPA) it replaces, through ``paged_attention``: GQA groups, head sizes,
+block sizes, mixed lengths, sliding windows, threads; and what happens where it cannot
+be built or does not fit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.engine import native
+from pdserve.engine.attention import AttentionMetadata, build_decode_buckets, paged_attention
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    got = native.decode_kernel()
+    assert got is not None, "the native kernel did not build (cc on PATH?): see the log"
+    return got
+
+
+def attend(q, k_cache, v_cache, lens, tables, block_size, window, kernel):
+    """``paged_attention`` over decode rows only, as the runner plans them."""
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=len(lens),
+                             block_size=block_size, decode_kernel=kernel)
+    meta.decode_buckets = build_decode_buckets(lens, tables, block_size, torch.device("cpu"),
+                                               float("inf") if kernel is not None else 8)
+    empty = q.new_empty((0, k_cache.shape[1], k_cache.shape[2]))
+    meta.slot_mapping = torch.empty(0, dtype=torch.long)
+    return paged_attention(q, empty, empty, k_cache, v_cache, meta, q.shape[-1] ** -0.5, None, window)
+
+
+def case(heads, kv_heads, dim, block_size, lens, seed=0):
+    rng = random.Random(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 8
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim, dtype=torch.bfloat16)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim, dtype=torch.bfloat16)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for n in lens:
+        need = -(-n // block_size)
+        tables.append(free[:need])
+        free = free[need:]
+    # q as the model has it: a view of the fused qkv rows (row stride past heads * dim).
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16)
+    q = qkv[:, :heads * dim].view(len(lens), heads, dim)
+    return q, k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
+    (9, 3, 64, 16),   # SmolLM2
+    (8, 8, 128, 16),  # no grouping
+    (32, 4, 128, 8),  # wide groups, small blocks
+])
+@pytest.mark.parametrize("window", [None, 20])
+def test_the_kernel_gives_the_torch_paths_attention(kernel, heads, kv_heads, dim, block_size, window):
+    lens = [1, block_size, block_size + 1, 3 * block_size, 57, 200, 7]
+    q, k_cache, v_cache, tables = case(heads, kv_heads, dim, block_size, lens)
+    want = attend(q, k_cache, v_cache, lens, tables, block_size, window, None)
+    got = attend(q, k_cache, v_cache, lens, tables, block_size, window, kernel)
+    # Both sum in float32 and round once to bfloat16: within a unit or two of the last place.
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+
+
+def test_rows_split_over_threads_give_the_same_result(kernel):
+    lens = [100 + 13 * i for i in range(12)]
+    q, k_cache, v_cache, tables = case(9, 3, 64, 16, lens, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attend(q, k_cache, v_cache, lens, tables, 16, None, kernel)
+        torch.set_num_threads(2)
+        two = attend(q, k_cache, v_cache, lens, tables, 16, None, kernel)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each row is summed by one thread, in one order
+
+
+def test_a_head_size_the_kernel_was_not_built_for_takes_the_torch_path(kernel):
+    lens = [30, 45]
+    q, k_cache, v_cache, tables = case(4, 2, 80, 16, lens)
+    assert not kernel.fits(q, k_cache)
+    assert torch.equal(attend(q, k_cache, v_cache, lens, tables, 16, None, kernel),
+                       attend(q, k_cache, v_cache, lens, tables, 16, None, None))
+
+
+def test_without_a_compiler_or_with_the_switch_there_is_no_kernel(tmp_path, monkeypatch):
+    native.decode_kernel.cache_clear()
+    try:
+        monkeypatch.setenv("PDSERVE_NATIVE_CACHE", str(tmp_path))
+        monkeypatch.setenv("CC", "false")  # a compiler that fails
+        assert native.decode_kernel() is None
+        assert not list(tmp_path.iterdir())  # no half-written library left behind
+        native.decode_kernel.cache_clear()
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv(native.SWITCH, "0")
+        assert native.decode_kernel() is None
+    finally:
+        native.decode_kernel.cache_clear()
