@@ -117,7 +117,8 @@ def build_checkpoint(preset: str, path: Path) -> None:
     state = {
         "model.embed_tokens.weight": ours.embed_tokens,
         "model.norm.weight": ours.norm.weight,
-        "lm_head.weight": ours.lm_head,
+        # A tied head (SmolLM2) is the embedding; saved as its own tensor all the same.
+        "lm_head.weight": ours.embed_tokens if ours.lm_head is None else ours.lm_head,
     }
     for i, layer in enumerate(ours.layers):
         attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}."
