@@ -25,7 +25,7 @@ from tests.integration.test_sim_up import (
     until,
     up_simulated,
 )
-from tests.integration.test_up_spec import engine_pids, logs_of
+from tests.integration.test_up_spec import engine_pids, listening_addresses, logs_of
 
 NUM_PREFILL, NUM_DECODE, PER_PROCESS = 25, 75, 10
 NUM_REQUESTS, CONCURRENCY = 48, 8
@@ -33,22 +33,8 @@ UNROUTED_WITHIN_S = 10.0
 
 
 def listening_ports(pid: int) -> set[int]:
-    """TCP ports process ``pid`` listens on: its socket inodes in the kernel's LISTEN rows."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[len("socket:["):-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in Path(table).read_text().splitlines()[1:]:
-            fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    """TCP ports process ``pid`` listens on."""
+    return {int(address.rsplit(":", 1)[1]) for address in listening_addresses(pid)}
 
 
 def roles_of(pid: int) -> list[str]:
