@@ -2,7 +2,8 @@
 
 Owns ``register``: which triggers reconcile a PDCluster (create, update, resume,
 a resync timer, and any change of its Pods, PDInstances or PDPools: a PDPool's
-scale is read by the PDCluster's pass, ``pdpools.py``), the delete handler
+scale is read by the PDCluster's pass, ``pdpools.py``; a child's event while a pass
+waits to start costs nothing: that pass reads it), the delete handler
 (kopf's finalizer keeps the PDCluster until ``Reconciler.finalize`` returns), the
 mapping of errors onto kopf's retry semantics, events and metrics.
 
@@ -88,8 +89,11 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, metrics: O
     @kopf.on.event(*PDCLUSTERS[:2], "pdinstances", labels=CHILD_LABELS, registry=registry)
     @kopf.on.event(*PDCLUSTERS[:2], "pdpools", labels=CHILD_LABELS, registry=registry)
     async def child_changed(namespace, labels, logger, **_) -> None:
+        name = labels[b.CLUSTER_LABEL]
+        if reconciler.is_queued(namespace, name):
+            return  # a change of N children is N events: one read and one pass serve them all
         try:
-            cluster = await reconciler.kube.get("PDCluster", namespace, labels[b.CLUSTER_LABEL])
+            cluster = await reconciler.kube.get("PDCluster", namespace, name)
             if cluster is not None:
                 await run(cluster, "child", is_strict=False)
         except (KubeError, kopf.TemporaryError) as exc:  # the resync timer retries

@@ -140,6 +140,12 @@ class Reconciler:
                                                 self.settings.key_secret)
         return derive_cluster_token(self._key, namespace, name, uid)
 
+    def is_queued(self, namespace: str, name: str) -> bool:
+        """Whether a pass for PDCluster ``namespace/name`` waits to start. Called by the
+        child-event handler: that pass reads everything afresh, so the event adds nothing
+        to it, not even a read of the PDCluster."""
+        return (namespace, name) in self._queued
+
     async def reconcile(self, body: dict, coalesce: bool = False) -> list[Event]:
         """One pass for ``body`` (a PDCluster). Raises InvalidSpec, KubeError.
 
