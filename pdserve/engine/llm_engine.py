@@ -68,10 +68,6 @@ def load_model_parts(config: EngineConfig) -> ModelParts:
         tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         try:
             model, tokenizer, num_blocks = load_rank0(config)
-            if config.compile_prefill:
-                from pdserve.engine.compiled import enable  # torch._dynamo: only where it runs
-
-                enable(model)
             allocator = kv_allocator(config)
             runner = ModelRunner(model, num_blocks, config.block_size, allocator,
                                  tp_workers.send_step if tp_workers else None)
@@ -81,6 +77,10 @@ def load_model_parts(config: EngineConfig) -> ModelParts:
             if tp_workers is not None:
                 tp_workers.close()
             raise
+    if config.compile_prefill:  # after the parse is dropped: the compile takes seconds
+        from pdserve.engine.compiled import enable  # torch._dynamo: only where it runs
+
+        enable(model)
     return ModelParts(runner, model.config, tokenizer, num_blocks, tp_workers,
                       getattr(allocator, "segment", None))
 
