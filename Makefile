@@ -7,7 +7,7 @@ RUN_STAMP := $(VENV)/.installed-run
 # Debian packages the test suite uses (installed only when missing); gcc, libc6-dev,
 # util-linux (nsenter, unshare) and openssl serve the Kubernetes stand-in in tests/e2e;
 # wrk is the load generator of benchmarks/coordinator_overhead.py.
-SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium gcc libc6-dev util-linux openssl wrk
+SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium gcc g++ libc6-dev util-linux openssl wrk
 
 .PHONY: install system-deps k8s-tools vllm-env lint test run proto clean
 
