@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 # Debian packages the test suite uses (installed only when missing); gcc, libc6-dev,
 # util-linux (nsenter, unshare) and openssl serve the Kubernetes stand-in in tests/e2e;
-# wrk is the load generator of benchmarks/coordinator_overhead.py.
+# wrk is the load generator of benchmarks/coordinator_overhead.py; gcc also builds the
+# engine's native decode attention, g++ the compiled prefill's code (torch.compile).
 SYSTEM_PACKAGES := libibverbs1 etcd-server prometheus chromium gcc g++ libc6-dev util-linux openssl wrk
 
 .PHONY: install system-deps k8s-tools vllm-env lint test run proto clean
