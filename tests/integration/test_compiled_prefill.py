@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import pytest
 import torch
@@ -171,3 +172,18 @@ def test_a_float32_engine_or_the_switch_leaves_prefill_eager(monkeypatch):
     assert engine.runner.model.compiled is None
     monkeypatch.setenv(compiled.SWITCH, "0")
     assert compiled.can_compile(engine.runner.model) == "PDSERVE_COMPILE=0"
+
+
+def test_past_its_budget_the_engine_serves_eager_until_the_compile_is_done():
+    engine = LLMEngine(EngineConfig(model=PRESET, dtype="bfloat16", num_threads=1, num_kv_blocks=64,
+                                    enable_prefix_caching=False, compile_prefill=False))
+    model = engine.runner.model
+    assert model.compiled is None
+    assert compiled.enable(model, budget_s=0) is False  # still compiling: eager meanwhile
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    assert engine.generate([prompt], SamplingParams(max_tokens=2))  # serves meanwhile
+    deadline = time.monotonic() + 120
+    while model.compiled is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert model.compiled is not None and model.dense_parts(len(prompt))[0] is model.compiled.before
+    engine.close()
