@@ -45,12 +45,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for a plain or a packed ``weight``; called by the model's
     layers for every projection and the lm_head. ``packed``: the owner's weights were
-    packed (``prepack_linears`` marks the module); a traced weight (``torch.compile``)
-    no longer shows it, and the packed call is opaque to the compiler (``packed_linear``)."""
-    if torch.compiler.is_compiling():
-        return packed_linear(x, weight, bias) if packed else F.linear(x, weight, bias)
+    packed (``prepack_linears`` marks the module): a weight traced by ``torch.compile``
+    (a fake tensor) no longer shows ``is_mkldnn``, so the flag sends it to the packed call,
+    opaque to the compiler (``packed_linear``). Not ``torch.compiler.is_compiling()``: a
+    compile in another thread (``compiled.enable``) sets that for this one too."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if packed:
+        return packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
