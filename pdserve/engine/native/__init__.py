@@ -9,7 +9,8 @@ and reads the copy again: a layer's decode attention at batch 32 on SmolLM2's sh
 -> 0.80 ms, the engine's decode step 1.09x at batch 8 and 1.11x at 32 (docs/benchmarks.md,
 "Decode attention read in place").
 
-Build: ``cc -O3 -march=native -fopenmp`` into a shared library, cached by the source's
+Build: ``cc -O3 -march=native -fopenmp`` (never ``-ffast-math``: its start-up code
+would set flush-to-zero for the whole process) into a shared library, cached by the source's
 hash and this CPU's feature flags (``-march=native`` code runs only where it was built)
 under ``$PDSERVE_NATIVE_CACHE`` or ``~/.cache/pdserve/native``; written to a temporary
 name and renamed, so engines starting together on one machine never load half a file.
@@ -34,7 +35,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 SWITCH = "PDSERVE_NATIVE"  # "0": never build or use the native kernels
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC"]
+# Not -ffast-math: a library built with it sets the CPU's flush-to-zero and denormals-are-
+# zero flags for the whole process when it loads. The reductions vectorize by their
+# ``omp simd`` pragmas; these two let the exponential loop vectorize as well.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"]
 DIMS = (64, 128)  # head sizes the kernel is built for
 MAX_HEADS, MAX_BLOCK = 64, 64
 
@@ -89,6 +93,10 @@ class PagedDecode:
                        ptr, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
+
+    def __reduce__(self):
+        # A step's metadata goes to the tensor-parallel ranks pickled: each rank loads its own.
+        return (decode_kernel, ())
 
     @staticmethod
     def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

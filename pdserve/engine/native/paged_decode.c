@@ -85,6 +85,7 @@ static void NAME(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_c
         } \
         for (int64_t h = 0; h < heads; h++) { \
             float mx = m[h]; \
+            _Pragma("omp simd reduction(max : mx)") \
             for (int64_t j = j0; j < j1; j++) mx = s[h][j] > mx ? s[h][j] : mx; \
             const float corr = expf(m[h] - mx); \
             l[h] *= corr; \

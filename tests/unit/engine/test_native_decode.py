@@ -5,6 +5,7 @@ be built or does not fit."""
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -63,6 +64,18 @@ def test_the_kernel_gives_the_torch_paths_attention(kernel, heads, kv_heads, dim
     got = attend(q, k_cache, v_cache, lens, tables, block_size, window, kernel)
     # Both sum in float32 and round once to bfloat16: within a unit or two of the last place.
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+
+
+def test_loading_the_kernel_leaves_the_processs_floating_point_alone(kernel):
+    # A library built with -ffast-math sets flush-to-zero and denormals-are-zero for the
+    # whole process when it loads: subnormal floats would read as 0 everywhere after it.
+    subnormal = 1e-310
+    assert subnormal * 1.0 > 0.0
+    assert torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() > 0.0
+
+
+def test_the_kernel_travels_pickled_to_tensor_parallel_ranks(kernel):
+    assert pickle.loads(pickle.dumps(kernel)) is native.decode_kernel()  # each process its own
 
 
 def test_rows_split_over_threads_give_the_same_result(kernel):
