@@ -5,9 +5,9 @@ of torch tensors, or None where it cannot run (no C compiler, a build that faile
 ``PDSERVE_NATIVE=0``); the engine then takes the torch path (gather, then SDPA), which
 gives the same results within float rounding. The kernel reads each decode row's K and V
 where they lie in the paged cache; the torch path copies them into a dense tensor first
-and reads the copy again: a layer's decode attention at batch 32 on SmolLM2's shapes 1.41
--> 0.80 ms, the engine's decode step 1.09x at batch 8 and 1.11x at 32 (docs/benchmarks.md,
-"Decode attention read in place").
+and reads the copy again: a layer's decode attention at batch 32 on SmolLM2's shapes 1.37
+-> 0.84 ms, the engine's decode step about 1.09x at batch 8 and 1.11x at 32
+(docs/benchmarks.md, "Decode attention read in place").
 
 Build: ``cc -O3 -march=native -fopenmp`` (never ``-ffast-math``: its start-up code
 would set flush-to-zero for the whole process) into a shared library, cached by the source's
