@@ -69,6 +69,11 @@ class EngineEndpoint:
     num_kv_blocks_free: int = 0
     block_size: int = 0
     max_model_len: int = 0  # longest request (prompt + output) it takes; 0: not reported
+    # Published pair checks (a Controller's view, ``PublishedPairs``): a prefill engine's
+    # agent has probed every decode peer listed at or before ``peers_checked_version``;
+    # a decode engine was listed (at its KV endpoint) at ``peers_listed_version``.
+    peers_checked_version: int = 0
+    peers_listed_version: int = 0
     # Coordinator-side, exact: legs in flight and prompt tokens not yet prefilled.
     num_inflight: int = 0
     inflight_at_report: int = 0  # ``num_inflight`` when the view's load was last written
@@ -121,11 +126,36 @@ class EngineEndpoint:
 VIEW_FIELDS = (
     "address", "role", "kv_endpoint", "kv_compat_hash", "healthy", "draining", "num_running",
     "num_waiting", "num_kv_blocks_used", "num_kv_blocks_free", "block_size", "max_model_len",
+    "peers_checked_version", "peers_listed_version",
 )
 
-MEMBER_FIELDS = ("role", "kv_endpoint", "kv_compat_hash", "healthy", "draining")
+MEMBER_FIELDS = ("role", "kv_endpoint", "kv_compat_hash", "healthy", "draining",
+                 "peers_checked_version", "peers_listed_version")
 """The view fields pools, pairings and pair checks read (load aside): a view that changes
 one of them on some instance bumps ``InstanceRegistry.members_version``."""
+
+
+@dataclass(frozen=True)
+class PublishedPairs:
+    """The Controller's pair checks, as its view publishes them: the NodeAgent of each
+    prefill engine probes the decode peers the Controller lists to it and reports the
+    ones it cannot reach (``nodeagent/peers.py``). A pair is known once P's agent has
+    checked the list D entered (``peers_checked_version >= peers_listed_version``), and
+    usable when known and not among ``unusable`` (usually empty: exceptions only, so the
+    view stays O(engines)). A new engine's pairs are unknown, so not routed, until then."""
+
+    unusable: dict[tuple[str, str], str] = field(default_factory=dict)  # (P id, D id) -> reason
+
+    def usable(self, p: EngineEndpoint, d: EngineEndpoint) -> bool:
+        return self.reason(p, d) == ""
+
+    def reason(self, p: EngineEndpoint, d: EngineEndpoint) -> str:
+        """Why the pair is not usable, or "" when it is."""
+        if not d.peers_listed_version:
+            return f"{d.instance_id} is not listed to the prefill engines' agents yet"
+        if p.peers_checked_version < d.peers_listed_version:
+            return f"{p.instance_id}'s agent has not probed {d.instance_id} yet"
+        return self.unusable.get((p.instance_id, d.instance_id), "")
 
 
 class Pool(list):
@@ -177,15 +207,19 @@ class InstanceRegistry:
         self._pools_until = 0.0  # monotonic: a suspect or full mark in them runs out
         self._max_model_len: int | None = None  # max_model_len(), kept until the next view
         self.on_failed = None  # called with an instance id after mark_failed (pair checks)
+        self.published_pairs: PublishedPairs | None = None  # the Controller's, when its view has them
 
     # -- written by the view source (static poller / Controller watcher) --
 
     def replace(self, instances: list[EngineEndpoint], mode: str = "PD", reason: str = "",
-                events: list[str] | None = None) -> None:
+                events: list[str] | None = None, pairs: PublishedPairs | None = None) -> None:
         """A whole new view. Instances that stay keep their object (requests hold it)
-        and Coordinator-side counters; only the view's fields are updated."""
+        and Coordinator-side counters; only the view's fields are updated. ``pairs``: the
+        Controller's pair checks, when its view publishes them (None: the Coordinator's
+        own ``PairChecks`` probe every pair)."""
         new: dict[str, EngineEndpoint] = {}
-        members_changed = False
+        members_changed = pairs != self.published_pairs
+        self.published_pairs = pairs
         for inst in instances:
             old = self._instances.get(inst.instance_id)
             if old is None:

@@ -1,56 +1,54 @@
 """Pair checks: which (prefill, decode) pairs have a KV path that answered a probe.
 
 An engine is routable as a pair member only with a peer whose KV endpoint it has
-reached: for each routable P and each routable D with the same ``kv_compat_hash``,
-the Coordinator asks P (the engine's ProbePeer RPC, a layout handshake over its KV
-transport, no test transfer) to probe D's KV endpoint. The router pairs only over
-pairs whose last probe passed (``usable``); a pair of different compat hashes is
-never probed (its reason says so).
+reached. Who probes depends on the view's source:
 
-    unknown ──probe ok──▶ usable ──probe failed / a leg on it failed──▶ re-probed
-       │                     ▲                                            │
-       └──probe failed──▶ unusable ◀──────────────────────────────────────┘
+- **Under a Controller that publishes pair checks** (``InstanceRegistry.published_pairs``,
+  every view of this version's Controller): the NodeAgent of each prefill engine
+  probes the decode peers the Controller lists to it, and the Controller publishes
+  which pairs were checked and the few that failed (``instances.PublishedPairs``).
+  A pair is probed once per cluster, not once per Coordinator, and the Coordinator
+  sends no probe of its own, except after a failed leg: ``recheck`` re-probes that
+  engine's pairs here at once (the agent would see a broken path only at its next
+  probe, up to ``interval_s`` later), and a pair whose re-probe fails stays out of
+  this Coordinator's routing until a re-probe passes, whatever the view says.
+- **Otherwise** (a static engine list, or a view that carries no pair checks): for
+  each routable P and each routable D with the same ``kv_compat_hash`` this
+  Coordinator asks P (the engine's ProbePeer RPC, a layout handshake over its KV
+  transport, no test transfer) to probe D's KV endpoint; a pair of different compat
+  hashes is never probed (its reason says so).
 
-Thresholds: a usable pair is re-probed every ``interval_s``; an unusable one every
-``retry_s``; a pair one of whose engines just failed a leg (``recheck``) at once,
-keeping its last result until the new one. A pair whose P or D changed KV endpoint
-is unknown again. At most ``max_concurrency`` probes run at once; each ends within
-``timeout_s``. Every change of which pairs are usable wakes the requests waiting
-for a route (``InstanceRegistry.notify_changed``).
+The verdicts, their states and thresholds are ``runtime.pair_probes.PairProbes``'s
+(usable pairs re-probed every ``interval_s``, failed ones every ``retry_s``, a
+rechecked one at once, keeping its last result until the new one; at most
+``max_concurrency`` probes at once, each within ``timeout_s``). The router pairs
+only over pairs ``usable`` answers yes for. Every change of which pairs are usable
+wakes the requests waiting for a route (``InstanceRegistry.notify_changed``).
 
 One task (``run``), on the app's event loop, owns the results; the router and
 /ready read them on the same loop. ``version`` counts the changes of what ``usable``
-answers (a pair's verdict, the KV endpoint it was probed at, a pair dropped), so the
-router may keep its pairing until it moves.
+answers that the registry's ``members_version`` does not (the published checks
+change it), so the router may keep its pairing until either moves.
 
-Cost: a round looks at every P × D pair only when one may be due: the view changed
-what pairs read (``InstanceRegistry.members_version``: instances, roles, KV endpoints,
-compat hashes, health), a leg failed (``recheck``), or the earliest probe's age runs
-out; else (the usual view: new load figures) it returns at once.
+Cost: probing itself, a round looks at every P × D pair only when one may be due:
+the view changed what pairs read (``InstanceRegistry.members_version``: instances,
+roles, KV endpoints, compat hashes, health), a leg failed (``recheck``), or the
+earliest probe's age runs out; else (the usual view: new load figures) it returns at
+once. Under published checks a round looks only at the rechecked pairs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from dataclasses import dataclass
+
+from pdserve.runtime.pair_probes import PairProbes, PairResult
 
 from .engine_errors import EngineCallError, Unsupported
 from .instances import EngineEndpoint, InstanceRegistry
 from .rounds import Rounds
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)  # one per P x D pair: 187,500 at 250 x 750 engines
-class PairResult:
-    ok: bool
-    reason: str
-    kv_endpoint: str  # D's KV endpoint the probe reached (a new one makes the pair unknown)
-    checked_s: float  # monotonic time of the probe
-    handshake_s: float = 0.0
-    due: bool = False  # re-probe at the next round, whatever its age
+__all__ = ["PairChecks", "PairResult"]
 
 
 class PairChecks(Rounds):
@@ -62,32 +60,52 @@ class PairChecks(Rounds):
     def __init__(self, registry: InstanceRegistry, interval_s: float = 30.0,
                  retry_s: float = 2.0, timeout_s: float = 3.0, max_concurrency: int = 8) -> None:
         self.registry = registry
+        self.probes = PairProbes(interval_s, retry_s, timeout_s, max_concurrency)
         self.interval_s, self.retry_s, self.timeout_s = interval_s, retry_s, timeout_s
-        self._limit = asyncio.Semaphore(max_concurrency)
-        self._results: dict[tuple[str, str], PairResult] = {}  # (P id, D id) -> last probe
-        self.version = 0  # bumped whenever ``usable`` may answer differently
         self._members_seen = -1  # the registry's ``members_version`` the last scan saw
         self._next_due_s = 0.0  # monotonic: the earliest probe's age runs out
+
+    @property
+    def is_published(self) -> bool:
+        """The view carries the Controller's pair checks: probe only what ``recheck`` asks."""
+        return self.registry.published_pairs is not None
+
+    @property
+    def version(self) -> int:
+        return self.probes.version
+
+    @property
+    def num_probes(self) -> int:
+        return self.probes.num_probes
 
     # -- read by the router and /ready ---------------------------------------------
 
     def usable(self, p: EngineEndpoint, d: EngineEndpoint) -> bool:
-        result = self._results.get((p.instance_id, d.instance_id))
-        return result is not None and result.ok and result.kv_endpoint == d.kv_endpoint
+        key = (p.instance_id, d.instance_id)
+        published = self.registry.published_pairs
+        if published is None:
+            return self.probes.is_usable(key, d.kv_endpoint)
+        local = self.probes.result(key, d.kv_endpoint)  # a recheck after a failed leg
+        return (local is None or local.ok) and published.usable(p, d)
 
     def describe(self) -> list[dict]:
         """Every P × D of the view with whether it is usable and why not (/ready?verbose=1)."""
         rows = []
+        published = self.registry.published_pairs
         for p, d in self._pairs(self.registry.all(), routable_only=False):
             row = {"prefill": p.instance_id, "decode": d.instance_id, "kv_endpoint": d.kv_endpoint}
             reason = self._not_probed_reason(p, d)
-            result = self._results.get((p.instance_id, d.instance_id))
-            if reason is None and result is not None and result.kv_endpoint == d.kv_endpoint:
-                reason = "" if result.ok else result.reason
+            result = self.probes.result((p.instance_id, d.instance_id), d.kv_endpoint)
+            if result is not None:
                 row["checked_s_ago"] = round(time.monotonic() - result.checked_s, 1)
                 row["handshake_s"] = round(result.handshake_s, 4)
+            if reason is None and result is not None and not result.ok:
+                reason = result.reason
+            elif reason is None and published is not None:
+                reason = published.reason(p, d)
+                row["checked_by"] = "controller"
             elif reason is None:
-                reason = "not probed yet"
+                reason = "" if result is not None else "not probed yet"
             row["usable"] = reason == ""
             row["reason"] = reason
             rows.append(row)
@@ -96,11 +114,26 @@ class PairChecks(Rounds):
     # -- written by the lifecycle --------------------------------------------------
 
     def recheck(self, instance_id: str) -> None:
-        """A leg on this engine failed: re-probe its pairs at the next round."""
-        for (p_id, d_id), result in self._results.items():
-            if instance_id in (p_id, d_id):
-                result.due = True
-                self._next_due_s = 0.0
+        """A leg on this engine failed: re-probe its pairs at the next round. Under
+        published checks its usable pairs are taken on here (``_take_on``), as no probe
+        of this Coordinator's knows them yet."""
+        inst = self.registry.get(instance_id)
+        if self.is_published and inst is not None and inst.routable:
+            self._take_on(inst)
+        if self.probes.mark_due(instance_id):
+            self._next_due_s = 0.0
+
+    def _take_on(self, inst: EngineEndpoint) -> None:
+        """Each usable pair of ``inst`` probed at the next round, keeping the view's
+        verdict till then: O(engines of the other role)."""
+        other = {"prefill": "decode", "decode": "prefill"}.get(inst.role)
+        for peer in self.registry.all():
+            if peer.role != other or not peer.routable:
+                continue
+            p, d = (inst, peer) if inst.role == "prefill" else (peer, inst)
+            key = (p.instance_id, d.instance_id)
+            if self.usable(p, d) and self.probes.result(key, d.kv_endpoint) is None:
+                self.probes.results[key] = PairResult(True, "", d.kv_endpoint, 0.0, due=True)
 
     # -- the task ------------------------------------------------------------------
 
@@ -116,45 +149,44 @@ class PairChecks(Rounds):
         members = self.registry.members_version
         if members == self._members_seen and now < self._next_due_s:
             return  # nothing due (``Cost`` above)
-        due = [(p, d) for p, d in self._pairs(self.registry.all(), routable_only=True)
-               if self._not_probed_reason(p, d) is None and self._is_due(p, d, now)]
-        if not due:
-            self._scanned(members)
+        if self.is_published:
+            candidates, gone = self._taken_on()
+        else:
+            candidates, gone = self._pairs(self.registry.all(), routable_only=True), []
+        due = [(p, d) for p, d in candidates
+               if self._not_probed_reason(p, d) is None
+               and self.probes.is_due((p.instance_id, d.instance_id), d.kv_endpoint, now)]
+        if not due and not gone:
+            self._members_seen, self._next_due_s = members, self.probes.next_due_s()
             return
-        before = {key for key, r in self._results.items() if r.ok}
+        before = self.probes.usable_keys()
         await asyncio.gather(*(self._probe(p, d) for p, d in due))
-        live = {(p.instance_id, d.instance_id) for p, d in self._pairs(self.registry.all(), False)}
-        for key in set(self._results) - live:  # engines gone from the view
-            del self._results[key]
-            self.version += 1
-        if {key for key, r in self._results.items() if r.ok} != before:
+        if self.is_published:  # one that passed its re-probe goes back to the view's verdict
+            gone += [key for key, r in self.probes.results.items() if r.ok and not r.due]
+        else:  # engines gone from the view
+            live = {(p.instance_id, d.instance_id) for p, d in self._pairs(self.registry.all(), False)}
+            gone = [key for key in self.probes.results if key not in live]
+        self.probes.forget(gone)
+        if self.probes.usable_keys() != before:
             self.registry.notify_changed()
-        self._scanned(members)
-
-    def _scanned(self, members: int) -> None:
-        """After a round that looked at every pair: when the next one must look again."""
         self._members_seen = members
-        self._next_due_s = min((0.0 if r.due else r.checked_s + (self.interval_s if r.ok else self.retry_s)
-                                for r in self._results.values()), default=float("inf"))
+        self._next_due_s = self.probes.next_due_s()
 
-    def _is_due(self, p: EngineEndpoint, d: EngineEndpoint, now: float) -> bool:
-        result = self._results.get((p.instance_id, d.instance_id))
-        if result is None or result.due or result.kv_endpoint != d.kv_endpoint:
-            return True
-        return now - result.checked_s >= (self.interval_s if result.ok else self.retry_s)
+    def _taken_on(self) -> tuple[list[tuple[EngineEndpoint, EngineEndpoint]], list]:
+        """Under published checks: the rechecked pairs still routable, and the keys of
+        those that are not (an engine left the view or stopped being routable)."""
+        pairs, gone = [], []
+        for key in self.probes.results:
+            p, d = self.registry.get(key[0]), self.registry.get(key[1])
+            if (p is None or d is None or p.role != "prefill" or d.role != "decode"
+                    or self._not_probed_reason(p, d) is not None):
+                gone.append(key)
+            else:
+                pairs.append((p, d))
+        return pairs, gone
 
     async def _probe(self, p: EngineEndpoint, d: EngineEndpoint) -> None:
-        async with self._limit:
-            ok, reason, handshake_s = await self._ask(p, d)
-        old = self._results.get((p.instance_id, d.instance_id))
-        if not ok and (old is None or old.ok or old.reason != reason):
-            log.warning("pair %s -> %s unusable: %s", p.instance_id, d.instance_id, reason)
-        elif ok and old is not None and not old.ok:
-            log.info("pair %s -> %s usable again", p.instance_id, d.instance_id)
-        self._results[(p.instance_id, d.instance_id)] = PairResult(
-            ok, reason, d.kv_endpoint, time.monotonic(), handshake_s)
-        if old is None or old.ok != ok or old.kv_endpoint != d.kv_endpoint:
-            self.version += 1
+        await self.probes.probe((p.instance_id, d.instance_id), d.kv_endpoint, lambda: self._ask(p, d))
 
     async def _ask(self, p: EngineEndpoint, d: EngineEndpoint) -> tuple[bool, str, float]:
         engine = self.registry.engine(p.address)

@@ -1,7 +1,8 @@
 """Controller instance view: the Controller's ``WatchView`` stream feeds the registry.
 
 Each ``ClusterView`` replaces the registry's view whole (routable instances, their
-load, and the mode: "PD" or "FALLBACK"). ``address`` may name several Controller
+load, the mode: "PD" or "FALLBACK", and the pair checks the Controller publishes:
+``instances.PublishedPairs``, which the Coordinator routes on instead of probing). ``address`` may name several Controller
 replicas (``A,B``), as the NodeAgent's ``--controller`` does: a replica that answers
 FAILED_PRECONDITION (a standby), cannot be reached, or whose stream breaks or
 stays silent for ``SILENT_AFTER_S`` (the leader died) makes the watcher try the next one at once; only after every
@@ -21,7 +22,7 @@ from pdserve.api.proto import controller_pb2 as cpb
 from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
 from pdserve.runtime.security import SecuritySettings, create_channel
 
-from .instances import EngineEndpoint, InstanceRegistry
+from .instances import EngineEndpoint, InstanceRegistry, PublishedPairs
 
 log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 0.1
@@ -39,8 +40,17 @@ def instances_from_view(view: cpb.ClusterView) -> list[EngineEndpoint]:
             num_running=iv.load.num_running, num_waiting=iv.load.num_waiting,
             num_kv_blocks_used=iv.load.num_kv_blocks_used,
             num_kv_blocks_free=iv.load.num_kv_blocks_free, max_model_len=iv.max_model_len,
+            peers_checked_version=iv.peers_checked_version, peers_listed_version=iv.peers_listed_version,
         ))
     return out
+
+
+def pairs_from_view(view: cpb.ClusterView) -> PublishedPairs | None:
+    """The Controller's pair checks, or None when the view carries none (the
+    Coordinator's own ``PairChecks`` then probe every pair)."""
+    if not view.publishes_pairs:
+        return None
+    return PublishedPairs({(u.prefill_id, u.decode_id): u.reason or "unreachable" for u in view.unusable_pairs})
 
 
 class ControllerWatcher:
@@ -117,6 +127,6 @@ class ControllerWatcher:
 
     def apply(self, view: cpb.ClusterView) -> None:
         self.registry.replace(instances_from_view(view), view.mode or "PD", view.fallback_reason,
-                              list(view.recent_events))
+                              list(view.recent_events), pairs_from_view(view))
         self.num_views += 1
         self._first.set()

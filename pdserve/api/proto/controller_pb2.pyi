@@ -59,7 +59,7 @@ class InstanceLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., num_prefills_total: _Optional[int] = ..., prefill_busy_s_total: _Optional[float] = ..., prefill_queue_s_total: _Optional[float] = ..., num_decode_steps_total: _Optional[int] = ..., decode_batch_total: _Optional[float] = ..., decode_batch_sq_total: _Optional[float] = ..., decode_step_s_total: _Optional[float] = ..., decode_batch_step_s_total: _Optional[float] = ..., num_finished_total: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_exposed_s_total: _Optional[float] = ..., output_budget_total: _Optional[int] = ..., num_waiting_prompt_tokens: _Optional[int] = ..., num_kv_blocks_committed: _Optional[int] = ...) -> None: ...
 
 class InstanceReport(_message.Message):
-    __slots__ = ("instance_id", "role", "process_state", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "load", "num_restarts", "probe_ok", "last_error", "pool", "max_model_len")
+    __slots__ = ("instance_id", "role", "process_state", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "load", "num_restarts", "probe_ok", "last_error", "pool", "max_model_len", "peers_checked_version", "unreachable_peers")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_STATE_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,8 @@ class InstanceReport(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PEERS_CHECKED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_PEERS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     process_state: str
@@ -88,19 +90,51 @@ class InstanceReport(_message.Message):
     last_error: str
     pool: str
     max_model_len: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., process_state: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., model: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., num_restarts: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., last_error: _Optional[str] = ..., pool: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    peers_checked_version: int
+    unreachable_peers: _containers.RepeatedCompositeFieldContainer[PeerFailure]
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., process_state: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., model: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., num_restarts: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., last_error: _Optional[str] = ..., pool: _Optional[str] = ..., max_model_len: _Optional[int] = ..., peers_checked_version: _Optional[int] = ..., unreachable_peers: _Optional[_Iterable[_Union[PeerFailure, _Mapping]]] = ...) -> None: ...
+
+class PeerFailure(_message.Message):
+    __slots__ = ("instance_id", "kv_endpoint", "reason")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    kv_endpoint: str
+    reason: str
+    def __init__(self, instance_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PeerList(_message.Message):
+    __slots__ = ("version", "decode")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    decode: _containers.RepeatedCompositeFieldContainer[Peer]
+    def __init__(self, version: _Optional[int] = ..., decode: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
+
+class Peer(_message.Message):
+    __slots__ = ("instance_id", "kv_endpoint", "kv_compat_hash")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    kv_endpoint: str
+    kv_compat_hash: str
+    def __init__(self, instance_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("agent_id", "node", "instances", "cluster_token")
+    __slots__ = ("agent_id", "node", "instances", "cluster_token", "peers_version")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PEERS_VERSION_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     node: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceReport]
     cluster_token: str
-    def __init__(self, agent_id: _Optional[str] = ..., node: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceReport, _Mapping]]] = ..., cluster_token: _Optional[str] = ...) -> None: ...
+    peers_version: int
+    def __init__(self, agent_id: _Optional[str] = ..., node: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceReport, _Mapping]]] = ..., cluster_token: _Optional[str] = ..., peers_version: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("command_id", "instance_id", "kind", "role", "deadline_s")
@@ -117,15 +151,17 @@ class Command(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., kind: _Optional[str] = ..., role: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("commands", "heartbeat_interval_s")
+    __slots__ = ("commands", "heartbeat_interval_s", "peers")
     COMMANDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     commands: _containers.RepeatedCompositeFieldContainer[Command]
     heartbeat_interval_s: float
-    def __init__(self, commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    peers: PeerList
+    def __init__(self, commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., heartbeat_interval_s: _Optional[float] = ..., peers: _Optional[_Union[PeerList, _Mapping]] = ...) -> None: ...
 
 class InstanceView(_message.Message):
-    __slots__ = ("instance_id", "role", "health", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "load", "model", "last_heartbeat_unix_s", "max_model_len")
+    __slots__ = ("instance_id", "role", "health", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "load", "model", "last_heartbeat_unix_s", "max_model_len", "peers_checked_version", "peers_listed_version")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +173,8 @@ class InstanceView(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PEERS_CHECKED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEERS_LISTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     health: str
@@ -148,10 +186,22 @@ class InstanceView(_message.Message):
     model: str
     last_heartbeat_unix_s: float
     max_model_len: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., health: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., model: _Optional[str] = ..., last_heartbeat_unix_s: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    peers_checked_version: int
+    peers_listed_version: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., health: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., model: _Optional[str] = ..., last_heartbeat_unix_s: _Optional[float] = ..., max_model_len: _Optional[int] = ..., peers_checked_version: _Optional[int] = ..., peers_listed_version: _Optional[int] = ...) -> None: ...
+
+class UnusablePair(_message.Message):
+    __slots__ = ("prefill_id", "decode_id", "reason")
+    PREFILL_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    prefill_id: str
+    decode_id: str
+    reason: str
+    def __init__(self, prefill_id: _Optional[str] = ..., decode_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ClusterView(_message.Message):
-    __slots__ = ("version", "mode", "fallback_reason", "instances", "leader", "recent_events", "planner")
+    __slots__ = ("version", "mode", "fallback_reason", "instances", "leader", "recent_events", "planner", "publishes_pairs", "unusable_pairs")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +209,8 @@ class ClusterView(_message.Message):
     LEADER_FIELD_NUMBER: _ClassVar[int]
     RECENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
     PLANNER_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHES_PAIRS_FIELD_NUMBER: _ClassVar[int]
+    UNUSABLE_PAIRS_FIELD_NUMBER: _ClassVar[int]
     version: int
     mode: str
     fallback_reason: str
@@ -166,7 +218,9 @@ class ClusterView(_message.Message):
     leader: str
     recent_events: _containers.RepeatedScalarFieldContainer[str]
     planner: PlannerView
-    def __init__(self, version: _Optional[int] = ..., mode: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceView, _Mapping]]] = ..., leader: _Optional[str] = ..., recent_events: _Optional[_Iterable[str]] = ..., planner: _Optional[_Union[PlannerView, _Mapping]] = ...) -> None: ...
+    publishes_pairs: bool
+    unusable_pairs: _containers.RepeatedCompositeFieldContainer[UnusablePair]
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceView, _Mapping]]] = ..., leader: _Optional[str] = ..., recent_events: _Optional[_Iterable[str]] = ..., planner: _Optional[_Union[PlannerView, _Mapping]] = ..., publishes_pairs: _Optional[bool] = ..., unusable_pairs: _Optional[_Iterable[_Union[UnusablePair, _Mapping]]] = ...) -> None: ...
 
 class PlannerView(_message.Message):
     __slots__ = ("advisory", "wanted_prefill", "wanted_decode", "replicas_prefill", "replicas_decode", "reason", "last_action", "last_action_unix_s", "num_actions", "request_rate", "measured_ttft_s", "measured_tpot_s", "prefill_tokens_per_s", "ttft_target_s", "tpot_target_s", "is_balanced")
