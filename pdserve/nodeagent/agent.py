@@ -7,7 +7,8 @@ one ``EmbeddedLaunch`` share one process (``pdserve engine --roles``, in their o
 ``SupervisedEngine.index``); a restart or a relaunch of one of them is one of all.
 Loops: one supervisor per engine process, one probe loop per engine, one heartbeat
 loop (every interval, and at once when an engine's process state changes, so a death
-is reported without waiting).
+is reported without waiting), and the peer checks (``peers.py``: its prefill engines
+probe the decode peers the Controller lists; the verdicts ride the heartbeats).
 
 Commands: ``drain`` (stop admitting), ``switch_role`` (SetRole at once: the legs in
 flight finish in their old role; an engine that switches only when idle is drained,
@@ -33,7 +34,8 @@ import grpc
 from pdserve.api.proto import LOAD_COUNTERS
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
-from pdserve.nodeagent.launch import EmbeddedLaunch, ProbeFailed, VllmLaunch
+from pdserve.nodeagent.launch import EmbeddedLaunch, ProbeFailed, Prober, VllmLaunch
+from pdserve.nodeagent.peers import PeerChecks
 from pdserve.nodeagent.process import Backoff, EngineProcess
 from pdserve.runtime.aio import wait_event
 from pdserve.runtime.engine_client import EngineClient
@@ -98,6 +100,10 @@ class AgentSettings:
     probe_timeout_s: float = 1.0
     backoff: Backoff = Backoff()
     echo_engine_output: bool = True
+    peer_probe_interval_s: float = 30.0  # a usable (prefill, decode peer) pair probed again
+    peer_probe_retry_s: float = 2.0      # a pair whose probe failed probed again
+    peer_probe_timeout_s: float = 3.0
+    peer_probe_concurrency: int = 8
 
 
 class Agent:
@@ -113,6 +119,10 @@ class Agent:
         self.num_heartbeats_failed = 0
         self.last_heartbeat_ok_s: float | None = None
         self.processes: list[EngineProcess] = []
+        self.peer_checks = PeerChecks(self._peer_prober, self._wake.set, settings.peer_probe_interval_s,
+                                      settings.peer_probe_retry_s, settings.peer_probe_timeout_s,
+                                      settings.peer_probe_concurrency)
+        self._peer_probers: dict[str, tuple[str, Prober]] = {}  # instance id -> (address, prober)
         for inst in instances:
             if inst.launch is None:
                 inst.launch = EmbeddedLaunch(inst.argv)
@@ -140,6 +150,7 @@ class Agent:
         self._tasks += [asyncio.create_task(p.supervise()) for p in self.processes]
         self._tasks += [asyncio.create_task(self._probe_loop(i)) for i in self.instances.values()]
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        self._tasks.append(asyncio.create_task(self.peer_checks.run(lambda: list(self.instances.values()))))
 
     async def stop(self) -> None:
         """Called on SIGTERM: stop the loops, then every engine (reaped)."""
@@ -147,6 +158,8 @@ class Agent:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(p.stop() for p in self.processes))
+        await asyncio.gather(*(prober.close() for _, prober in self._peer_probers.values()),
+                             return_exceptions=True)
         if self._channel is not None:
             await self._channel.close()
 
@@ -177,6 +190,19 @@ class Agent:
             inst.load = self._load(inst, stats)
             if not was_ok:
                 self._wake.set()
+
+    def _peer_prober(self, inst: SupervisedEngine) -> Prober | None:
+        """The prober the peer checks ask ``inst`` through, while it serves (one per
+        address, kept apart from the probe loop's so a slow peer probe delays no health read)."""
+        if inst.process.state != "running" or not inst.address or not inst.probe_ok:
+            return None
+        address, prober = self._peer_probers.get(inst.instance_id, ("", None))
+        if address != inst.address:
+            if prober is not None:
+                self._tasks.append(asyncio.create_task(prober.close()))
+            prober = inst.launch.prober(inst.address, self.security)
+            self._peer_probers[inst.instance_id] = (inst.address, prober)
+        return prober
 
     @staticmethod
     def _load(inst: SupervisedEngine, s) -> pb.InstanceLoad:
@@ -219,7 +245,10 @@ class Agent:
         """One heartbeat; on a standby or an unreachable replica, the next address at once."""
         request = pb.HeartbeatRequest(
             agent_id=self.settings.agent_id, node=socket.gethostname(),
-            instances=[i.report() for i in self.instances.values()])
+            instances=[i.report() for i in self.instances.values()],
+            peers_version=self.peer_checks.peers.version)
+        for report in request.instances:
+            self.peer_checks.fill(report)
         for _ in self.settings.controllers:
             try:
                 reply = await self._connect().Heartbeat(
@@ -235,6 +264,8 @@ class Agent:
         else:
             return
         self.last_heartbeat_ok_s = time.monotonic()
+        if reply.HasField("peers"):
+            self.peer_checks.update(reply.peers)
         for cmd in reply.commands:
             inst = self.instances.get(cmd.instance_id)
             if inst is None or inst.is_busy:

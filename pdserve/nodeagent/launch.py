@@ -51,13 +51,23 @@ class ProbeFailed(Exception):
 
 class Prober:
     """Health and load reads of one engine (``client``: the embedded engine's gRPC client
-    or a ``VllmClient``), their errors (``errors``) as ``ProbeFailed``."""
+    or a ``VllmClient``), and its probe of a decode peer's KV path (``peers.py``), their
+    errors (``errors``) as ``ProbeFailed``."""
 
     def __init__(self, client, errors: type[BaseException], describe: Callable[[BaseException], str],
-                 min_timeout_s: float = 0.0) -> None:
-        """``min_timeout_s``: the least a read waits, whatever the agent's probe timeout."""
+                 min_timeout_s: float = 0.0, probe_peer=None) -> None:
+        """``min_timeout_s``: the least a read waits, whatever the agent's probe timeout;
+        ``probe_peer(endpoint, timeout_s)``: the engine probes a peer's KV endpoint."""
         self.client, self._errors, self._describe = client, errors, describe
         self.min_timeout_s = min_timeout_s
+        self._probe_peer = probe_peer
+
+    async def probe_peer(self, endpoint: str, timeout_s: float):
+        """The engine's ``ProbePeerResponse`` for a decode peer's KV endpoint."""
+        try:
+            return await self._probe_peer(endpoint, timeout_s)
+        except self._errors as exc:
+            raise ProbeFailed(self._describe(exc)) from None
 
     async def health(self, timeout_s: float):
         return await self._call(self.client.health, timeout_s)
@@ -95,7 +105,9 @@ class EmbeddedLaunch:
 
     @staticmethod
     def prober(address: str, security: SecuritySettings) -> Prober:
-        return Prober(EngineClient(address, security), grpc.aio.AioRpcError, lambda exc: exc.code().name)
+        client = EngineClient(address, security)
+        return Prober(client, grpc.aio.AioRpcError, lambda exc: exc.code().name,
+                      probe_peer=lambda endpoint, timeout_s: client.probe_peer(endpoint, False, timeout_s))
 
 
 class VllmLaunch:
@@ -145,4 +157,7 @@ class VllmLaunch:
     def prober(address: str, security: SecuritySettings) -> Prober:
         # vLLM answers from its API server's event loop, which a busy engine (its
         # OpenMP threads, NIXL's progress thread) can starve for a while: busy is not dead.
-        return Prober(VllmClient(address), VllmUnavailable, str, min_timeout_s=VLLM_PROBE_TIMEOUT_S)
+        # vLLM has no peer probe: P's side channel accepting a connection (D dials P)
+        client = VllmClient(address)
+        return Prober(client, VllmUnavailable, str, min_timeout_s=VLLM_PROBE_TIMEOUT_S,
+                      probe_peer=lambda endpoint, timeout_s: client.probe_side_channel(timeout_s))
