@@ -109,6 +109,9 @@ class Cluster:
         self._counters: dict[str, dict[str, float]] = {}  # instance id -> counters seen last
         self._view_key: tuple = ()
         self.view_version = 0
+        self.peers_version = 0  # the peer list's (persisted in the meta, never reused)
+        self._peer_list: pb.PeerList | None = None  # built once per version
+        self._is_peer_left = False  # a listed decode engine left the list since the last version
 
     # --- inputs: agents -------------------------------------------------------
     def apply_heartbeat(self, agent_id: str, reports, now_s: float) -> list[pb.Command]:
@@ -127,6 +130,10 @@ class Cluster:
 
     def _update_from_report(self, rec: InstanceRecord, agent_id: str, rep, now_s: float) -> None:
         before = rec.to_json()
+        if (rep.role, rep.kv_endpoint, rep.kv_compat_hash) != (rec.role, rec.kv_endpoint, rec.kv_compat_hash):
+            self._unlist(rec)  # listed again (``_update_peers``) at its new endpoint, if still a peer
+        rec.peers_checked_version = rep.peers_checked_version
+        rec.unreachable_peers = [[f.instance_id, f.kv_endpoint, f.reason] for f in rep.unreachable_peers]
         rec.agent_id, rec.role, rec.model = agent_id, rep.role, rep.model
         rec.engine_address, rec.kv_endpoint = rep.engine_address, rep.kv_endpoint
         rec.kv_transport, rec.kv_compat_hash = rep.kv_transport, rep.kv_compat_hash
@@ -224,6 +231,7 @@ class Cluster:
                 self._forget(rec.instance_id, f"silent for {self.settings.forget_after_s:g}s")
 
     def _forget(self, instance_id: str, why: str) -> None:
+        self._unlist(self.records[instance_id])
         del self.records[instance_id]
         self._drains.pop(instance_id, None)
         self._counters.pop(instance_id, None)
@@ -408,13 +416,58 @@ class Cluster:
         log.log(level, "%s", line)
         self.events.append(f"{time.strftime('%H:%M:%S')} {line}")
 
+    # --- pair checks: the peer list --------------------------------------------
+    def _unlist(self, rec: InstanceRecord) -> None:
+        """``rec`` leaves the peer list (it left, failed, or changed role or endpoint):
+        if it comes back it is listed at a new version, which no agent has checked."""
+        if rec.peers_listed_version:
+            rec.peers_listed_version = 0
+            self._is_peer_left = True
+            self.dirty.add(rec.instance_id)
+
+    def _update_peers(self) -> None:
+        """The decode engines the prefill engines' agents probe: each one not FAILED with a
+        KV endpoint (STARTING ones too, so their pairs are checked by the time they are
+        READY). A new one is listed at a new version; one that left bumps it too."""
+        new = []
+        for rec in self.records.values():
+            if rec.role == "decode" and rec.kv_endpoint and rec.health != FAILED:
+                if not rec.peers_listed_version:
+                    new.append(rec)
+            else:
+                self._unlist(rec)
+        if new or self._is_peer_left:
+            self.peers_version += 1
+            self.meta_dirty, self._is_peer_left, self._peer_list = True, False, None
+            for rec in new:
+                rec.peers_listed_version = self.peers_version
+                self.dirty.add(rec.instance_id)
+
+    def peer_list(self) -> pb.PeerList:
+        """The peer list now: what an agent holding another version is sent
+        (``Controller.heartbeat``, once the list is written to the store)."""
+        self._update_peers()
+        if self._peer_list is None or self._peer_list.version != self.peers_version:
+            self._peer_list = pb.PeerList(version=self.peers_version, decode=[
+                pb.Peer(instance_id=r.instance_id, kv_endpoint=r.kv_endpoint, kv_compat_hash=r.kv_compat_hash)
+                for r in sorted(self.records.values(), key=lambda r: r.instance_id) if r.peers_listed_version])
+        return self._peer_list
+
     # --- outputs --------------------------------------------------------------
     def view(self, leader: str) -> pb.ClusterView:
-        """The routable view (READY only); ``version`` bumps when its content changes."""
+        """The routable view (READY only); ``version`` bumps when its content changes.
+        With it the pair checks: each instance's peer versions, and the pairs between
+        routable instances whose prefill agent reported the decode engine unreachable at
+        its current KV endpoint (exceptions only: the view stays O(instances))."""
+        self._update_peers()
         routable = sorted((r for r in self.records.values() if r.health == READY),
                           key=lambda r: r.instance_id)
+        decode_at = {r.instance_id: r.kv_endpoint for r in routable if r.role == "decode"}
+        unusable = tuple((r.instance_id, d_id, why) for r in routable if r.role == "prefill"
+                         for d_id, endpoint, why in r.unreachable_peers if decode_at.get(d_id) == endpoint)
         key = (self.mode.mode, self.mode.reason, leader, tuple(sorted(self.replicas.items())), tuple(
-            (r.instance_id, r.role, r.engine_address, r.kv_endpoint, r.kv_compat_hash) for r in routable))
+            (r.instance_id, r.role, r.engine_address, r.kv_endpoint, r.kv_compat_hash,
+             r.peers_checked_version, r.peers_listed_version) for r in routable), unusable)
         if key != self._view_key:
             self._view_key, self.view_version = key, self.view_version + 1
         return pb.ClusterView(
@@ -425,5 +478,8 @@ class Cluster:
                 engine_address=r.engine_address, kv_endpoint=r.kv_endpoint,
                 kv_transport=r.kv_transport, kv_compat_hash=r.kv_compat_hash, model=r.model,
                 load=pb.InstanceLoad(**r.load), last_heartbeat_unix_s=r.last_heartbeat_unix_s,
-                max_model_len=r.max_model_len)
-                for r in routable])
+                max_model_len=r.max_model_len, peers_checked_version=r.peers_checked_version,
+                peers_listed_version=r.peers_listed_version)
+                for r in routable],
+            publishes_pairs=True, unusable_pairs=[
+                pb.UnusablePair(prefill_id=p_id, decode_id=d_id, reason=why) for p_id, d_id, why in unusable])

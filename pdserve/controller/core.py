@@ -20,6 +20,12 @@ what the view shows was written to the store first (write, then publish), so a
 leader killed at any moment hands over exactly the view its clients last saw;
 every view change wakes every watcher (one ``asyncio.Condition``); ``stop`` ends
 every watch stream first, so the gRPC server never has a stream to cancel.
+
+Pair checks: a heartbeat's reply carries the peer list (the decode engines the
+prefill engines' agents probe, ``Cluster.peer_list``) when the agent holds another
+version, and only a version already written to the store; each agent reports the
+version it has probed and the peers it cannot reach, and the view publishes them
+(``Cluster.view``), so Coordinators route on one probe per pair for the cluster.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class Controller:
         self.persister = StatePersister(store, prefix, settings.lease_ttl_s, self.election.write_fence)
         self.cluster: Cluster | None = None
         self._view: pb.ClusterView | None = None  # the published view: written to the store first
+        self._peers: pb.PeerList | None = None  # the peer list agents are sent: written first too
         self._commit_soon = asyncio.Event()       # set by a heartbeat that changed a record
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
@@ -109,6 +116,7 @@ class Controller:
                 self.num_failovers += self.cluster.num_failovers
                 self.num_role_switches += self.cluster.num_role_switches
             self.cluster, self._view = None, None
+        self._peers = None  # a new term's first commit writes, then hands out, its list
         self.num_leader_changes += 1
         await self._notify()
 
@@ -137,12 +145,17 @@ class Controller:
         either, and the Coordinators must not wait out the store's timeout.
         """
         view = cluster.view(self.election.leader)
+        peers = cluster.peer_list()
         if not self.persister.is_store_ok:
             await self._publish(cluster, view)
         try:
             await self._fenced(self.persister.flush(cluster, now_s))
         except NotLeader:
             return
+        if self.persister.is_store_ok and cluster is self.cluster:
+            # only a written list version goes out: a new leader counts on past it, so a
+            # version an agent reports as checked names one list in every term
+            self._peers = peers
         await self._publish(cluster, view)
 
     async def _fenced(self, write):
@@ -178,8 +191,10 @@ class Controller:
         commands = cluster.apply_heartbeat(request.agent_id, request.instances, self.clock())
         if cluster.dirty:
             self._commit_soon.set()  # the commit loop writes the change, then publishes it
+        peers = self._peers if self._peers is not None and self._peers.version != request.peers_version else None
         return pb.HeartbeatResponse(
-            commands=commands, heartbeat_interval_s=self.settings.cluster.thresholds.interval_s)
+            commands=commands, heartbeat_interval_s=self.settings.cluster.thresholds.interval_s,
+            peers=peers)
 
     def view(self) -> pb.ClusterView:
         """Called by GetView and WatchView: the published view; raises ``NotLeader`` on a standby."""

@@ -7,7 +7,8 @@ Keys under ``/pdserve/<cluster>/``:
   goes silent lets its entries expire; so does a Controller that dies with no
   standby to take over.
 - ``meta``: the mode (PD/FALLBACK/COLOCATED), missing pools, whether the cluster was
-  complete once, and the pool sizes the planner asks for. No lease: it is the
+  complete once, the pool sizes the planner asks for, and the peer list's version
+  (never handed out before it is written: a new leader goes on counting from it). No lease: it is the
   cluster's, not a process's.
 - ``replace/<id>``: a replacement request for the operator (``load_replacements``;
   ``delete_replacement`` once it has acted). No lease.
@@ -81,8 +82,12 @@ class StatePersister:
         if meta:
             data = json.loads(meta)
             cluster.replicas.update(data.pop("planner_replicas", {}))
+            cluster.peers_version = data.pop("peers_version", 0)
             cluster.mode = ModeState(**data)
             cluster.mode.complete_since_s = None
+        # a record written before the meta of its list version: count on from past both
+        cluster.peers_version = max([cluster.peers_version,
+                                     *(r.peers_listed_version for r in cluster.records.values())])
         return cluster
 
     async def load_replacements(self) -> list[ReplacementRequest]:
@@ -164,7 +169,7 @@ class StatePersister:
             try:
                 await self._put(self.key("meta"), json.dumps({
                     "mode": m.mode, "reason": m.reason, "missing_roles": m.missing_roles,
-                    "has_been_complete": m.has_been_complete,
+                    "has_been_complete": m.has_been_complete, "peers_version": cluster.peers_version,
                     **({"planner_replicas": cluster.replicas} if cluster.planner else {})}))
             except BaseException:
                 cluster.meta_dirty = True
