@@ -1,7 +1,8 @@
 """The router: turns a request's prompt into a plan (which engines, which path).
 
 Plans: ``pd`` (a prefill engine and a decode engine with equal ``kv_compat_hash``
-whose pair passed its probe (``pairs.PairChecks``, when the app runs them), chosen
+whose pair passed its probe (``pairs.PairChecks``, when the app runs them: probed
+by this Coordinator, or by the agents once per cluster and published by the Controller), chosen
 by the per-pool policies; decode first for push and layerwise, whose D must
 reserve blocks before P writes, prefill first for pull) or ``single`` (one engine
 runs the whole request: conditional disaggregation on the chosen D, decided by
