@@ -99,6 +99,9 @@ def test_up_serves_through_simulated_prefill_and_decode_engines(tmp_path):
         with ThreadPoolExecutor(4) as pool:
             texts = list(pool.map(lambda i: chat(base, i), range(NUM_REQUESTS)))
         assert texts == [SIM_TEXT[:10]] * NUM_REQUESTS
+        # every pair was probed by the prefill engines' agents and published by the Controller
+        pairs = httpx.get(f"{base}/ready", params={"verbose": 1}, timeout=5).json()["pairs"]
+        assert len(pairs) == 4 and all(p["usable"] and p["checked_by"] == "controller" for p in pairs), pairs
 
         stats = engine_stats(run_dir)
         assert sorted(stats) == ["decode", "prefill"] and all(len(s) == 2 for s in stats.values())
