@@ -162,7 +162,7 @@ def build_decode_buckets(
             [t + [0] * (max_blocks - len(t)) for t in own], dtype=torch.long, device=device
         )
         mask = None
-        if min(lens) != max_len:
+        if min(lens) != max_len and call_cost != math.inf:  # the kernel needs no mask
             lens_t = torch.tensor(lens, device=device).unsqueeze(1)
             mask = (torch.arange(max_len, device=device).unsqueeze(0) < lens_t).view(len(rows), 1, 1, max_len)
         row_t = None if len(plan) == 1 else torch.tensor(rows, dtype=torch.long, device=device)
@@ -194,7 +194,7 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     kernel = meta.decode_kernel
-    if nd and kernel is not None and len(meta.decode_buckets) == 1 and kernel.fits(q, k_cache):
+    if nd and kernel is not None:  # the runner planned one bucket for it
         bucket = meta.decode_buckets[0]
         out[:nd] = kernel(q[:nd], k_cache, v_cache, bucket.blocks, bucket.lens, meta.block_size, scale, window)
         nd = 0  # done: no bucket below

@@ -54,12 +54,16 @@ class ModelRunner:
             cfg.num_hidden_layers, 2, num_blocks * block_size, kv_heads, cfg.head_dim
         )
         self._slot_offsets = torch.arange(block_size, device=self.device)
-        # Decode attention read in place by the native kernel where it runs (CPU, bfloat16).
+        # Decode attention read in place by the native kernel where it runs (CPU, bfloat16)
+        # and was built for the model's shapes; else the torch path, its rows bucketed by length.
         self.decode_kernel = None
         if self.device.type == "cpu" and dtype == torch.bfloat16:
             from pdserve.engine.native import decode_kernel
 
-            self.decode_kernel = decode_kernel()
+            kernel = decode_kernel()
+            heads = model.layers[0].self_attn.num_heads
+            if kernel is not None and kernel.takes(heads, kv_heads, cfg.head_dim, block_size):
+                self.decode_kernel = kernel
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -168,3 +168,31 @@ def test_bfloat16_prepacked_weights_answer_as_the_plain_ones(reference):
         answers[prepack] = engine.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0]
     assert answers[True] == answers[False]
     assert "Paris" in reference.tokenizer.decode(answers[True])
+
+
+def test_a_bfloat16_engine_process_compiles_its_prefill_and_answers(loop, reference):
+    # What `pdserve engine --dtype bfloat16` runs by default: decode attention read in
+    # place by the native kernel (engine/native) and, on a CPU with oneDNN bfloat16
+    # matmuls (packed weights), prefill steps of 64 tokens or more compiled
+    # (engine/compiled.py), as a process a user starts.
+    proc = Proc([*PDSERVE, "engine", "--model", PRESET, "--role", "hybrid",
+                 *[a if a != "float32" else "bfloat16" for a in ENGINE_ARGS]])
+    try:
+        address = proc.wait_for(r"serving model .* on (\S+:\d+)", 240).group(1)
+        if can_prepack(torch.device("cpu"), torch.bfloat16):
+            assert "prefill compiled for steps of >= 64 tokens" in proc.output
+        else:
+            assert "prefill not compiled: weights not packed" in proc.output
+        assert "native decode attention unavailable" not in proc.output
+        messages = [{"role": "system", "content": "You are a geography teacher. " * 8 + "Answer in one word."},
+                    *FRANCE]
+        assert len(reference.chat_ids(messages)) >= 64  # a compiled prefill step
+        with coordinator(loop, {"B": address}, ["B"], PRESET) as app:
+            client = openai.OpenAI(base_url=app.url + "/v1", api_key="unused", max_retries=0)
+            for stream in (False, True):
+                text, ids = greedy_chat(client, messages, stream)
+                assert "Paris" in text, (stream, text)
+                assert len(ids) >= 2
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.output

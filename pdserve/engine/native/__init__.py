@@ -99,11 +99,10 @@ class PagedDecode:
         return (decode_kernel, ())
 
     @staticmethod
-    def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        """Whether the kernel takes this layer: CPU, bfloat16, a head size it was built for."""
-        return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
-                and q.shape[-1] in DIMS and q.shape[1] <= MAX_HEADS and q.shape[1] % k_cache.shape[1] == 0
-                and k_cache.is_contiguous())
+    def takes(heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+        """Whether the kernel was built for a model of these shapes (this rank's heads)."""
+        return (head_dim in DIMS and heads <= MAX_HEADS and heads % kv_heads == 0
+                and block_size <= MAX_BLOCK)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                  lens: torch.Tensor, block_size: int, scale: float, window: int | None) -> torch.Tensor:

@@ -13,6 +13,9 @@ import torch
 
 from pdserve.engine import native
 from pdserve.engine.attention import AttentionMetadata, build_decode_buckets, paged_attention
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model import Transformer
+from pdserve.engine.runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +95,20 @@ def test_rows_split_over_threads_give_the_same_result(kernel):
     assert torch.equal(one, two)  # each row is summed by one thread, in one order
 
 
-def test_a_head_size_the_kernel_was_not_built_for_takes_the_torch_path(kernel):
-    lens = [30, 45]
-    q, k_cache, v_cache, tables = case(4, 2, 80, 16, lens)
-    assert not kernel.fits(q, k_cache)
-    assert torch.equal(attend(q, k_cache, v_cache, lens, tables, 16, None, kernel),
-                       attend(q, k_cache, v_cache, lens, tables, 16, None, None))
+def runner_for(head_dim: int, block_size: int, heads: int = 4, kv_heads: int = 2) -> ModelRunner:
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=heads * head_dim,
+                      intermediate_size=16, num_hidden_layers=1, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=256)
+    return ModelRunner(Transformer(cfg, torch.bfloat16, torch.device("cpu")), 8, block_size)
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "heads"), [(80, 16, 4), (64, 128, 4), (64, 16, 66)])
+def test_a_model_the_kernel_was_not_built_for_keeps_the_torch_path(kernel, head_dim, block_size, heads):
+    # A head size, block size or head count past the kernel's: the runner never hands it the
+    # kernel (its step would fail), and the torch path keeps its length buckets.
+    assert not kernel.takes(heads, 2, head_dim, block_size)
+    assert runner_for(head_dim, block_size, heads).decode_kernel is None
+    assert runner_for(64, 16).decode_kernel is kernel
 
 
 def test_without_a_compiler_or_with_the_switch_there_is_no_kernel(tmp_path, monkeypatch):
