@@ -83,10 +83,12 @@ class PeerChecks:
             await wait_event(self._new_list, min(self.probes.retry_s, self.probes.interval_s))
 
     async def check_once(self, engines: list) -> None:
-        """Probe each due (prefill engine, listed peer) pair; then note which list each
-        engine has checked, and tell the agent when that moved."""
-        peers, now, version_before = self.peers, time.monotonic(), self.probes.version
-        work, checking = [], {}
+        """Probe each due (prefill engine, listed peer) pair, engine by engine (the
+        probes queue in that order): each engine notes the list it has checked, and
+        tells the agent, as soon as its own peers are done, so on a new cluster the
+        first pairs are routable after one engine's probes, not everyone's."""
+        peers, now = self.peers, time.monotonic()
+        checking = []
         for inst in engines:
             prober = self._prober_of(inst) if inst.role == "prefill" else None
             own_hash = inst.health.kv_compat_hash if inst.health is not None else ""
@@ -97,18 +99,25 @@ class PeerChecks:
                 self._checked[inst.instance_id] = (inst.address, 0)
                 self.probes.forget([k for k in self.probes.results if k[0] == inst.instance_id])
             listed = [d for d in peers.decode if d.kv_compat_hash == own_hash and d.instance_id != inst.instance_id]
-            checking[inst.instance_id] = listed
-            work += [(inst, prober, d) for d in listed
-                     if self.probes.is_due((inst.instance_id, d.instance_id), d.kv_endpoint, now)]
-        await asyncio.gather(*(self._probe(inst, prober, d) for inst, prober, d in work))
-        wanted = {(i, d.instance_id) for i, listed in checking.items() for d in listed}
+            checking.append((inst, prober, listed))
+        await asyncio.gather(*(self._check_engine(inst, prober, listed, peers.version, now)
+                               for inst, prober, listed in checking))
+        wanted = {(inst.instance_id, d.instance_id) for inst, _, listed in checking for d in listed}
+        version_before = self.probes.version
         self.probes.forget([k for k in self.probes.results if k not in wanted])
-        is_moved = False
-        for instance_id, listed in checking.items():
-            address, version = self._checked[instance_id]
-            if version != peers.version and all(
-                    self.probes.result((instance_id, d.instance_id), d.kv_endpoint) for d in listed):
-                self._checked[instance_id], is_moved = (address, peers.version), True
+        if self.probes.version != version_before:
+            self._on_checked()
+
+    async def _check_engine(self, inst, prober: Prober, listed: list, list_version: int, now: float) -> None:
+        """One prefill engine's due probes; then whether it has checked ``list_version``."""
+        version_before = self.probes.version
+        await asyncio.gather(*(self._probe(inst, prober, d) for d in listed
+                               if self.probes.is_due((inst.instance_id, d.instance_id), d.kv_endpoint, now)))
+        address, checked = self._checked[inst.instance_id]
+        is_moved = checked != list_version and all(
+            self.probes.result((inst.instance_id, d.instance_id), d.kv_endpoint) for d in listed)
+        if is_moved:
+            self._checked[inst.instance_id] = (address, list_version)
         if is_moved or self.probes.version != version_before:  # a verdict changed: report it now
             self._on_checked()
 

@@ -105,3 +105,40 @@ def test_a_list_with_a_peer_not_probed_yet_is_not_reported_as_checked():
         assert reported(checks, p0) == (1, [])
 
     asyncio.run(go())
+
+
+def test_each_prefill_engine_reports_its_checked_list_as_soon_as_its_own_peers_are_probed():
+    """A new cluster: the first engine's pairs are routable once its probes are done,
+    while the other engines' probes (queued behind them) still run."""
+    async def go():
+        gate = {"p1": asyncio.Event()}
+        asked: list[str] = []
+
+        class Prober:
+            def __init__(self, instance_id: str) -> None:
+                self.instance_id = instance_id
+
+            async def probe_peer(self, endpoint: str, timeout_s: float):
+                asked.append(f"{self.instance_id}->{endpoint}")
+                if self.instance_id in gate:
+                    await gate[self.instance_id].wait()
+                return epb.ProbePeerResponse(ok=True)
+
+        wakes: list[tuple[int, int]] = []
+        engines = [Engine("p0", address="10.0.0.1:1"), Engine("p1", address="10.0.0.1:2")]
+        checks = PeerChecks(lambda inst: Prober(inst.instance_id),
+                            lambda: wakes.append(tuple(reported(checks, e)[0] for e in engines)),
+                            max_concurrency=2)
+        checks.update(peers(1, "d0", "d1", "d2"))
+        round_ = asyncio.create_task(checks.check_once(engines))
+        while len(asked) < 4:
+            await asyncio.sleep(0)
+        assert asked[:3] == ["p0->d0:7000", "p0->d1:7000", "p0->d2:7000"]  # engine by engine
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert wakes == [(1, 0)]  # p0 reported while p1 waits for its answers
+        gate["p1"].set()
+        await round_
+        assert wakes[-1] == (1, 1)
+
+    asyncio.run(go())

@@ -6,8 +6,8 @@ peer we talk to. tcp.py carries KV bytes on it; shm.py and mooncake.py carry onl
 handshakes, fences and notifications on it.
 
 Invariants:
-- A connection past the caps (``ChannelLimits``: in all, per peer host) is answered
-  REFUSE at accept and closed, without a thread or a read.
+- A connection past the caps (``ChannelLimits``: in all; handshakes per peer host)
+  is answered REFUSE at accept and closed, without a thread or a read.
 - Every connection starts with HELLO (at most ``wire.MAX_HELLO_BYTES``) within the
   handshake deadline; a wrong token, a malformed HELLO or any other first frame is
   answered REFUSE with the reason and closed before any other frame is read. No
@@ -128,10 +128,12 @@ class Channel:
 
     def _serve(self, sock: socket.socket, addr) -> None:
         """Server half of one connection: handshake, then frames until EOF."""
-        host = addr[0]
+        host, is_authenticated = addr[0], False
         try:
             wire.configure(sock, min(self.timeout_s, self.limits.handshake_timeout_s))
             peer = self._handshake(sock, host) or f"{host}:{addr[1]}"
+            self._admission.authenticated(host)
+            is_authenticated = True
             wire.configure(sock, self.timeout_s)
             frames = wire.recv_frames(
                 sock, self._frame_limits, self.timeout_s, self.limits.idle_timeout_s)
@@ -155,7 +157,7 @@ class Channel:
         finally:
             with self._lock:
                 self._conns.discard(sock)
-            self._admission.leave(host)
+            self._admission.leave(host, is_authenticated)
             if self._on_close is not None:
                 self._on_close(sock)
             sock.close()

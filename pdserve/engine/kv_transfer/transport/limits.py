@@ -5,10 +5,12 @@ connection may cost before it knows who is on the other end. Sizes per frame are
 wire.py's (``HELLO_LIMITS`` before authentication, ``SERVER_LIMITS`` after); this
 module holds the rest:
 
-- ``ChannelLimits``: connections at once (in all and per peer host), how long a peer
-  has to finish its HELLO, how long an authenticated connection may stay silent.
+- ``ChannelLimits``: connections at once (in all), handshakes at once per peer host
+  (connections not yet authenticated), how long a peer has to finish its HELLO, how
+  long an authenticated connection may stay silent.
 - ``Admission``: counts open connections; the channel asks it before starting a
-  thread for a new one and tells it when the connection ends.
+  thread for a new one, tells it when the peer authenticated (its host's handshake
+  slot is free again) and when the connection ends.
 - ``check_hello``: a HELLO body is a JSON object whose token matches ours (when we
   have one); anything else is refused with the reason, never a traceback.
 - ``RefusalLog``: a refusal is logged once with its reason, then at most once per
@@ -31,23 +33,25 @@ from pdserve.engine.kv_transfer.transport.wire import FrameError
 
 @dataclass(frozen=True)
 class ChannelLimits:
-    """Defaults fit a cluster of hundreds of engines; ``local`` mode puts every engine on
-    127.0.0.1, so the per-host cap must exceed the engines of one machine."""
+    """Defaults fit a cluster of a thousand engines, every prefill engine linked with
+    every decode engine. Only handshakes are capped per host: an authenticated peer is a
+    cluster member, and one host may run many (``local`` mode puts every engine on
+    127.0.0.1; a 100-engine cluster has 75 decode peers linked to each prefill port)."""
 
-    max_connections: int = 512
-    max_connections_per_host: int = 64
+    max_connections: int = 2048  # a thread each
+    max_handshakes_per_host: int = 64  # connections from one host not yet authenticated
     handshake_timeout_s: float = 5.0  # connect to WELCOME/REFUSE, HELLO included
     idle_timeout_s: float = 600.0  # server side; our own links close at half of it
     refusal_log_every_s: float = 10.0
 
 
 class Admission:
-    """Open server-side connections, by peer host."""
+    """Open server-side connections, and those still in their handshake by peer host."""
 
     def __init__(self, limits: ChannelLimits) -> None:
         self._limits = limits
         self._lock = threading.Lock()
-        self._by_host: dict[str, int] = {}
+        self._handshakes: dict[str, int] = {}  # host -> connections not yet authenticated
         self._total = 0
 
     def enter(self, host: str) -> str | None:
@@ -55,20 +59,29 @@ class Admission:
         with self._lock:
             if self._total >= self._limits.max_connections:
                 return f"too many KV connections ({self._total} open)"
-            num_open = self._by_host.get(host, 0)
-            if num_open >= self._limits.max_connections_per_host:
-                return f"too many KV connections from {host} ({num_open} open)"
-            self._by_host[host] = num_open + 1
+            num_pending = self._handshakes.get(host, 0)
+            if num_pending >= self._limits.max_handshakes_per_host:
+                return f"too many KV handshakes from {host} ({num_pending} at once)"
+            self._handshakes[host] = num_pending + 1
             self._total += 1
             return None
 
-    def leave(self, host: str) -> None:
+    def authenticated(self, host: str) -> None:
+        """A connection ``enter`` admitted passed its HELLO: it no longer holds a handshake."""
+        with self._lock:
+            self._end_handshake(host)
+
+    def leave(self, host: str, is_authenticated: bool) -> None:
         """A connection ``enter`` admitted has ended (its thread, once, in ``finally``)."""
         with self._lock:
             self._total -= 1
-            left = self._by_host.pop(host) - 1
-            if left:
-                self._by_host[host] = left
+            if not is_authenticated:
+                self._end_handshake(host)
+
+    def _end_handshake(self, host: str) -> None:
+        left = self._handshakes.pop(host) - 1
+        if left:
+            self._handshakes[host] = left
 
 
 def check_hello(body: bytes, auth_token: str | None) -> str | None:

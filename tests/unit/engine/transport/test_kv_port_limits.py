@@ -22,7 +22,7 @@ TOKEN = "s3cret"
 HANDSHAKE_S = 1.0
 IDLE_S = 1.0
 SLACK_S = 1.5
-LIMITS = {"max_connections_per_host": 4, "handshake_timeout_s": HANDSHAKE_S,
+LIMITS = {"max_handshakes_per_host": 4, "handshake_timeout_s": HANDSHAKE_S,
           "idle_timeout_s": IDLE_S, "refusal_log_every_s": 30.0}
 
 
@@ -96,12 +96,20 @@ def test_slow_hello_is_cut_at_the_handshake_deadline(peer):
     wait_for_log(peer, "handshake timeout")
 
 
-def test_connection_cap_refuses_the_next_one_and_logs_it_once(peer):
-    held = [dial(peer) for _ in range(LIMITS["max_connections_per_host"])]
+def authenticate(sock: socket.socket) -> dict:
+    """HELLO with the cluster's token; returns the WELCOME's body."""
+    hello(sock, json.dumps({"token": TOKEN, "endpoint": "127.0.0.1:1"}).encode())
+    op, _, body = wire.recv_frame(sock, wire.WELCOME_LIMITS, 2.0)
+    assert op == wire.OP_WELCOME
+    return json.loads(body)
+
+
+def test_handshake_cap_refuses_the_next_one_and_logs_it_once(peer):
+    held = [dial(peer) for _ in range(LIMITS["max_handshakes_per_host"])]
     time.sleep(0.2)  # all accepted
     for _ in range(3):
         op, reason, ended_s = answer(dial(peer))
-        assert op == wire.OP_REFUSE and b"too many KV connections from 127.0.0.1" in reason
+        assert op == wire.OP_REFUSE and b"too many KV handshakes from 127.0.0.1" in reason
         assert ended_s < SLACK_S
     log = wait_for_log(peer, "connection cap")
     assert log.count("connection cap") == 1  # rate-limited: one line per reason and host
@@ -109,10 +117,26 @@ def test_connection_cap_refuses_the_next_one_and_logs_it_once(peer):
         sock.close()
     time.sleep(0.3)  # their threads have ended
     sock = dial(peer)
-    hello(sock, json.dumps({"token": TOKEN, "endpoint": "127.0.0.1:1"}).encode())
-    op, _, body = wire.recv_frame(sock, wire.WELCOME_LIMITS, 2.0)
-    assert op == wire.OP_WELCOME and "regions" in json.loads(body)
+    assert "regions" in authenticate(sock)
     sock.close()
+
+
+def test_authenticated_peers_of_one_host_are_not_held_to_the_handshake_cap(peer):
+    """Many engines on one host (local mode, a big node) each link to this port: once
+    authenticated they free their host's handshake slots, so more cluster members than
+    the cap stay connected, and the cap still holds for connections mid-handshake."""
+    members = [dial(peer) for _ in range(3 * LIMITS["max_handshakes_per_host"])]
+    for sock in members:
+        authenticate(sock)
+    pending = [dial(peer) for _ in range(LIMITS["max_handshakes_per_host"])]
+    time.sleep(0.2)  # all accepted
+    op, reason, _ = answer(dial(peer))
+    assert op == wire.OP_REFUSE and b"too many KV handshakes" in reason
+    for sock in members:  # every member's connection still serves
+        sock.sendall(wire.HEADER.pack(wire.OP_FENCE, 9, 0))
+        assert wire.recv_frame(sock, {wire.OP_ACK: 0}, 2.0)[:2] == (wire.OP_ACK, 9)
+    for sock in members + pending:
+        sock.close()
 
 
 def test_authenticated_peer_is_closed_after_idling_or_sending_garbage(peer):
