@@ -108,7 +108,7 @@ def measure(num_engines: int, share: float, num_coordinators: int) -> dict:
         checked.append(report.peers_checked_version)
     beat = reports(num_engines, num_prefill)
     for rep in beat[:num_prefill]:
-        rep.peers_checked_version = peers.version
+        rep.peers_checked_version, rep.checks_peers = peers.version, True
     cluster.apply_heartbeat("agents", beat, 1.0)
     published = cluster.view("controller")
     after = [coordinator_round(published) for _ in range(num_coordinators)]

@@ -132,7 +132,7 @@ class Cluster:
         before = rec.to_json()
         if (rep.role, rep.kv_endpoint, rep.kv_compat_hash) != (rec.role, rec.kv_endpoint, rec.kv_compat_hash):
             self._unlist(rec)  # listed again (``_update_peers``) at its new endpoint, if still a peer
-        rec.peers_checked_version = rep.peers_checked_version
+        rec.peers_checked_version, rec.checks_peers = rep.peers_checked_version, rep.checks_peers
         rec.unreachable_peers = [[f.instance_id, f.kv_endpoint, f.reason] for f in rep.unreachable_peers]
         rec.agent_id, rec.role, rec.model = agent_id, rep.role, rep.model
         rec.engine_address, rec.kv_endpoint = rep.engine_address, rep.kv_endpoint
@@ -458,14 +458,17 @@ class Cluster:
         """The routable view (READY only); ``version`` bumps when its content changes.
         With it the pair checks: each instance's peer versions, and the pairs between
         routable instances whose prefill agent reported the decode engine unreachable at
-        its current KV endpoint (exceptions only: the view stays O(instances))."""
+        its current KV endpoint (exceptions only: the view stays O(instances)). Published
+        only while every routable prefill engine's agent runs peer checks (an agent from
+        before them, mid rolling upgrade, would leave its engine's pairs unchecked)."""
         self._update_peers()
         routable = sorted((r for r in self.records.values() if r.health == READY),
                           key=lambda r: r.instance_id)
         decode_at = {r.instance_id: r.kv_endpoint for r in routable if r.role == "decode"}
         unusable = tuple((r.instance_id, d_id, why) for r in routable if r.role == "prefill"
                          for d_id, endpoint, why in r.unreachable_peers if decode_at.get(d_id) == endpoint)
-        key = (self.mode.mode, self.mode.reason, leader, tuple(sorted(self.replicas.items())), tuple(
+        publishes = all(r.checks_peers for r in routable if r.role == "prefill")
+        key = (self.mode.mode, self.mode.reason, leader, publishes, tuple(sorted(self.replicas.items())), tuple(
             (r.instance_id, r.role, r.engine_address, r.kv_endpoint, r.kv_compat_hash,
              r.peers_checked_version, r.peers_listed_version) for r in routable), unusable)
         if key != self._view_key:
@@ -481,5 +484,5 @@ class Cluster:
                 max_model_len=r.max_model_len, peers_checked_version=r.peers_checked_version,
                 peers_listed_version=r.peers_listed_version)
                 for r in routable],
-            publishes_pairs=True, unusable_pairs=[
+            publishes_pairs=publishes, unusable_pairs=[
                 pb.UnusablePair(prefill_id=p_id, decode_id=d_id, reason=why) for p_id, d_id, why in unusable])

@@ -29,7 +29,7 @@ PERSISTED = (
     "instance_id", "agent_id", "pool", "assigned_role", "role", "health", "engine_address",
     "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "max_model_len", "num_restarts", "failures",
     "lease_id", "last_error", "replacement_requested",
-    "peers_listed_version", "peers_checked_version", "unreachable_peers",
+    "peers_listed_version", "peers_checked_version", "unreachable_peers", "checks_peers",
 )
 
 
@@ -63,6 +63,7 @@ class InstanceRecord:
     peers_listed_version: int = 0  # decode: the peer list version it entered at its KV endpoint
     peers_checked_version: int = 0  # prefill: its agent probed every peer listed up to here
     unreachable_peers: list = field(default_factory=list)  # prefill: [decode id, KV endpoint, reason]
+    checks_peers: bool = False  # its agent runs peer checks (one from before them does not)
     # not persisted
     process_state: str = ""
     probe_ok: bool = False

@@ -61,7 +61,6 @@ class PairChecks(Rounds):
                  retry_s: float = 2.0, timeout_s: float = 3.0, max_concurrency: int = 8) -> None:
         self.registry = registry
         self.probes = PairProbes(interval_s, retry_s, timeout_s, max_concurrency)
-        self.interval_s, self.retry_s, self.timeout_s = interval_s, retry_s, timeout_s
         self._members_seen = -1  # the registry's ``members_version`` the last scan saw
         self._next_due_s = 0.0  # monotonic: the earliest probe's age runs out
 
@@ -138,7 +137,7 @@ class PairChecks(Rounds):
     # -- the task ------------------------------------------------------------------
 
     async def wait(self) -> None:
-        await self.registry.wait_changed(min(self.retry_s, self.interval_s))
+        await self.registry.wait_changed(min(self.probes.retry_s, self.probes.interval_s))
 
     async def round(self) -> None:
         await self.check_once()
@@ -192,7 +191,7 @@ class PairChecks(Rounds):
         engine = self.registry.engine(p.address)
         try:
             answer = await engine.probe_peer(d.kv_endpoint, test_transfer=False,
-                                             timeout_s=self.timeout_s)
+                                             timeout_s=self.probes.timeout_s)
         except Unsupported:
             return False, f"prefill engine {p.instance_id} has no ProbePeer RPC (older pdserve)", 0.0
         except EngineCallError as exc:

@@ -60,6 +60,7 @@ class PeerChecks:
 
     def fill(self, report: pb.InstanceReport) -> None:
         """Add this engine's peer verdicts to its heartbeat report."""
+        report.checks_peers = True
         address, version = self._checked.get(report.instance_id, ("", 0))
         if report.role != "prefill" or address != report.engine_address:
             return

@@ -59,7 +59,7 @@ class InstanceLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., num_generation_tokens_total: _Optional[int] = ..., num_prefills_total: _Optional[int] = ..., prefill_busy_s_total: _Optional[float] = ..., prefill_queue_s_total: _Optional[float] = ..., num_decode_steps_total: _Optional[int] = ..., decode_batch_total: _Optional[float] = ..., decode_batch_sq_total: _Optional[float] = ..., decode_step_s_total: _Optional[float] = ..., decode_batch_step_s_total: _Optional[float] = ..., num_finished_total: _Optional[int] = ..., kv_transfers_ok: _Optional[int] = ..., kv_exposed_s_total: _Optional[float] = ..., output_budget_total: _Optional[int] = ..., num_waiting_prompt_tokens: _Optional[int] = ..., num_kv_blocks_committed: _Optional[int] = ...) -> None: ...
 
 class InstanceReport(_message.Message):
-    __slots__ = ("instance_id", "role", "process_state", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "load", "num_restarts", "probe_ok", "last_error", "pool", "max_model_len", "peers_checked_version", "unreachable_peers")
+    __slots__ = ("instance_id", "role", "process_state", "engine_address", "kv_endpoint", "kv_transport", "kv_compat_hash", "model", "load", "num_restarts", "probe_ok", "last_error", "pool", "max_model_len", "peers_checked_version", "unreachable_peers", "checks_peers")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_STATE_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class InstanceReport(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PEERS_CHECKED_VERSION_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_PEERS_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_PEERS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     process_state: str
@@ -92,7 +93,8 @@ class InstanceReport(_message.Message):
     max_model_len: int
     peers_checked_version: int
     unreachable_peers: _containers.RepeatedCompositeFieldContainer[PeerFailure]
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., process_state: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., model: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., num_restarts: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., last_error: _Optional[str] = ..., pool: _Optional[str] = ..., max_model_len: _Optional[int] = ..., peers_checked_version: _Optional[int] = ..., unreachable_peers: _Optional[_Iterable[_Union[PeerFailure, _Mapping]]] = ...) -> None: ...
+    checks_peers: bool
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., process_state: _Optional[str] = ..., engine_address: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ..., model: _Optional[str] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., num_restarts: _Optional[int] = ..., probe_ok: _Optional[bool] = ..., last_error: _Optional[str] = ..., pool: _Optional[str] = ..., max_model_len: _Optional[int] = ..., peers_checked_version: _Optional[int] = ..., unreachable_peers: _Optional[_Iterable[_Union[PeerFailure, _Mapping]]] = ..., checks_peers: _Optional[bool] = ...) -> None: ...
 
 class PeerFailure(_message.Message):
     __slots__ = ("instance_id", "kv_endpoint", "reason")

@@ -16,9 +16,10 @@ from tests.unit.controller.test_cluster import beat, make_cluster, report
 from tests.unit.controller.test_commit import GatedStore, eventually
 
 
-def prefill(iid: str, checked: int = 0, unreachable=(), **kwargs) -> pb.InstanceReport:
+def prefill(iid: str, checked: int = 0, unreachable=(), checks_peers: bool = True, **kwargs) -> pb.InstanceReport:
+    """A prefill engine's report; ``checks_peers=False``: from an agent without peer checks."""
     rep = report(iid, "prefill", **kwargs)
-    rep.peers_checked_version = checked
+    rep.peers_checked_version, rep.checks_peers = checked, checks_peers
     for d_id, endpoint, why in unreachable:
         rep.unreachable_peers.add(instance_id=d_id, kv_endpoint=endpoint, reason=why)
     return rep
@@ -54,6 +55,21 @@ def test_decode_engines_are_listed_at_a_version_and_each_change_lists_again():
     assert [d.instance_id for d in c.peer_list().decode] == ["d1", "d2"]  # a FAILED one leaves the list
     beat(c, 4.0, prefill("p0", checked=4), decode("d0"), decode("d1", endpoint="d1:9"), decode("d2"))
     assert versions(c.view("me"))["d0"] == 5  # back: listed anew, so probed anew before it pairs
+
+
+def test_pair_checks_are_published_only_while_every_prefill_engines_agent_runs_them():
+    """Mid rolling upgrade (a new Controller, some agents from before peer checks): an old
+    agent's prefill engine would report no checked version and pair with nobody, so the
+    Controller publishes nothing and the Coordinators probe every pair themselves."""
+    c = make_cluster()
+    beat(c, 0.0, prefill("p0", checked=1), prefill("p1", checks_peers=False), decode("d0"))
+    view = c.view("me")
+    assert not view.publishes_pairs
+    version = view.version
+    beat(c, 1.0, prefill("p0", checked=1), prefill("p1", checked=1), decode("d0"))
+    view = c.view("me")
+    assert view.publishes_pairs and view.version > version  # a Coordinator hears of the flip
+    assert versions(view) == {"p0": 1, "p1": 1, "d0": 1}
 
 
 def test_the_view_publishes_only_the_pairs_that_failed_at_their_current_endpoint():

@@ -7,8 +7,10 @@ import asyncio
 import socket
 import threading
 
+import grpc
 import uvicorn
 
+from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
 from pdserve.coordinator.app import create_app
 from pdserve.coordinator.http_server import build_config
 from pdserve.coordinator.instances import EngineEndpoint
@@ -19,6 +21,16 @@ from pdserve.coordinator.settings import CoordinatorSettings
 ALWAYS_PD = {"local_prefill_max_tokens": 0, "load_aware_local_prefill": False}
 ALWAYS_PD_ARGS = ["--local-prefill-max-tokens", "0", "--no-load-aware-local-prefill"]
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+
+
+async def serve_controller(servicer: cpb_grpc.ControllerServicer, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server for a fake Controller (a ``ControllerServicer``) on 127.0.0.1;
+    returns it started, with its port (``port``: the one to take again, after a stop)."""
+    server = grpc.aio.server()
+    cpb_grpc.add_ControllerServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
 
 
 def inst(iid: str, role: str, h: str = "h", **load) -> EngineEndpoint:

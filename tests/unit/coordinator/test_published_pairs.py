@@ -16,7 +16,7 @@ from pdserve.api.proto import controller_pb2 as cpb
 from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
 from pdserve.coordinator.app import create_app
 from pdserve.coordinator.settings import CoordinatorSettings
-from tests.unit.coordinator.harness import ALWAYS_PD, BODY, AppServer
+from tests.unit.coordinator.harness import ALWAYS_PD, BODY, AppServer, serve_controller
 
 
 class FakeController(cpb_grpc.ControllerServicer):
@@ -39,14 +39,9 @@ class FakeController(cpb_grpc.ControllerServicer):
 
 
 def start_controller(loop) -> tuple[FakeController, grpc.aio.Server, str]:
-    async def start():
-        fake = FakeController()
-        server = grpc.aio.server()
-        cpb_grpc.add_ControllerServicer_to_server(fake, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return fake, server, f"127.0.0.1:{port}"
-    return loop.run(start())
+    fake = FakeController()
+    server, port = loop.run(serve_controller(fake))
+    return fake, server, f"127.0.0.1:{port}"
 
 
 def view(stubs, engines: dict[str, dict], unusable=(), publishes_pairs: bool = True,

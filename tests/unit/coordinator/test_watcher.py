@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 from pdserve.api.proto import controller_pb2 as cpb
 from pdserve.api.proto import controller_pb2_grpc as cpb_grpc
 from pdserve.coordinator.instances import InstanceRegistry
 from pdserve.coordinator.watcher import ControllerWatcher
+from tests.unit.coordinator.harness import serve_controller
 
 
 class FakeController(cpb_grpc.ControllerServicer):
@@ -44,10 +43,7 @@ async def wait_until(predicate, timeout_s: float = 5.0) -> None:
 def test_views_replace_the_registry_and_the_watch_reconnects():
     async def go():
         fake = FakeController()
-        server = grpc.aio.server()
-        cpb_grpc.add_ControllerServicer_to_server(fake, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server, port = await serve_controller(fake)
         registry = InstanceRegistry()
         watcher = ControllerWatcher(registry, f"127.0.0.1:{port}", "c1")
         await fake.views.put(view(1, "PD", "prefill", "decode"))
@@ -60,11 +56,8 @@ def test_views_replace_the_registry_and_the_watch_reconnects():
         assert registry.fallback_reason == "no decode" and len(registry.pools().hybrid) == 1
         # The Controller restarts on the same port: the watcher opens a new watch.
         await server.stop(grace=None)
-        server = grpc.aio.server()
         fake2 = FakeController()
-        cpb_grpc.add_ControllerServicer_to_server(fake2, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
+        server, _ = await serve_controller(fake2, port)
         await fake2.views.put(view(3, "PD", "prefill", "decode", "decode"))
         await wait_until(lambda: len(registry.pools().decode) == 2)
         assert registry.mode == "PD" and watcher.num_views == 3
