@@ -1,25 +1,31 @@
 """GGUF checkpoints (llama.cpp's single-file format) read as a Hugging Face checkpoint.
 
-``GGUFFile(path)`` maps the file (the ``gguf`` package's reader; nothing is read into
-memory until asked for) and answers what a checkpoint directory answers:
+``GGUFFile(path)`` maps the file (nothing is read into memory until asked for) and
+answers what a checkpoint directory answers:
 ``hf_config()`` (what ``config.json`` would hold), ``tokenizer()`` (a ``tokenizers``
 tokenizer rebuilt from the vocabulary and merges in the metadata), ``chat_template``,
 the BOS/EOS ids, and ``tensor(name)`` / ``tensor_names()`` under Hugging Face's tensor
 names and layouts, dequantized to float32 by ``gguf.quants``. The control plane uses
 the metadata only (no torch here); the engine loads the tensors.
 
-Parsing the metadata is the slow part (``GGUFReader`` builds every field, the whole
-vocabulary included: about 2 s for SmolLM2's 49,152 tokens), and an engine's start asks
-four times (config, model check, weights, tokenizer). Inside ``parsed_once()`` every
-``GGUFFile`` of the same file (path, size, modification time) shares one parse; on
-leaving it the parse is dropped, so neither the parsed fields nor the file's mapped
-pages stay for the process's life.
+The header is read by ``GGUFIndex`` (the format's key/value metadata and tensor table,
+read with ``struct`` in one pass): the ``gguf`` package's ``GGUFReader`` builds a numpy
+view per part of every field, 2-17 s for SmolLM2's 49,152 tokens and 48,900 merges
+depending on the CPU, where this takes a fraction of a second; the tensors' bytes are
+dequantized by ``gguf.quants`` as before. An engine's start still asks four times
+(config, model check, weights, tokenizer): inside ``parsed_once()`` every ``GGUFFile``
+of the same file (path, size, modification time) shares one parse; on leaving it the
+parse is dropped, so neither the parsed fields nor the file's mapped pages stay for
+the process's life.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -98,16 +104,143 @@ def parsed_once() -> Iterator[None]:
             _shared = None
 
 
-def _parse(path: Path):
-    from gguf import GGUFReader
-
+def _parse(path: Path) -> GGUFIndex:
     if _shared is None:
-        return GGUFReader(str(path))
+        return GGUFIndex(path)
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)  # a changed file: parsed again
     if key not in _shared:
-        _shared[key] = GGUFReader(str(path))
+        _shared[key] = GGUFIndex(path)
     return _shared[key]
+
+
+GGUF_MAGIC, GGUF_VERSIONS, DEFAULT_ALIGNMENT = b"GGUF", (2, 3), 32
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_ARRAY_DTYPES = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
+                 10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One entry of the tensor table: where its bytes are and how they are laid out."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: the fastest-varying dimension first
+    n_bytes: int
+    offset: int  # in the file
+
+
+class GGUFIndex:
+    """A GGUF file's metadata (``fields``: key -> str, int, float, bool or list) and
+    tensor table (``tensors``), read from a read-only map of the file (little-endian
+    files of format version 2 or 3; anything else, or a header that runs past the file,
+    raises ValueError). ``data(tensor)`` is a view of a tensor's bytes, in the array
+    shape ``gguf.quants.dequantize`` takes."""
+
+    def __init__(self, path: str | Path) -> None:
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf, self._pos = self._map, 0
+        if buf[:4] != GGUF_MAGIC:
+            raise ValueError("not a GGUF file (bad magic)")
+        self._pos = 4
+        version, num_tensors, num_fields = self._read("<IQQ")
+        if version not in GGUF_VERSIONS:
+            raise ValueError(f"GGUF version {version} (big-endian, or unsupported; read: {GGUF_VERSIONS})")
+        self.fields: dict = {}
+        for _ in range(num_fields):
+            key = self._string()
+            if key in self.fields:
+                raise ValueError(f"metadata key {key!r} appears twice")
+            (kind,) = self._read("<I")
+            self.fields[key] = self._value(kind)
+        infos = []
+        for _ in range(num_tensors):
+            name = self._string()
+            (num_dims,) = self._read("<I")
+            if num_dims > 8:
+                raise ValueError(f"tensor {name!r} has {num_dims} dimensions")
+            dims = self._read(f"<{num_dims}Q")
+            kind, offset = self._read("<IQ")
+            infos.append((name, dims, kind, offset))
+        alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {alignment!r} is not a power of two")
+        data_start = -(-self._pos // alignment) * alignment
+        self.tensors = [self._tensor(name, dims, kind, data_start + offset) for name, dims, kind, offset in infos]
+        if len({t.name for t in self.tensors}) != len(self.tensors):
+            raise ValueError("a tensor name appears twice")
+
+    def _read(self, fmt: str) -> tuple:
+        size = struct.calcsize(fmt)
+        if self._pos + size > len(self._map):
+            raise ValueError(f"the header runs past the end of the file (at byte {self._pos})")
+        values = struct.unpack_from(fmt, self._map, self._pos)
+        self._pos += size
+        return values
+
+    def _string(self) -> str:
+        (length,) = self._read("<Q")
+        end = self._pos + length
+        if end > len(self._map):
+            raise ValueError(f"a string of {length} bytes runs past the end of the file (at byte {self._pos})")
+        text = self._map[self._pos:end].decode("utf-8")
+        self._pos = end
+        return text
+
+    def _value(self, kind: int):
+        if kind in _SCALARS:
+            return self._read("<" + _SCALARS[kind])[0]
+        if kind == _STRING:
+            return self._string()
+        if kind != _ARRAY:
+            raise ValueError(f"unknown metadata value type {kind}")
+        item_kind, count = self._read("<IQ")
+        if item_kind in _ARRAY_DTYPES:
+            import numpy as np
+
+            dtype = np.dtype(_ARRAY_DTYPES[item_kind])
+            if self._pos + count * dtype.itemsize > len(self._map):
+                raise ValueError(f"an array of {count} items runs past the end of the file (at byte {self._pos})")
+            values = np.frombuffer(self._map, dtype, count, self._pos).tolist()
+            self._pos += count * dtype.itemsize
+            return values
+        if item_kind == _STRING:
+            return [self._string() for _ in range(count)]
+        return [self._value(item_kind) for _ in range(count)]
+
+    def _tensor(self, name: str, dims: tuple[int, ...], kind: int, offset: int) -> TensorInfo:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        try:
+            tensor_type = GGMLQuantizationType(kind)
+            block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} has an unknown type {kind}") from None
+        num_elements = 1
+        for n in dims:
+            num_elements *= n
+        n_bytes = num_elements * type_size // block_size
+        if offset + n_bytes > len(self._map):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        return TensorInfo(name, tensor_type, tuple(dims), n_bytes, offset)
+
+    def data(self, tensor: TensorInfo):
+        """The tensor's bytes as numpy sees GGUF data: typed for float and integer types,
+        bytes per row of blocks for quantized ones (no copy)."""
+        import numpy as np
+        from gguf.constants import GGMLQuantizationType as Q
+        from gguf.quants import quant_shape_to_byte_shape
+
+        shape = tuple(reversed(tensor.shape))
+        plain = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np.int8,
+                 Q.I16: np.int16, Q.I32: np.int32, Q.I64: np.int64}.get(tensor.tensor_type)
+        raw = np.frombuffer(self._map, np.uint8, tensor.n_bytes, tensor.offset)
+        if plain is not None:
+            return raw.view(plain).reshape(shape)
+        return raw.reshape(quant_shape_to_byte_shape(shape, tensor.tensor_type))
 
 
 class GGUFFile:
@@ -122,13 +255,12 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: no such GGUF file")
         try:
             return _parse(self.path)
-        except Exception as exc:  # the reader raises bare ValueErrors, struct and OS errors
+        except (ValueError, OSError) as exc:  # incl. UnicodeDecodeError; an empty file: mmap's ValueError
             raise GGUFError(f"{self.path} is not a readable GGUF file: {exc}") from None
 
     def field(self, key: str, default=None):
         """A metadata value (strings, numbers, lists), or ``default``."""
-        found = self._reader.fields.get(key)
-        return default if found is None else found.contents()
+        return self._reader.fields.get(key, default)
 
     @cached_property
     def arch(self) -> str:
@@ -226,7 +358,7 @@ class GGUFFile:
         return [hf for name in self._tensors if (hf := hf_tensor_name(name)) is not None]
 
     def tensor_bytes(self) -> int:
-        return sum(int(t.n_bytes) for t in self._tensors.values())
+        return sum(t.n_bytes for t in self._tensors.values())
 
     def tensor(self, hf_name: str):
         """Weight ``hf_name`` as a float32 numpy array in Hugging Face's layout."""
@@ -235,7 +367,7 @@ class GGUFFile:
         name = self._gguf_names[hf_name]
         raw = self._tensors[name]
         try:
-            values = dequantize(raw.data, raw.tensor_type)
+            values = dequantize(self._reader.data(raw), raw.tensor_type)
         except NotImplementedError:
             raise GGUFError(f"{self.path.name}: tensor {name} has type {raw.tensor_type.name}, "
                             "which cannot be dequantized") from None
