@@ -129,7 +129,7 @@ class Cluster:
         return commands
 
     def _update_from_report(self, rec: InstanceRecord, agent_id: str, rep, now_s: float) -> None:
-        before = rec.to_json()
+        before = rec.change_key()
         if (rep.role, rep.kv_endpoint, rep.kv_compat_hash) != (rec.role, rec.kv_endpoint, rec.kv_compat_hash):
             self._unlist(rec)  # listed again (``_update_peers``) at its new endpoint, if still a peer
         rec.peers_checked_version, rec.checks_peers = rep.peers_checked_version, rep.checks_peers
@@ -151,7 +151,7 @@ class Cluster:
             self._command(rec, "restart")  # hung engine: the agent kills and relaunches it
         if rec.command_sent_s is not None and rec.role == self.target_role(rec):
             rec.command_sent_s = None
-        if rec.to_json() != before:
+        if rec.change_key() != before:
             self.dirty.add(rec.instance_id)
 
     # --- inputs: the operator -------------------------------------------------

@@ -31,6 +31,12 @@ PERSISTED = (
     "lease_id", "last_error", "replacement_requested",
     "peers_listed_version", "peers_checked_version", "unreachable_peers", "checks_peers",
 )
+WRITTEN_ALONG = ("peers_checked_version",)
+"""Persisted fields whose change alone does not make a record dirty: written with the
+record's next write. A prefill engine's checked peer version moves on every change of
+the decode peers (each P's agent reports it: P writes per decode engine joining); a
+successor leader that loads an older one only waits for that engine's next heartbeat
+before the pairs with the newest peers route again (never routes an unchecked pair)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,12 @@ class InstanceRecord:
 
     def to_json(self) -> str:
         # The persisted fields alone (``asdict`` would deep-copy the whole record, its load
-        # too: 95% of a heartbeat's handling, which compares this before and after each report).
+        # too: 95% of a heartbeat's handling, which compares ``change_key`` before and after each report).
         return json.dumps({k: getattr(self, k) for k in PERSISTED}, sort_keys=True)
+
+    def change_key(self) -> str:
+        """The persisted fields whose change makes the record dirty (``WRITTEN_ALONG`` apart)."""
+        return json.dumps({k: getattr(self, k) for k in PERSISTED if k not in WRITTEN_ALONG}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, now_s: float) -> InstanceRecord:

@@ -143,3 +143,34 @@ def test_a_memory_store_round_trip_keeps_the_peer_fields():
         assert loaded.records["d0"].peers_listed_version == loaded.peers_version == 1
 
     asyncio.run(go())
+
+
+def test_a_prefill_engines_checked_version_alone_is_not_a_store_write():
+    """Each decode engine that joins moves every prefill engine's checked version (P
+    writes per join at a thousand engines): it is written with the record's next write,
+    and a successor that loads an older one routes fewer pairs, never an unchecked one."""
+    async def go():
+        store = MemoryStore()
+        persister = StatePersister(store, "/pdserve/c", 30)
+        c = await persister.load(ClusterSettings(), 0.0)
+        c.apply_heartbeat("a", [prefill("p0"), decode("d0")], 0.0)
+        c.view("me")
+        await persister.flush(c, 0.0)
+        c.apply_heartbeat("a", [prefill("p0", checked=1), decode("d0")], 1.0)
+        assert "p0" not in c.dirty  # the checked version alone
+        c.apply_heartbeat("a", [prefill("p0", checked=1), decode("d0"), decode("d1")], 2.0)
+        c.view("me")  # d1 listed at version 2: d1 and the meta written, not p0
+        assert c.dirty == {"d1"}
+        await persister.flush(c, 2.0)
+        successor = await persister.load(ClusterSettings(), 3.0)
+        assert versions(successor.view("s")) == {"p0": 0, "d0": 1, "d1": 2}  # (p0, *) wait for p0's beat
+        successor.apply_heartbeat("a", [prefill("p0", checked=2), decode("d0"), decode("d1")], 3.0)
+        assert versions(successor.view("s"))["p0"] == 2
+
+        c.apply_heartbeat("a", [prefill("p0", checked=2, unreachable=[("d1", "d1:2", "refused")]),
+                                decode("d0"), decode("d1")], 4.0)
+        assert "p0" in c.dirty  # a verdict is written, and the checked version with it
+        await persister.flush(c, 4.0)
+        assert (await persister.load(ClusterSettings(), 5.0)).records["p0"].peers_checked_version == 2
+
+    asyncio.run(go())
