@@ -58,12 +58,15 @@ class StatePersister:
         self.store, self.prefix, self.lease_ttl_s = store, prefix.rstrip("/"), lease_ttl_s
         self._fence = fence
         self.is_store_ok = True
+        self.num_writes = 0  # puts and deletes the store took (``pdserve_controller_store_writes``)
 
     async def _put(self, key: str, value: str, lease: int | None = None) -> None:
         await self.store.put(key, value, lease, fence=self._fence() if self._fence else None)
+        self.num_writes += 1
 
     async def _delete(self, key: str) -> None:
         await self.store.delete(key, fence=self._fence() if self._fence else None)
+        self.num_writes += 1
 
     def key(self, *parts: str) -> str:
         return "/".join([self.prefix, *parts])
@@ -113,7 +116,9 @@ class StatePersister:
 
     def forgotten(self) -> ForgottenPersister:
         """The persister to install once the operator deleted the cluster."""
-        return ForgottenPersister(self.store, self.prefix, self.lease_ttl_s, self._fence)
+        forgotten = ForgottenPersister(self.store, self.prefix, self.lease_ttl_s, self._fence)
+        forgotten.num_writes = self.num_writes  # a counter goes on
+        return forgotten
 
     async def flush(self, cluster: Cluster, now_s: float) -> None:
         """Called by the leader's tick loop: write what changed, keep leases alive.

@@ -130,6 +130,17 @@ class ControllerCollector:
         store = GaugeMetricFamily("pdserve_controller_store_ok", "1 while the state store answers")
         store.add_metric([], float(c.election.is_store_ok and c.persister.is_store_ok))
         yield store
+        writes = CounterMetricFamily("pdserve_controller_store_writes",
+                                     "Cluster state writes (puts and deletes) the store took")
+        writes.add_metric([], c.persister.num_writes)
+        yield writes
+        for name, doc, value in (
+                ("heartbeats", "Agent heartbeats handled as leader", c.num_heartbeats),
+                ("instance_reports", "Instance reports in those heartbeats", c.num_instance_reports),
+                ("heartbeat_cpu_seconds", "CPU seconds spent handling them", c.heartbeat_cpu_s)):
+            family = CounterMetricFamily(f"pdserve_controller_{name}", doc)
+            family.add_metric([], value)
+            yield family
         view = cluster.planner_view() if cluster else None
         if view is not None:
             yield from planner_metrics(view)

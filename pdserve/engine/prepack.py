@@ -69,7 +69,12 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 def prepack_linears(model: nn.Module) -> int:
     """Replace ``model``'s linear weights by oneDNN-packed ones, if ``can_prepack``; called
     once by ``loader.load_model`` after the weights are in. Returns the number packed."""
-    if not can_prepack(model.embed_tokens.device, model.embed_tokens.dtype):
+    device, dtype = model.embed_tokens.device, model.embed_tokens.dtype
+    if not can_prepack(device, dtype):
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            log.warning("bfloat16 on this CPU has no native matmuls (oneDNN reports no bfloat16 "
+                        "support: no AVX-512 BF16 or AMX), so they are emulated: expect about half "
+                        "float32's speed here; --dtype float32 serves faster on this machine")
         return 0
     targets = [(getattr(layer, part), name) for layer in model.layers
                for part, names in LINEAR_WEIGHTS.items() for name in names]

@@ -181,8 +181,10 @@ def test_a_bfloat16_engine_process_compiles_its_prefill_and_answers(loop, refere
         address = proc.wait_for(r"serving model .* on (\S+:\d+)", 240).group(1)
         if can_prepack(torch.device("cpu"), torch.bfloat16):
             assert "prefill compiled for steps of >= 64 tokens" in proc.output
+            assert "bfloat16 on this CPU has no native matmuls" not in proc.output
         else:
             assert "prefill not compiled: weights not packed" in proc.output
+            assert "bfloat16 on this CPU has no native matmuls" in proc.output  # the user is told
         assert "native decode attention unavailable" not in proc.output
         messages = [{"role": "system", "content": "You are a geography teacher. " * 8 + "Answer in one word."},
                     *FRANCE]

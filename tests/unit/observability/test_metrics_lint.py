@@ -93,15 +93,37 @@ def _render(collector) -> str:
 
 
 def test_controller_metrics():
-    from pdserve.controller.service import ControllerCollector
+    """A real leader on an in-memory store: one heartbeat of two instances is counted,
+    with the CPU it took and the state writes it caused."""
+    import asyncio
 
-    controller = SimpleNamespace(
-        is_leader=False, cluster=None, num_failovers=1, num_role_switches=0,
-        election=SimpleNamespace(is_store_ok=True), persister=SimpleNamespace(is_store_ok=True))
-    text = _render(ControllerCollector(controller))
+    from pdserve.api.proto import controller_pb2 as pb
+    from pdserve.controller.core import Controller, ControllerSettings
+    from pdserve.controller.service import ControllerCollector
+    from pdserve.controller.store import MemoryStore
+    from tests.unit.controller.test_cluster import report
+    from tests.unit.controller.test_commit import eventually
+
+    async def go() -> str:
+        controller = Controller(ControllerSettings(cluster_name="c"), MemoryStore())
+        await controller.start()
+        await eventually(lambda: controller.is_leader)
+        await controller.heartbeat(pb.HeartbeatRequest(agent_id="a", instances=[
+            report("p0", "prefill"), report("d0", "decode")]))
+        await eventually(lambda: controller.persister.num_writes >= 3)  # two records, the meta
+        text = _render(ControllerCollector(controller))
+        await controller.stop()
+        return text
+
+    text = asyncio.run(go())
     check(text, "controller")
     for name in ("instances", "failovers_total", "role_switches_total", "fallback_mode", "leader"):
         assert f"pdserve_controller_{name}" in text
+    value = {m[0]: float(m[1]) for m in re.findall(r"^(pdserve_controller_\w+) (\S+)$", text, re.M)}
+    assert value["pdserve_controller_heartbeats_total"] == 1
+    assert value["pdserve_controller_instance_reports_total"] == 2
+    assert value["pdserve_controller_heartbeat_cpu_seconds_total"] > 0
+    assert value["pdserve_controller_store_writes_total"] >= 3
 
 
 def test_nodeagent_metrics():
