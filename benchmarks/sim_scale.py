@@ -6,11 +6,16 @@ half decode, or ``--prefill`` P of them prefill) with its Controller, NodeAgent 
 Coordinator; ``--per-process K`` serves K engines of a pool per process
 (``simulate.perProcess``). For each N:
 
-- up: seconds from ``pdserve up`` to "pdserve is up", and to the Coordinator's /ready;
+- up: seconds from ``pdserve up`` to "pdserve is up", to the Coordinator's /ready (a
+  pair checked) and to every P x D pair usable (``/ready?verbose=1``);
 - memory: resident MiB of each component once up, the engines' per engine (all engine
   processes together over N), and the cluster's threads;
 - idle: CPU (% of one core) of each component over ``--idle-seconds`` with no traffic,
   the engines' as their mean;
+- the Controller, idle and under load (its ``pdserve_controller_*`` counters): heartbeats
+  and instance reports per second, CPU milliseconds per heartbeat (its handling) and
+  state store writes per second (the writes etcd would take; ``pdserve up`` runs the
+  in-memory store), and the writes of the whole start-up;
 - load: ``pdserve bench`` closed loop (``--concurrency`` streams of 256 -> 32 tokens) for
   ``--load-seconds``: requests/s, errors, the Coordinator's CPU milliseconds per request;
 - kill: one decode engine process (with ``--per-process`` K its K engines) SIGKILLed
@@ -117,6 +122,30 @@ def decode_instances(url: str) -> int:
     return int(float(m.group(1))) if m else -1
 
 
+CONTROLLER_COUNTERS = ("heartbeats", "instance_reports", "heartbeat_cpu_seconds", "store_writes")
+
+
+def controller_counters(http: str) -> dict[str, float]:
+    """The Controller's heartbeat and store counters, read from its /metrics."""
+    text = httpx.get(f"http://{http}/metrics", timeout=5).text
+    return {name: float(re.search(rf"^pdserve_controller_{name}_total (\S+)$", text, re.M).group(1))
+            for name in CONTROLLER_COUNTERS}
+
+
+def controller_rates(before: dict, after: dict, seconds: float) -> dict:
+    """Per second, and the CPU per heartbeat, between two ``controller_counters``."""
+    delta = {k: after[k] - before[k] for k in CONTROLLER_COUNTERS}
+    return {"heartbeats_s": round(delta["heartbeats"] / seconds, 2),
+            "reports_s": round(delta["instance_reports"] / seconds, 1),
+            "cpu_ms_per_heartbeat": round(1000 * delta["heartbeat_cpu_seconds"] / max(1, delta["heartbeats"]), 3),
+            "store_writes_s": round(delta["store_writes"] / seconds, 2)}
+
+
+def all_pairs_usable(url: str) -> bool:
+    pairs = httpx.get(url + "/ready", params={"verbose": 1}, timeout=30).json()["pairs"]
+    return bool(pairs) and all(p["usable"] for p in pairs)
+
+
 def bench(url: str, seconds: float, concurrency: int) -> dict:
     out = subprocess.run([*PDSERVE, "bench", "--base-url", url, "--prompt-tokens", "256",
                           "--output-tokens", "32", "--concurrency", str(concurrency),
@@ -149,8 +178,13 @@ def run_one(n: int, args, workdir: Path) -> dict:
         while httpx.get(url + "/ready", timeout=30).status_code != 200:  # a pair's KV path answered
             time.sleep(0.1)
         result["ready_s"] = round(time.monotonic() - began, 1)
+        while not all_pairs_usable(url):
+            time.sleep(0.2)
+        result["pairs_s"] = round(time.monotonic() - began, 1)
         threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()
         procs = pids(up.pid)
+        http = re.search(r"controller serving on \S+ \(http (\S+),", (run_dir / "controller.log").read_text()).group(1)
+        result["startup_store_writes"] = int(controller_counters(http)["store_writes"])
         result["engine_processes"] = len(procs["engine"])
 
         time.sleep(5)  # past start-up's probes
@@ -158,16 +192,18 @@ def run_one(n: int, args, workdir: Path) -> dict:
         rss["engine"] /= n  # per engine
         result["rss_mib"] = {c: round(v, 2) for c, v in rss.items()}
         result["threads"] = sum(num_threads(p) for ps in procs.values() for p in ps)
-        before = {p: cpu_s(p) for ps in procs.values() for p in ps}
+        before, counted = {p: cpu_s(p) for ps in procs.values() for p in ps}, controller_counters(http)
         time.sleep(args.idle_seconds)
         used = {p: cpu_s(p) - before[p] for p in before}
+        result["controller_idle"] = controller_rates(counted, controller_counters(http), args.idle_seconds)
         idle = {c: 100 * sum(used[p] for p in procs[c]) / args.idle_seconds for c in COMPONENTS}
         idle["engine"] /= n  # per engine
         result["idle_cpu_pct"] = {c: round(v, 2) for c, v in idle.items()}
 
         coordinator = procs["coordinator"][0]
-        start = cpu_s(coordinator)
+        start, counted, began_load = cpu_s(coordinator), controller_counters(http), time.monotonic()
         load = bench(url, args.load_seconds, args.concurrency)
+        result["controller_load"] = controller_rates(counted, controller_counters(http), time.monotonic() - began_load)
         load["coordinator_cpu_ms_per_request"] = round(
             1000 * (cpu_s(coordinator) - start) / max(1, load["ok"]), 2)
         result["load"] = load
@@ -224,17 +260,24 @@ def main() -> int:
     for n in (int(x) for x in args.engines.split(",")):
         results.append(run_one(n, args, workdir))
         print(json.dumps(results[-1]), flush=True)
-    print("\n| engines | processes | up / ready s | RSS MiB: coordinator / controller / nodeagent / per engine "
+    print("\n| engines | processes | up / ready / all pairs s | RSS MiB: coordinator / controller / nodeagent / per engine "
           "| idle CPU %: coordinator / controller / nodeagent / per engine "
           "| req/s | errors | Coordinator CPU ms/request | kill: engines, unrouted after s | errors |")
     print("|---:|---:|---:|---|---|---:|---:|---:|---:|---:|")
     for r in results:
         m, i, load, kill = r["rss_mib"], r["idle_cpu_pct"], r["load"], r["kill"]
-        print(f"| {r['engines']} | {r['engine_processes']} | {r['up_s']} / {r['ready_s']} | {m['coordinator']:.0f} / "
+        print(f"| {r['engines']} | {r['engine_processes']} | {r['up_s']} / {r['ready_s']} / {r['pairs_s']} | {m['coordinator']:.0f} / "
               f"{m['controller']:.0f} / {m['nodeagent']:.0f} / {m['engine']:.1f} | {i['coordinator']} / "
               f"{i['controller']} / {i['nodeagent']} / {i['engine']} | {load['req_s']} | {load['errors']} | "
               f"{load['coordinator_cpu_ms_per_request']} | {kill['engines']}, "
               f"{kill.get('unrouted_after_s', 'never')} | {kill['errors']} |")
+    print("\n| engines | start-up store writes | Controller idle: heartbeats/s, reports/s, CPU ms/heartbeat, "
+          "store writes/s | under load: the same |")
+    print("|---:|---:|---|---|")
+    for r in results:
+        cells = [", ".join(str(r[k][f]) for f in ("heartbeats_s", "reports_s", "cpu_ms_per_heartbeat", "store_writes_s"))
+                 for k in ("controller_idle", "controller_load")]
+        print(f"| {r['engines']} | {r['startup_store_writes']} | {cells[0]} | {cells[1]} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
