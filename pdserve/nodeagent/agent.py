@@ -236,10 +236,16 @@ class Agent:
         self._controller_index = (self._controller_index + 1) % len(self.settings.controllers)
 
     async def _heartbeat_loop(self) -> None:
+        """A heartbeat every ``interval_s``, and one at once on a wake-up (a command done, a
+        peer list checked), at most one per quarter interval: each prefill engine's checks
+        wake it as they finish, so one agent of many engines sends a burst as one."""
         while True:
             self._wake.clear()
+            sent_s = time.monotonic()
             await self.heartbeat_once()
             await wait_event(self._wake, self.settings.interval_s)
+            if (gap_s := self.settings.interval_s / 4 - (time.monotonic() - sent_s)) > 0:
+                await asyncio.sleep(gap_s)
 
     async def heartbeat_once(self) -> None:
         """One heartbeat; on a standby or an unreachable replica, the next address at once."""
