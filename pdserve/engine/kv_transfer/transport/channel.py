@@ -131,9 +131,11 @@ class Channel:
         host, is_authenticated = addr[0], False
         try:
             wire.configure(sock, min(self.timeout_s, self.limits.handshake_timeout_s))
-            peer = self._handshake(sock, host) or f"{host}:{addr[1]}"
-            self._admission.authenticated(host)
+            endpoint = self._check_hello(sock, host)
+            self._admission.authenticated(host)  # before WELCOME: the peer may dial again at once
             is_authenticated = True
+            wire.send_frame(sock, wire.OP_WELCOME, body=json.dumps(self._info()).encode())
+            peer = endpoint or f"{host}:{addr[1]}"
             wire.configure(sock, self.timeout_s)
             frames = wire.recv_frames(
                 sock, self._frame_limits, self.timeout_s, self.limits.idle_timeout_s)
@@ -162,9 +164,9 @@ class Channel:
                 self._on_close(sock)
             sock.close()
 
-    def _handshake(self, sock: socket.socket, host: str) -> str | None:
-        """Read and check the HELLO, answer WELCOME; returns the endpoint it names. Raises
-        _Refused once a bad or late HELLO was answered and logged."""
+    def _check_hello(self, sock: socket.socket, host: str) -> str | None:
+        """Read and check the HELLO; returns the endpoint it names (the caller answers
+        WELCOME). Raises _Refused once a bad or late HELLO was answered and logged."""
         deadline = time.monotonic() + self.limits.handshake_timeout_s
         try:
             _, _, body = wire.recv_frame(sock, wire.HELLO_LIMITS, self.timeout_s, deadline=deadline)
@@ -178,7 +180,6 @@ class Channel:
                 host, "handshake timeout",
                 f"no whole HELLO within {self.limits.handshake_timeout_s:g} s")
             raise _Refused() from None
-        wire.send_frame(sock, wire.OP_WELCOME, body=json.dumps(self._info()).encode())
         return endpoint
 
 

@@ -100,8 +100,17 @@ def authenticate(sock: socket.socket) -> dict:
     """HELLO with the cluster's token; returns the WELCOME's body."""
     hello(sock, json.dumps({"token": TOKEN, "endpoint": "127.0.0.1:1"}).encode())
     op, _, body = wire.recv_frame(sock, wire.WELCOME_LIMITS, 2.0)
-    assert op == wire.OP_WELCOME
+    assert op == wire.OP_WELCOME, body
     return json.loads(body)
+
+
+def hang_up(socks: list[socket.socket]) -> None:
+    """Close each connection and wait until the port closed its side: its thread ended
+    and no longer counts against any cap."""
+    for sock in socks:
+        sock.shutdown(socket.SHUT_WR)
+    for sock in socks:
+        answer(sock)
 
 
 def test_handshake_cap_refuses_the_next_one_and_logs_it_once(peer):
@@ -113,20 +122,19 @@ def test_handshake_cap_refuses_the_next_one_and_logs_it_once(peer):
         assert ended_s < SLACK_S
     log = wait_for_log(peer, "connection cap")
     assert log.count("connection cap") == 1  # rate-limited: one line per reason and host
-    for sock in held:
-        sock.close()
-    time.sleep(0.3)  # their threads have ended
+    hang_up(held)
     sock = dial(peer)
     assert "regions" in authenticate(sock)
-    sock.close()
+    hang_up([sock])
 
 
 def test_authenticated_peers_of_one_host_are_not_held_to_the_handshake_cap(peer):
     """Many engines on one host (local mode, a big node) each link to this port: once
     authenticated they free their host's handshake slots, so more cluster members than
     the cap stay connected, and the cap still holds for connections mid-handshake."""
-    members = [dial(peer) for _ in range(3 * LIMITS["max_handshakes_per_host"])]
-    for sock in members:
+    members = []
+    for _ in range(3 * LIMITS["max_handshakes_per_host"]):  # one after the other, as engines start
+        members.append(sock := dial(peer))
         authenticate(sock)
     pending = [dial(peer) for _ in range(LIMITS["max_handshakes_per_host"])]
     time.sleep(0.2)  # all accepted
@@ -135,8 +143,7 @@ def test_authenticated_peers_of_one_host_are_not_held_to_the_handshake_cap(peer)
     for sock in members:  # every member's connection still serves
         sock.sendall(wire.HEADER.pack(wire.OP_FENCE, 9, 0))
         assert wire.recv_frame(sock, {wire.OP_ACK: 0}, 2.0)[:2] == (wire.OP_ACK, 9)
-    for sock in members + pending:
-        sock.close()
+    hang_up(members + pending)
 
 
 def test_authenticated_peer_is_closed_after_idling_or_sending_garbage(peer):
