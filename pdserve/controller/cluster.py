@@ -57,6 +57,9 @@ COUNTER_OF = {
 }
 
 
+LOAD_FIELDS = tuple(f.name for f in pb.InstanceLoad.DESCRIPTOR.fields)  # a report's, read into each record
+
+
 @dataclass(frozen=True)
 class ClusterSettings:
     thresholds: HealthThresholds = HealthThresholds()
@@ -139,7 +142,7 @@ class Cluster:
         rec.kv_transport, rec.kv_compat_hash = rep.kv_transport, rep.kv_compat_hash
         rec.max_model_len = rep.max_model_len
         rec.num_restarts, rec.process_state, rec.probe_ok = rep.num_restarts, rep.process_state, rep.probe_ok
-        rec.load = {f.name: getattr(rep.load, f.name) for f in pb.InstanceLoad.DESCRIPTOR.fields}
+        rec.load = {name: getattr(rep.load, name) for name in LOAD_FIELDS}
         rec.last_heartbeat_s, rec.last_heartbeat_unix_s, rec.is_heard = now_s, time.time(), True
         is_kv_ready = bool(rep.kv_endpoint) or rep.kv_transport == "none"
         new = health.health_from_report(rec.health, rep.process_state, rep.probe_ok, is_kv_ready)
