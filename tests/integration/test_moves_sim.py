@@ -25,8 +25,13 @@ SIM = ["--simulate", "--model", "small", "--kv-transport", "tcp", "--block-size"
        "--num-kv-blocks", "24"]
 
 
-def engine(role: str, port: int = 0) -> Proc:
-    return Proc([*PDSERVE, "engine", *SIM, "--role", role, "--port", str(port)])
+# The busy decode engine steps at 40 ms (the model's ~13): its queue lasts ~20 s, so on a
+# loaded machine the late engine's start (seconds) still comes before it drains.
+SLOW_DECODE = ["--sim-decode-base-ms", "40"]
+
+
+def engine(role: str, port: int = 0, *extra: str) -> Proc:
+    return Proc([*PDSERVE, "engine", *SIM, *extra, "--role", role, "--port", str(port)])
 
 
 def address(proc: Proc) -> str:
@@ -48,7 +53,7 @@ def complete(url: str, i: int) -> dict:
 
 
 def test_streams_queued_on_a_full_decode_engine_move_to_a_new_one_and_end_whole(loop):
-    prefill, busy = engine("prefill"), engine("decode")
+    prefill, busy = engine("prefill"), engine("decode", 0, *SLOW_DECODE)
     late_port = free_port()
     late = None
     try:
