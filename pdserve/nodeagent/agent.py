@@ -235,14 +235,17 @@ class Agent:
         self._controller_index = (self._controller_index + 1) % len(self.settings.controllers)
 
     async def _heartbeat_loop(self) -> None:
-        """A heartbeat every ``interval_s``, and one at once on a wake-up (a command done, a
-        peer list checked), at most one per quarter interval: each prefill engine's checks
-        wake it as they finish, so one agent of many engines sends a burst as one."""
+        """A heartbeat every ``interval_s`` from the last one's start (the time its answer
+        took is not added: an agent of a thousand engines on a busy host waited a second
+        for it, so its heartbeats came every two seconds and every instance turned
+        SUSPECT together), and one at once on a wake-up (a command done, a peer list
+        checked), at most one per quarter interval: each prefill engine's checks wake it
+        as they finish, so one agent of many engines sends a burst as one."""
         while True:
             self._wake.clear()
             sent_s = time.monotonic()
             await self.heartbeat_once()
-            await wait_event(self._wake, self.settings.interval_s)
+            await wait_event(self._wake, self.settings.interval_s - (time.monotonic() - sent_s))
             if (gap_s := self.settings.interval_s / 4 - (time.monotonic() - sent_s)) > 0:
                 await asyncio.sleep(gap_s)
 

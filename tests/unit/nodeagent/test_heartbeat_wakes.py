@@ -55,3 +55,40 @@ def test_a_burst_of_wake_ups_is_one_heartbeat_per_quarter_interval():
         assert min(gaps[1:]) >= INTERVAL_S / 4 - 0.01, gaps
 
     asyncio.run(go())
+
+
+class SlowController(CountingController):
+    """Answers each heartbeat after ``delay_s``: a busy Controller, or a busy agent host."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    async def Heartbeat(self, request, context):
+        self.times.append(time.monotonic())
+        await asyncio.sleep(self.delay_s)
+        return pb.HeartbeatResponse(heartbeat_interval_s=1.0)
+
+
+def test_a_slow_answer_does_not_stretch_the_interval():
+    """Heartbeats start an interval apart, not an interval after the last answer: with
+    answers 0.6 s late, every 1.0 s, not every 1.6 s (three missed intervals make an
+    instance SUSPECT, so a stretched interval turns a slow host's instances SUSPECT)."""
+    async def go():
+        fake = SlowController(delay_s=0.6)
+        server, port = await serve_controller(fake)
+        agent = Agent(AgentSettings(controllers=(f"127.0.0.1:{port}",), interval_s=1.0), [],
+                      SecuritySettings())
+        loop = asyncio.create_task(agent._heartbeat_loop())
+        try:
+            while len(fake.times) < 5:
+                await asyncio.sleep(0.02)
+        finally:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+            await agent.stop()
+            await server.stop(grace=None)
+        gaps = [b - a for a, b in zip(fake.times, fake.times[1:], strict=False)]
+        assert sum(gaps) / len(gaps) < 1.25, gaps
+
+    asyncio.run(go())
