@@ -104,6 +104,7 @@ class AgentSettings:
     peer_probe_retry_s: float = 2.0      # a pair whose probe failed probed again
     peer_probe_timeout_s: float = 3.0
     peer_probe_concurrency: int = 8
+    peer_probe_max_rate: float = 10.0    # re-probes of usable pairs per second, at most
 
 
 class Agent:
@@ -121,7 +122,7 @@ class Agent:
         self.processes: list[EngineProcess] = []
         self.peer_checks = PeerChecks(self._peer_prober, self._wake.set, settings.peer_probe_interval_s,
                                       settings.peer_probe_retry_s, settings.peer_probe_timeout_s,
-                                      settings.peer_probe_concurrency)
+                                      settings.peer_probe_concurrency, settings.peer_probe_max_rate)
         self._peer_probers: dict[str, tuple[str, Prober]] = {}  # instance id -> (address, prober)
         for inst in instances:
             if inst.launch is None:

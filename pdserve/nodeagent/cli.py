@@ -61,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-backoff-max", type=float, default=30.0, help="seconds")
     p.add_argument("--restart-stable-after", type=float, default=30.0,
                    help="a run this long resets the backoff, seconds")
+    p.add_argument("--peer-probe-interval", type=float, default=AgentSettings.peer_probe_interval_s,
+                   help="seconds between probes of a usable (prefill, decode peer) pair")
+    p.add_argument("--peer-probe-retry", type=float, default=AgentSettings.peer_probe_retry_s,
+                   help="seconds between probes of a pair whose last probe failed")
+    p.add_argument("--peer-probe-max-rate", type=float, default=AgentSettings.peer_probe_max_rate,
+                   help="re-probes of usable pairs per second at most (the interval stretches "
+                        "past it with many pairs)")
     p.add_argument("--host", default="127.0.0.1",
                    help="HTTP listen address (0.0.0.0: every address, as the kubelet's probes need)")
     p.add_argument("--http-port", type=int, default=0,
@@ -126,6 +133,8 @@ async def serve(args: argparse.Namespace) -> int:
         agent_id=args.agent_id, controllers=tuple(args.controller.split(",")),
         interval_s=args.heartbeat_interval or cluster.spec.heartbeat.interval_seconds,
         probe_timeout_s=args.probe_timeout, echo_engine_output=not args.quiet_engines,
+        peer_probe_interval_s=args.peer_probe_interval, peer_probe_retry_s=args.peer_probe_retry,
+        peer_probe_max_rate=args.peer_probe_max_rate,
         backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after))
     instances = [instance(cluster, iid, pool, args) for iid, pool in map(parse_instance, args.instance)]
     if cluster.spec.engine.simulate is not None:

@@ -12,10 +12,10 @@ route on them without probing: one probe per pair per interval for the cluster, 
 by the P engines' own agents (O(D) each), instead of one per Coordinator per pair.
 
 When, how often and how many at once are ``runtime.pair_probes.PairProbes``'s (a
-usable pair every ``interval_s``, a failed one every ``retry_s``). A new list is
-probed at once (only its new peers: the others keep their results) and the
-heartbeat goes out when it is done (``on_checked``), so a new decode engine's pairs
-are known within a probe and a heartbeat.
+usable pair every ``interval_s``, stretched past ``max_reprobes_per_s``; a failed one
+every ``retry_s``). A new list is probed at once (only its new peers: the others keep
+their results) and the heartbeat goes out when it is done (``on_checked``), so a new
+decode engine's pairs are known within a probe and a heartbeat.
 
 Invariants: ``checked_version`` names a list all of whose compatible peers have a
 result for their listed KV endpoint; an engine relaunched (a new address) or no
@@ -42,11 +42,11 @@ log = logging.getLogger(__name__)
 class PeerChecks:
     def __init__(self, prober_of: Callable[[object], Prober | None], on_checked: Callable[[], None],
                  interval_s: float = 30.0, retry_s: float = 2.0, timeout_s: float = 3.0,
-                 max_concurrency: int = 8) -> None:
+                 max_concurrency: int = 8, max_reprobes_per_s: float = 10.0) -> None:
         """``prober_of(engine)``: a prober of a supervised engine that serves now, else
         None; ``on_checked()``: a list version was checked (the agent heartbeats at once)."""
         self.peers = pb.PeerList()
-        self.probes = PairProbes(interval_s, retry_s, timeout_s, max_concurrency)
+        self.probes = PairProbes(interval_s, retry_s, timeout_s, max_concurrency, max_reprobes_per_s)
         self._prober_of, self._on_checked = prober_of, on_checked
         self._checked: dict[str, tuple[str, int]] = {}  # instance id -> (engine address, version)
         self._new_list = asyncio.Event()

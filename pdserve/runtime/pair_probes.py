@@ -13,7 +13,10 @@ keeps the verdicts.
        │                     ▲                                     │
        └──probe failed──▶ unusable ◀───────────────────────────────┘
 
-Thresholds: a usable pair is re-probed every ``interval_s``; an unusable one every
+Thresholds: a usable pair is re-probed every ``interval_s``, or less often where that
+would be more than ``max_reprobes_per_s`` re-probes a second (the interval stretched
+to usable pairs / rate: one agent of a thousand pairs re-probes every 100 s at 10 a
+second, not 33 a second; new and failed pairs are not held back); an unusable one every
 ``retry_s``; one marked due (``mark_due``) at the next round, keeping its last result
 until the new one. A result is for the decode engine's KV endpoint it reached: at a
 new endpoint the pair is unknown again. At most ``max_concurrency`` probes run at
@@ -49,10 +52,12 @@ class PairResult:
 
 class PairProbes:
     def __init__(self, interval_s: float = 30.0, retry_s: float = 2.0, timeout_s: float = 3.0,
-                 max_concurrency: int = 8) -> None:
+                 max_concurrency: int = 8, max_reprobes_per_s: float = 10.0) -> None:
         self.interval_s, self.retry_s, self.timeout_s = interval_s, retry_s, timeout_s
+        self.max_reprobes_per_s = max_reprobes_per_s
         self._limit = asyncio.Semaphore(max_concurrency)
         self.results: dict[Key, PairResult] = {}
+        self._num_usable = 0  # results with ok, kept as they change
         self.version = 0
         self.num_probes = 0  # probes asked since start (benchmarks, metrics)
 
@@ -69,11 +74,18 @@ class PairProbes:
         result = self.result(key, kv_endpoint)
         if result is None or result.due:
             return True
-        return now_s - result.checked_s >= (self.interval_s if result.ok else self.retry_s)
+        return now_s - result.checked_s >= (self.reprobe_s if result.ok else self.retry_s)
+
+    @property
+    def reprobe_s(self) -> float:
+        """How old a usable pair's result gets before it is probed again: ``interval_s``,
+        stretched so the usable pairs' re-probes stay within ``max_reprobes_per_s``."""
+        return max(self.interval_s, self._num_usable / self.max_reprobes_per_s)
 
     def next_due_s(self) -> float:
         """Monotonic time the earliest known result's age runs out (inf: none known)."""
-        return min((0.0 if r.due else r.checked_s + (self.interval_s if r.ok else self.retry_s)
+        reprobe_s = self.reprobe_s
+        return min((0.0 if r.due else r.checked_s + (reprobe_s if r.ok else self.retry_s)
                     for r in self.results.values()), default=float("inf"))
 
     def mark_due(self, instance_id: str) -> int:
@@ -87,7 +99,8 @@ class PairProbes:
 
     def forget(self, keys: Iterable[Key]) -> None:
         for key in keys:
-            if self.results.pop(key, None) is not None:
+            if (result := self.results.pop(key, None)) is not None:
+                self._num_usable -= result.ok
                 self.version += 1
 
     def usable_keys(self) -> set[Key]:
@@ -104,6 +117,7 @@ class PairProbes:
         elif ok and old is not None and not old.ok:
             log.info("pair %s -> %s usable again", key[0], key[1])
         result = self.results[key] = PairResult(ok, reason, kv_endpoint, time.monotonic(), handshake_s)
+        self._num_usable += ok - (old is not None and old.ok)
         if old is None or old.ok != ok or old.kv_endpoint != kv_endpoint:
             self.version += 1
         return result
