@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 
+from pdserve.api.proto import engine_pb2
 from pdserve.api.sampling import SamplingParams
 from pdserve.engine.kv_transfer.params import KVTransferParams
 from pdserve.engine.loop import EngineLoop
@@ -99,7 +100,7 @@ def test_a_busy_engine_answers_stats_at_once_and_queue_time_counts_from_receipt(
         assert slow.entered.wait(10)
         loop.submit("second", make_prompt(8, seed=6), None, greedy(2), outputs["second"].append)
         started = time.monotonic()
-        stats = asyncio.run(asyncio.wait_for(EngineService(loop).Stats(None, None), 0.5))
+        stats = asyncio.run(asyncio.wait_for(EngineService(loop).Stats(engine_pb2.StatsRequest(), None), 0.5))
         assert time.monotonic() - started < 0.5
         assert stats.num_waiting == 1  # the snapshot published when "first" was admitted
         time.sleep(0.3)  # "second" waits behind the blocked step
