@@ -77,7 +77,9 @@ def test_chaos_soak(tmp_path):
                 last_s = time.monotonic()
                 faults.add(last_s, fault, inject(cluster, fault))
             settle_s = cluster.wait_until(cluster.is_whole, 60)
-            load.wait_ok(2 * len(KEYS))
+            # more requests through the whole cluster (a liveness check, not a rate: a full
+            # suite on a slow two-core host once served 27 of these 32 in 60 s, 0 failed)
+            load.wait_ok(2 * len(KEYS), timeout_s=120)
         stats = cluster.kv_stats()
         coordinator = cluster.coordinator_metrics()
         num_leaders = cluster.num_leaders()
