@@ -25,6 +25,13 @@ class CountingController(pb_grpc.ControllerServicer):
         return pb.HeartbeatResponse(heartbeat_interval_s=INTERVAL_S)
 
 
+async def stop(loop: asyncio.Task, agent: Agent, server) -> None:
+    loop.cancel()
+    await asyncio.gather(loop, return_exceptions=True)
+    await agent.stop()
+    await server.stop(grace=None)
+
+
 def test_a_burst_of_wake_ups_is_one_heartbeat_per_quarter_interval():
     async def go():
         fake = CountingController()
@@ -46,10 +53,7 @@ def test_a_burst_of_wake_ups_is_one_heartbeat_per_quarter_interval():
                 await asyncio.sleep(0.02)
             await asyncio.sleep(INTERVAL_S / 4 + 0.2)
         finally:
-            loop.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
-            await agent.stop()
-            await server.stop(grace=None)
+            await stop(loop, agent, server)
         gaps = [b - a for a, b in zip(fake.times, fake.times[1:], strict=False)]
         assert 3 <= len(fake.times) <= 4, fake.times  # the burst: one or two, not twenty
         assert min(gaps[1:]) >= INTERVAL_S / 4 - 0.01, gaps
@@ -84,10 +88,7 @@ def test_a_slow_answer_does_not_stretch_the_interval():
             while len(fake.times) < 5:
                 await asyncio.sleep(0.02)
         finally:
-            loop.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
-            await agent.stop()
-            await server.stop(grace=None)
+            await stop(loop, agent, server)
         gaps = [b - a for a, b in zip(fake.times, fake.times[1:], strict=False)]
         assert sum(gaps) / len(gaps) < 1.25, gaps
 
