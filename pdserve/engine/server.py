@@ -186,9 +186,6 @@ class EngineService(pb_grpc.EngineServicer):
         return pb.AbortResponse(aborted=bool(ended))
 
     async def Health(self, request, context) -> pb.HealthResponse:
-        return self._health()
-
-    def _health(self) -> pb.HealthResponse:
         engine = self.loop.engine
         kv = engine.connector.describe() if engine.connector is not None else {"kv_transport": "none"}
         return pb.HealthResponse(
@@ -271,12 +268,7 @@ class EngineService(pb_grpc.EngineServicer):
         return pb.SetRoleResponse(role=self.loop.engine.config.role)
 
     async def Stats(self, request, context) -> pb.StatsResponse:
-        snapshot = self.loop.snapshot  # never queued behind a step: a busy engine answers
-        if not request.with_health:
-            return snapshot
-        answer = pb.StatsResponse(health=self._health())
-        answer.MergeFrom(snapshot)  # the snapshot is shared: not written to
-        return answer
+        return self.loop.snapshot  # never queued behind a step: a busy engine answers
 
 
 async def serve(

@@ -176,7 +176,8 @@ class Agent:
                     await prober.close()
                 prober, address = inst.launch.prober(inst.address, self.security), inst.address
             try:
-                inst.health, stats = await prober.health_and_stats(self.settings.probe_timeout_s)
+                inst.health = await prober.health(self.settings.probe_timeout_s)
+                stats = await prober.stats(self.settings.probe_timeout_s)
             except ProbeFailed as exc:
                 inst.num_probe_failed += 1
                 inst.last_error = f"probe failed: {exc}"

@@ -72,9 +72,8 @@ class Prober:
     async def health(self, timeout_s: float):
         return await self._call(self.client.health, timeout_s)
 
-    async def health_and_stats(self, timeout_s: float):
-        """(health, stats): one call to an embedded engine, two to vLLM."""
-        return await self._call(self.client.health_and_stats, timeout_s)
+    async def stats(self, timeout_s: float):
+        return await self._call(self.client.stats, timeout_s)
 
     async def _call(self, read, timeout_s: float):
         try:

@@ -47,14 +47,6 @@ class EngineClient:
     async def stats(self, timeout_s: float = 2.0) -> pb.StatsResponse:
         return await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md)
 
-    async def health_and_stats(self, timeout_s: float = 2.0) -> tuple[pb.HealthResponse, pb.StatsResponse]:
-        """Both in one call (``StatsRequest.with_health``); an engine that predates it
-        answers its stats alone, and its health is asked for on its own."""
-        stats = await self._stub.Stats(pb.StatsRequest(with_health=True), timeout=timeout_s, metadata=self._md)
-        if stats.HasField("health"):
-            return stats.health, stats
-        return await self.health(timeout_s), stats
-
     async def drain(self, resume: bool = False, timeout_s: float = 2.0) -> pb.DrainResponse:
         return await self._stub.Drain(pb.DrainRequest(resume=resume), timeout=timeout_s, metadata=self._md)
 

@@ -176,9 +176,6 @@ class VllmServer:
         except ValueError as exc:  # the parser's word for malformed text
             raise VllmUnavailable(f"GET /metrics: {exc}") from None
 
-    async def health_and_stats(self, timeout_s: float = 2.0) -> tuple[pb.HealthResponse, pb.StatsResponse]:
-        return await self.health(timeout_s), await self.stats(timeout_s)
-
     async def post(self, path: str, body: dict, timeout_s: float) -> dict:
         """A POST whose answer is one JSON object."""
         _, payload = await self.request("POST", path, timeout_s, body)

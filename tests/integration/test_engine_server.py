@@ -337,18 +337,3 @@ def _rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for {pid}")
-
-
-def test_stats_with_health_answers_both_in_one_call_and_leaves_plain_stats_alone(engine_server):
-    async def go():
-        async with EngineClient(engine_server) as client:
-            health, stats = await client.health_and_stats()
-            return health, stats, await client.health(), await client.stats()
-
-    health, stats, alone, plain = asyncio.run(go())
-    for name in ("serving", "role", "model", "kv_transport", "kv_endpoint", "kv_compat_hash",
-                 "max_model_len", "session_port"):
-        assert getattr(health, name) == getattr(alone, name), name
-    assert health.serving and health.time_unix_s > 0
-    assert stats.num_kv_blocks_total == plain.num_kv_blocks_total == 128
-    assert not plain.HasField("health")  # the loop's shared snapshot was not written to
