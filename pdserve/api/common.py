@@ -92,6 +92,19 @@ def bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def positive_float_arg(text: str) -> float:
+    """``argparse`` type of a flag that takes a positive number (seconds, a rate): 0,
+    a negative number or ``nan`` is an error at the command line, not a division by
+    zero later in a loop."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive, finite number is wanted")
+    return value
+
+
 class ApiModel(BaseModel):
     """Base of every spec model: camelCase aliases, snake_case names accepted too."""
 

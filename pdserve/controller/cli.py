@@ -18,6 +18,7 @@ import asyncio
 import os
 
 from pdserve.api import PDCluster
+from pdserve.api.common import positive_float_arg
 from pdserve.api.manifest import default_cluster
 from pdserve.controller.cluster import ClusterSettings
 from pdserve.controller.core import Controller, ControllerSettings
@@ -68,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--leader-ttl", type=int, default=5, help="seconds; a dead leader is replaced after this, and a leader "
                         "cut off from the store stops leading after 0.9 of it")
     p.add_argument("--lease-ttl", type=int, default=30, help="seconds an instance record outlives its agent")
-    p.add_argument("--heartbeat-interval", type=float, help="overrides spec.heartbeat.intervalSeconds")
+    p.add_argument("--heartbeat-interval", type=positive_float_arg, help="overrides spec.heartbeat.intervalSeconds")
     p.add_argument("--suspect-after", type=int, help="missed heartbeats before SUSPECT")
     p.add_argument("--failed-after", type=int, help="missed heartbeats before FAILED")
     p.add_argument("--hysteresis", type=float, help="overrides spec.fallback.hysteresisSeconds")

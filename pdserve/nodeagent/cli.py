@@ -24,7 +24,7 @@ import os
 import socket
 
 from pdserve.api import PDCluster
-from pdserve.api.common import bytes_arg
+from pdserve.api.common import bytes_arg, positive_float_arg
 from pdserve.api.instance import Pool, instance_ordinal
 from pdserve.api.manifest import default_cluster
 from pdserve.nodeagent.agent import Agent, AgentSettings, SupervisedEngine
@@ -55,17 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address vLLM engines (spec.engine.backend vllm) listen on and are reached "
                         "at, their KV side channel too; the embedded engine takes --engine-arg=--host")
     p.add_argument("--agent-id", default=socket.gethostname(), help="name in heartbeats")
-    p.add_argument("--heartbeat-interval", type=float, help="overrides spec.heartbeat.intervalSeconds")
-    p.add_argument("--probe-timeout", type=float, default=1.0, help="seconds")
-    p.add_argument("--restart-backoff", type=float, default=0.5, help="first restart delay, seconds")
-    p.add_argument("--restart-backoff-max", type=float, default=30.0, help="seconds")
-    p.add_argument("--restart-stable-after", type=float, default=30.0,
+    p.add_argument("--heartbeat-interval", type=positive_float_arg, help="overrides spec.heartbeat.intervalSeconds")
+    p.add_argument("--probe-timeout", type=positive_float_arg, default=1.0, help="seconds")
+    p.add_argument("--restart-backoff", type=positive_float_arg, default=0.5, help="first restart delay, seconds")
+    p.add_argument("--restart-backoff-max", type=positive_float_arg, default=30.0, help="seconds")
+    p.add_argument("--restart-stable-after", type=positive_float_arg, default=30.0,
                    help="a run this long resets the backoff, seconds")
-    p.add_argument("--peer-probe-interval", type=float, default=AgentSettings.peer_probe_interval_s,
+    p.add_argument("--peer-probe-interval", type=positive_float_arg, default=AgentSettings.peer_probe_interval_s,
                    help="seconds between probes of a usable (prefill, decode peer) pair")
-    p.add_argument("--peer-probe-retry", type=float, default=AgentSettings.peer_probe_retry_s,
+    p.add_argument("--peer-probe-retry", type=positive_float_arg, default=AgentSettings.peer_probe_retry_s,
                    help="seconds between probes of a pair whose last probe failed")
-    p.add_argument("--peer-probe-max-rate", type=float, default=AgentSettings.peer_probe_max_rate,
+    p.add_argument("--peer-probe-max-rate", type=positive_float_arg, default=AgentSettings.peer_probe_max_rate,
                    help="re-probes of usable pairs per second at most (the interval stretches "
                         "past it with many pairs)")
     p.add_argument("--host", default="127.0.0.1",
@@ -127,15 +127,21 @@ def share_processes(instances: list[SupervisedEngine], per_process: int) -> None
         num_in_shared += 1
 
 
-async def serve(args: argparse.Namespace) -> int:
-    cluster = PDCluster.from_file(args.cluster_file) if args.cluster_file else default_cluster()
-    settings = AgentSettings(
+def agent_settings(args: argparse.Namespace, cluster: PDCluster) -> AgentSettings:
+    """The agent's settings from its flags (the heartbeat interval from the spec unless
+    a flag overrides it)."""
+    return AgentSettings(
         agent_id=args.agent_id, controllers=tuple(args.controller.split(",")),
         interval_s=args.heartbeat_interval or cluster.spec.heartbeat.interval_seconds,
         probe_timeout_s=args.probe_timeout, echo_engine_output=not args.quiet_engines,
         peer_probe_interval_s=args.peer_probe_interval, peer_probe_retry_s=args.peer_probe_retry,
         peer_probe_max_rate=args.peer_probe_max_rate,
         backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after))
+
+
+async def serve(args: argparse.Namespace) -> int:
+    cluster = PDCluster.from_file(args.cluster_file) if args.cluster_file else default_cluster()
+    settings = agent_settings(args, cluster)
     instances = [instance(cluster, iid, pool, args) for iid, pool in map(parse_instance, args.instance)]
     if cluster.spec.engine.simulate is not None:
         share_processes(instances, cluster.spec.engine.simulate.per_process)

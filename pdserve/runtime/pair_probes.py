@@ -53,6 +53,9 @@ class PairResult:
 class PairProbes:
     def __init__(self, interval_s: float = 30.0, retry_s: float = 2.0, timeout_s: float = 3.0,
                  max_concurrency: int = 8, max_reprobes_per_s: float = 10.0) -> None:
+        if not all(v > 0 for v in (interval_s, retry_s, timeout_s, max_reprobes_per_s)):
+            raise ValueError(f"pair probes: interval {interval_s}, retry {retry_s}, timeout {timeout_s} "
+                             f"and re-probes per second {max_reprobes_per_s} must all be positive")
         self.interval_s, self.retry_s, self.timeout_s = interval_s, retry_s, timeout_s
         self.max_reprobes_per_s = max_reprobes_per_s
         self._limit = asyncio.Semaphore(max_concurrency)
@@ -72,9 +75,7 @@ class PairProbes:
 
     def is_due(self, key: Key, kv_endpoint: str, now_s: float) -> bool:
         result = self.result(key, kv_endpoint)
-        if result is None or result.due:
-            return True
-        return now_s - result.checked_s >= (self.reprobe_s if result.ok else self.retry_s)
+        return result is None or now_s >= self._expires_s(result, self.reprobe_s)
 
     @property
     def reprobe_s(self) -> float:
@@ -85,8 +86,12 @@ class PairProbes:
     def next_due_s(self) -> float:
         """Monotonic time the earliest known result's age runs out (inf: none known)."""
         reprobe_s = self.reprobe_s
-        return min((0.0 if r.due else r.checked_s + (reprobe_s if r.ok else self.retry_s)
-                    for r in self.results.values()), default=float("inf"))
+        return min((self._expires_s(r, reprobe_s) for r in self.results.values()), default=float("inf"))
+
+    def _expires_s(self, result: PairResult, reprobe_s: float) -> float:
+        """Monotonic time ``result`` is due again (0: marked due): a usable pair's after
+        ``reprobe_s`` (passed in: a scan over every result computes it once), a failed one's after ``retry_s``."""
+        return 0.0 if result.due else result.checked_s + (reprobe_s if result.ok else self.retry_s)
 
     def mark_due(self, instance_id: str) -> int:
         """Every known pair of this engine is probed again at the next round; returns how many."""

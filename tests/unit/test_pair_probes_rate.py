@@ -48,3 +48,14 @@ def test_many_usable_pairs_stretch_the_interval_to_the_rate():
     # forgetting usable pairs shrinks it back
     probes.forget(keys[:800])
     assert probes.reprobe_s == 30.0
+
+
+def test_a_rate_or_interval_that_is_not_positive_is_refused_at_once():
+    for bad in ({"max_reprobes_per_s": 0.0}, {"max_reprobes_per_s": -1.0}, {"interval_s": 0.0},
+                {"retry_s": -2.0}, {"timeout_s": float("nan")}):
+        try:
+            PairProbes(**bad)
+        except ValueError as exc:
+            assert "must all be positive" in str(exc)
+        else:
+            raise AssertionError(f"{bad} accepted")
