@@ -122,7 +122,7 @@ def decode_instances(url: str) -> int:
     return int(float(m.group(1))) if m else -1
 
 
-CONTROLLER_COUNTERS = ("heartbeats", "instance_reports", "heartbeat_cpu_seconds", "store_writes")
+CONTROLLER_COUNTERS = ("heartbeats", "instance_reports", "heartbeat_cpu_seconds", "store_writes", "stalled_seconds")
 
 
 def controller_counters(http: str) -> dict[str, float]:
@@ -138,7 +138,8 @@ def controller_rates(before: dict, after: dict, seconds: float) -> dict:
     return {"heartbeats_s": round(delta["heartbeats"] / seconds, 2),
             "reports_s": round(delta["instance_reports"] / seconds, 1),
             "cpu_ms_per_heartbeat": round(1000 * delta["heartbeat_cpu_seconds"] / max(1, delta["heartbeats"]), 3),
-            "store_writes_s": round(delta["store_writes"] / seconds, 2)}
+            "store_writes_s": round(delta["store_writes"] / seconds, 2),
+            "stalled_s": round(delta["stalled_seconds"], 2)}
 
 
 def all_pairs_usable(url: str) -> bool:
@@ -230,6 +231,9 @@ def run_one(n: int, args, workdir: Path) -> dict:
         thread.join()
         kill.update(errors=under_kill["errors"], ok=under_kill["ok"])
         result["kill"] = kill
+        log = (run_dir / "controller.log").read_text(errors="replace")
+        # whole-cluster silences: each is every instance of the agent turning SUSPECT
+        result["controller_log"] = {"suspect": log.count("-> SUSPECT"), "fallback": log.count("mode PD -> FALLBACK")}
     finally:
         up.send_signal(signal.SIGINT)
         try:

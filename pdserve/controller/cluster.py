@@ -115,6 +115,9 @@ class Cluster:
         self.peers_version = 0  # the peer list's (persisted in the meta, never reused)
         self._peer_list: pb.PeerList | None = None  # built once per version
         self._is_peer_left = False  # a listed decode engine left the list since the last version
+        # the leader's own stalls, (monotonic end, seconds): heartbeats that came meanwhile
+        # waited unread, so silence is judged net of them (``tick``'s ``stalled_s``)
+        self._stalls: collections.deque[tuple[float, float]] = collections.deque()
 
     # --- inputs: agents -------------------------------------------------------
     def apply_heartbeat(self, agent_id: str, reports, now_s: float) -> list[pb.Command]:
@@ -204,9 +207,14 @@ class Cluster:
         self.meta_dirty = False
 
     # --- the leader's periodic judgement ----------------------------------------
-    def tick(self, now_s: float) -> None:
+    def tick(self, now_s: float, stalled_s: float = 0.0) -> None:
         """Called by the Controller's commit loop every half interval (leader only):
-        silence, then the mode, then role switches."""
+        silence, then the mode, then role switches. ``stalled_s``: how late this tick
+        came, the leader's own event loop held up (starved of CPU, a long pause); the
+        heartbeats that arrived meanwhile wait unread behind the stall, so it does not
+        count as their agents' silence (a late Controller is not a silent agent)."""
+        if stalled_s > 0:
+            self._stalls.append((now_s, stalled_s))
         self._judge_silence(now_s)
         self._evaluate_mode(now_s)
         if self.planner is None:
@@ -222,8 +230,14 @@ class Cluster:
         t = self.settings.thresholds
         # a new leader gives agents one failure window to find it before judging silence
         is_grace = now_s - self.started_s < t.interval_s * t.failed_after_missed
+        stalls = self._stalls
+        while stalls and now_s - stalls[0][0] > 2 * t.interval_s * t.failed_after_missed:
+            stalls.popleft()
         for rec in list(self.records.values()):
-            missed = 0.0 if is_grace else (now_s - rec.last_heartbeat_s) / t.interval_s
+            silent_s = now_s - rec.last_heartbeat_s
+            if stalls:
+                silent_s -= sum(length for end_s, length in stalls if end_s > rec.last_heartbeat_s)
+            missed = 0.0 if is_grace else max(0.0, silent_s) / t.interval_s
             if self._is_drain_delivered(rec) and missed >= t.suspect_after_missed:
                 # drained on request (scale-down), then stopped: it left, it did not fail
                 self._forget(rec.instance_id, "stopped after its drain")

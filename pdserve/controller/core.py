@@ -80,6 +80,7 @@ class Controller:
         # of their handling (apply and reply; ``pdserve_controller_heartbeat*``)
         self.num_heartbeats, self.num_instance_reports, self.heartbeat_cpu_s = 0, 0, 0.0
         self.num_role_switches = 0
+        self.stalled_s = 0.0  # seconds the commit loop woke late (``pdserve_controller_stalled_seconds``)
 
     @property
     def is_leader(self) -> bool:
@@ -124,19 +125,26 @@ class Controller:
         await self._notify()
 
     async def _commit_loop(self) -> None:
+        """A tick every half interval, a commit after it and on every wake-up. How late
+        the wait ends is the event loop's own stall (a timer is all it waits on): ticks
+        judge silence net of it (``Cluster.tick``), counted in ``stalled_s``."""
         period = self.settings.cluster.thresholds.interval_s / 2
-        last_tick_s = float("-inf")
+        last_tick_s, stalled_s = float("-inf"), 0.0
         while True:
             self._commit_soon.clear()
             cluster = self.cluster
             if cluster is not None and self.election.is_leader:
                 now = self.clock()
                 if now - last_tick_s >= period:
-                    cluster.tick(now)
-                    last_tick_s = now
+                    cluster.tick(now, stalled_s)
+                    last_tick_s, stalled_s = now, 0.0
                 await self._commit(cluster, now)
             wait_s = max(0.0, period - (self.clock() - last_tick_s)) if self.cluster else period
+            wake_s = self.clock() + wait_s
             await wait_event(self._commit_soon, wait_s)
+            if (late_s := self.clock() - wake_s) > period / 5:
+                stalled_s += late_s
+                self.stalled_s += late_s
 
     async def _commit(self, cluster: Cluster, now_s: float) -> None:
         """Take the view, write what changed, then publish that view.

@@ -137,7 +137,9 @@ class ControllerCollector:
         for name, doc, value in (
                 ("heartbeats", "Agent heartbeats handled as leader", c.num_heartbeats),
                 ("instance_reports", "Instance reports in those heartbeats", c.num_instance_reports),
-                ("heartbeat_cpu_seconds", "CPU seconds spent handling them", c.heartbeat_cpu_s)):
+                ("heartbeat_cpu_seconds", "CPU seconds spent handling them", c.heartbeat_cpu_s),
+                ("stalled_seconds", "Seconds the leader's loop ran late (not counted as agents' silence)",
+                 c.stalled_s)):
             family = CounterMetricFamily(f"pdserve_controller_{name}", doc)
             family.add_metric([], value)
             yield family

@@ -98,6 +98,7 @@ class AgentSettings:
     controllers: tuple[str, ...] = ("127.0.0.1:50050",)
     interval_s: float = 1.0
     probe_timeout_s: float = 1.0
+    probe_concurrency: int = 32          # engines probed at once, at most
     backoff: Backoff = Backoff()
     echo_engine_output: bool = True
     peer_probe_interval_s: float = 30.0  # a usable (prefill, decode peer) pair probed again
@@ -113,6 +114,7 @@ class Agent:
         self.settings, self.security = settings, security
         self.instances = {i.instance_id: i for i in instances}
         self._wake = asyncio.Event()
+        self._probe_limit = asyncio.Semaphore(settings.probe_concurrency)
         self._controller_index = 0
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ControllerStub | None = None
@@ -166,6 +168,12 @@ class Agent:
 
     # --- probes ---------------------------------------------------------------
     async def _probe_loop(self, inst: SupervisedEngine) -> None:
+        """Health and stats every interval, at most ``probe_concurrency`` engines at once:
+        an agent of a thousand engines on a busy host had a thousand probes in flight, its
+        event loop's every turn ran them all, and its heartbeats waited behind them (and
+        the probes' own timeouts ran out in the queue, failing engines that were fine).
+        Bounded, a turn is short and a probe's timeout starts when it is sent; each
+        engine's probes come less often while the agent cannot keep up."""
         prober, address = None, ""
         while True:
             await asyncio.sleep(self.settings.interval_s)
@@ -176,8 +184,9 @@ class Agent:
                     await prober.close()
                 prober, address = inst.launch.prober(inst.address, self.security), inst.address
             try:
-                inst.health = await prober.health(self.settings.probe_timeout_s)
-                stats = await prober.stats(self.settings.probe_timeout_s)
+                async with self._probe_limit:
+                    inst.health = await prober.health(self.settings.probe_timeout_s)
+                    stats = await prober.stats(self.settings.probe_timeout_s)
             except ProbeFailed as exc:
                 inst.num_probe_failed += 1
                 inst.last_error = f"probe failed: {exc}"

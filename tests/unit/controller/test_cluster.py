@@ -56,6 +56,32 @@ def test_ready_suspect_failed_and_back_through_starting():
     assert c.records["d0"].health == "READY"
 
 
+def test_the_leaders_own_stall_is_not_counted_as_silence():
+    c = make_cluster()
+    beat(c, 0.0, report("d0", "decode"), report("p0", "prefill"))
+    c.tick(3.5, stalled_s=3.0)  # the leader's loop woke 3 s late: 0.5 s of real silence
+    assert routable(c) == {"d0": "decode", "p0": "prefill"}
+    beat(c, 3.6, report("p0", "prefill"))  # p0's agent heard; d0's silent from here on
+    c.tick(5.0)  # d0: 5.0 - 3.0 stalled = 2 intervals
+    assert c.records["d0"].health == "SUSPECT" and c.records["p0"].health == "READY"
+    c.tick(7.0)
+    assert c.records["d0"].health == "FAILED"  # 4 intervals net of the stall
+    # a stall before an instance's last heartbeat is no credit to it
+    beat(c, 8.0, report("p0", "prefill"))
+    c.tick(10.5)
+    assert c.records["p0"].health == "SUSPECT"
+
+
+def test_stalls_are_forgotten_after_two_failure_windows():
+    c = make_cluster()
+    beat(c, 0.0, report("d0", "decode"))
+    c.tick(0.5, stalled_s=0.4)
+    for now in range(1, 20):
+        c.apply_heartbeat("agent", [report("d0", "decode")], float(now))
+        c.tick(float(now))
+    assert len(c._stalls) == 0  # 2 x 4 intervals: gone
+
+
 def test_process_exit_fails_at_once_and_repeated_failures_request_a_replacement():
     c = make_cluster(replace_after_failures=2)
     for n in range(2):

@@ -123,6 +123,7 @@ def test_controller_metrics():
     assert value["pdserve_controller_heartbeats_total"] == 1
     assert value["pdserve_controller_instance_reports_total"] == 2
     assert value["pdserve_controller_heartbeat_cpu_seconds_total"] > 0
+    assert value["pdserve_controller_stalled_seconds_total"] >= 0
     assert value["pdserve_controller_store_writes_total"] >= 3
 
 
