@@ -126,10 +126,11 @@ CONTROLLER_COUNTERS = ("heartbeats", "instance_reports", "heartbeat_cpu_seconds"
 
 
 def controller_counters(http: str) -> dict[str, float]:
-    """The Controller's heartbeat and store counters, read from its /metrics."""
+    """The Controller's heartbeat and store counters, read from its /metrics (one an
+    older build does not export reads 0: A/B runs against it)."""
     text = httpx.get(f"http://{http}/metrics", timeout=5).text
-    return {name: float(re.search(rf"^pdserve_controller_{name}_total (\S+)$", text, re.M).group(1))
-            for name in CONTROLLER_COUNTERS}
+    found = {name: re.search(rf"^pdserve_controller_{name}_total (\S+)$", text, re.M) for name in CONTROLLER_COUNTERS}
+    return {name: float(m.group(1)) if m else 0.0 for name, m in found.items()}
 
 
 def controller_rates(before: dict, after: dict, seconds: float) -> dict:

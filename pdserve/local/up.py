@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import errno
 import importlib
+import json
 import os
 import secrets
 import signal
@@ -40,6 +41,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,6 +68,7 @@ from pdserve.runtime.ports import free_ports
 from pdserve.runtime.security import TOKEN_FILE_ENV, SecuritySettings
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+READY_TIMEOUT_S = 5.0  # a Coordinator of a thousand engines answers /ready within it
 
 
 class StartError(RuntimeError):
@@ -361,7 +365,7 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     if has_coordinator():
         launcher.spawn("coordinator", coordinator_argv(cluster, args.host, args.port, controller))
         launcher.state.write_addresses(coordinator=f"http://{url_host(args.host)}:{args.port}")
-    started, last, is_up = time.monotonic(), "", False
+    started, last, is_up, not_routing = time.monotonic(), "", False, ""
     reported: set[str] = set()  # engines whose start failure was shown (after the cluster was up)
     while not stop.is_set():
         if dead := launcher.dead():
@@ -382,14 +386,35 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
             print(f"[{time.monotonic() - started:5.1f}s] {progress}", flush=True)
             last = progress
         if not is_up and view is not None and len(view.instances) >= len(instances):
-            is_up = True
-            where = (f"http://{url_host(args.host)}:{args.port}" if has_coordinator()
-                     else f"controller {controller} (no coordinator in this build)")
-            print(f"pdserve is up: {where}  (Ctrl-C stops everything)", flush=True)
+            url = f"http://{url_host(args.host)}:{args.port}"
+            # up once a request would be served: the Coordinator has the view and a route
+            # (a pair whose KV path passed its check), not only the Controller
+            is_up, not_routing = coordinator_routes(url) if has_coordinator() else (True, "")
+            if is_up:
+                where = url if has_coordinator() else f"controller {controller} (no coordinator in this build)"
+                print(f"pdserve is up: {where}  (Ctrl-C stops everything)", flush=True)
         if not is_up and time.monotonic() - started > args.ready_timeout:
+            if not_routing:
+                raise StartError(f"every engine is ready, but the Coordinator has no route after "
+                                 f"{args.ready_timeout:g}s: {not_routing} (its /ready?verbose=1 lists each pair)")
             raise StartError(f"engines not ready after {args.ready_timeout:g}s")
         stop.wait(0.5)
     return 0
+
+
+def coordinator_routes(url: str) -> tuple[bool, str]:
+    """Whether the Coordinator at ``url`` would route a request now (its /ready), and if
+    not, why (its own words, e.g. no prefill/decode pair checked yet)."""
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=READY_TIMEOUT_S):
+            return True, ""
+    except urllib.error.HTTPError as exc:
+        try:
+            return False, str(json.load(exc)["detail"]["pd"])
+        except (ValueError, KeyError, TypeError):
+            return False, f"/ready answered {exc.code}"
+    except OSError as exc:  # URLError included: not listening yet
+        return False, f"not answering ({exc})"
 
 
 def start_kv_pool(launcher: Launcher) -> str | None:

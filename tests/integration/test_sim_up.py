@@ -96,6 +96,7 @@ def test_up_serves_through_simulated_prefill_and_decode_engines(tmp_path):
         up.wait_for(r"starting cluster 'sim': model small in float32 \(auto\), simulated", timeout_s=30)
         up.wait_for(r"pdserve is up", timeout_s=120)
         base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/ready", timeout=5).status_code == 200  # "up" is when it routes
         with ThreadPoolExecutor(4) as pool:
             texts = list(pool.map(lambda i: chat(base, i), range(NUM_REQUESTS)))
         assert texts == [SIM_TEXT[:10]] * NUM_REQUESTS
