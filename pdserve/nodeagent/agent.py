@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 import time
 from dataclasses import dataclass, field
@@ -99,6 +100,8 @@ class AgentSettings:
     interval_s: float = 1.0
     probe_timeout_s: float = 1.0
     probe_concurrency: int = 32          # engines probed at once, at most
+    probe_max_rate: float = 100.0        # engine probes per second, at most (each engine's
+                                         # interval stretches past it: 1,000 engines, every 10 s)
     backoff: Backoff = Backoff()
     echo_engine_output: bool = True
     peer_probe_interval_s: float = 30.0  # a usable (prefill, decode peer) pair probed again
@@ -173,10 +176,14 @@ class Agent:
         event loop's every turn ran them all, and its heartbeats waited behind them (and
         the probes' own timeouts ran out in the queue, failing engines that were fine).
         Bounded, a turn is short and a probe's timeout starts when it is sent; each
-        engine's probes come less often while the agent cannot keep up."""
+        engine's probes come less often while the agent cannot keep up. The loops start
+        spread over an interval, and each engine's interval stretches so the agent sends
+        at most ``probe_max_rate`` probes a second (``probe_interval_s``)."""
         prober, address = None, ""
+        delay_s = random.uniform(0, self.probe_interval_s)  # the first spread, not all at once
         while True:
-            await asyncio.sleep(self.settings.interval_s)
+            await asyncio.sleep(delay_s)
+            delay_s = self.probe_interval_s
             if inst.process.state != "running" or not inst.address:
                 continue
             if prober is None or address != inst.address:
@@ -200,6 +207,15 @@ class Agent:
             inst.load = self._load(inst, stats)
             if not was_ok:
                 self._wake.set()
+
+    @property
+    def probe_interval_s(self) -> float:
+        """Seconds between two probes of one engine: the heartbeat interval, or longer
+        where probing every engine each interval would pass ``probe_max_rate`` (an agent
+        of a thousand simulated engines: their answers took most of two cores at rest).
+        An engine's exit is seen at once either way (its process is this agent's child);
+        a hung engine is failed after two probes."""
+        return max(self.settings.interval_s, len(self.instances) / self.settings.probe_max_rate)
 
     def _peer_prober(self, inst: SupervisedEngine) -> Prober | None:
         """The prober the peer checks ask ``inst`` through, while it serves (one per

@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--restart-backoff-max", type=positive_float_arg, default=30.0, help="seconds")
     p.add_argument("--restart-stable-after", type=positive_float_arg, default=30.0,
                    help="a run this long resets the backoff, seconds")
+    p.add_argument("--probe-max-rate", type=positive_float_arg, default=AgentSettings.probe_max_rate,
+                   help="engine probes (health and load) per second at most: with many engines "
+                        "each is probed less often than every heartbeat interval")
     p.add_argument("--peer-probe-interval", type=positive_float_arg, default=AgentSettings.peer_probe_interval_s,
                    help="seconds between probes of a usable (prefill, decode peer) pair")
     p.add_argument("--peer-probe-retry", type=positive_float_arg, default=AgentSettings.peer_probe_retry_s,
@@ -133,7 +136,8 @@ def agent_settings(args: argparse.Namespace, cluster: PDCluster) -> AgentSetting
     return AgentSettings(
         agent_id=args.agent_id, controllers=tuple(args.controller.split(",")),
         interval_s=args.heartbeat_interval or cluster.spec.heartbeat.interval_seconds,
-        probe_timeout_s=args.probe_timeout, echo_engine_output=not args.quiet_engines,
+        probe_timeout_s=args.probe_timeout, probe_max_rate=args.probe_max_rate,
+        echo_engine_output=not args.quiet_engines,
         peer_probe_interval_s=args.peer_probe_interval, peer_probe_retry_s=args.peer_probe_retry,
         peer_probe_max_rate=args.peer_probe_max_rate,
         backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after))

@@ -12,7 +12,7 @@ from pdserve.api.manifest import default_cluster
 from pdserve.cli import main
 from pdserve.nodeagent import cli
 
-FLAGS = ["--peer-probe-interval", "--peer-probe-retry", "--peer-probe-max-rate", "--probe-timeout",
+FLAGS = ["--probe-max-rate", "--peer-probe-interval", "--peer-probe-retry", "--peer-probe-max-rate", "--probe-timeout",
          "--heartbeat-interval", "--restart-backoff", "--restart-backoff-max", "--restart-stable-after"]
 
 
@@ -24,10 +24,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_the_flags_reach_the_agent_settings():
     args = parse(["--peer-probe-interval", "45", "--peer-probe-retry", "3.5", "--peer-probe-max-rate", "2.5",
-                  "--probe-timeout", "0.7", "--heartbeat-interval", "0.25", "--restart-backoff", "0.1"])
+                  "--probe-timeout", "0.7", "--heartbeat-interval", "0.25", "--restart-backoff", "0.1",
+                  "--probe-max-rate", "50"])
     settings = cli.agent_settings(args, default_cluster())
     assert (settings.peer_probe_interval_s, settings.peer_probe_retry_s, settings.peer_probe_max_rate) == (45, 3.5, 2.5)
     assert (settings.probe_timeout_s, settings.interval_s, settings.backoff.base_s) == (0.7, 0.25, 0.1)
+    assert settings.probe_max_rate == 50
 
 
 def test_the_spec_gives_the_interval_unless_the_flag_overrides_it():
