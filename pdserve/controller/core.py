@@ -147,7 +147,7 @@ class Controller:
                 self.stalled_s += late_s
 
     async def _commit(self, cluster: Cluster, now_s: float) -> None:
-        """Take the view, write what changed, then publish that view.
+        """Take the view, write what changed, publish that view, then keep the leases alive.
 
         The view is taken before the write: a heartbeat applied while the write is in
         flight changes memory, not the published view, and is written (then shown)
@@ -168,6 +168,8 @@ class Controller:
             # version an agent reports as checked names one list in every term
             self._peers = peers
         await self._publish(cluster, view)
+        if self.persister.is_store_ok and cluster is self.cluster:
+            await self.persister.keep_leases(cluster, now_s)  # after the view: it waits for none
 
     async def _fenced(self, write):
         """Await a write of this term; a write the store refused (another replica leads,

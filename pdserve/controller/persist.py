@@ -27,6 +27,7 @@ operator had the cluster forgotten (``ForgottenPersister``) nothing is written a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -39,6 +40,8 @@ from pdserve.controller.health import InstanceRecord
 from pdserve.controller.store import Fence, FencedError, Store, StoreError
 
 log = logging.getLogger(__name__)
+
+LEASE_CONCURRENCY = 32  # lease keepalives in flight at once (``keep_leases``)
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,8 @@ class StatePersister:
         return forgotten
 
     async def flush(self, cluster: Cluster, now_s: float) -> None:
-        """Called by the leader's tick loop: write what changed, keep leases alive.
+        """Called by the leader's tick loop: write what changed (``keep_leases`` keeps the
+        leases alive, after the view is out).
         Raises ``FencedError`` when this replica no longer leads (nothing more is written)."""
         try:
             if not self.is_store_ok:  # back from an outage: write everything again
@@ -138,15 +142,40 @@ class StatePersister:
                 log.warning("store unreachable, state kept in memory: %s", exc)
             self.is_store_ok = False
 
-    async def _flush(self, cluster: Cluster, now_s: float) -> None:
+    async def keep_leases(self, cluster: Cluster, now_s: float) -> None:
+        """Called by the leader after each commit's view is out: keep alive the lease of
+        every instance still heard, each a third of its TTL after the last, at most
+        ``LEASE_CONCURRENCY`` at once. A lease that expired meanwhile makes its record
+        dirty (the next flush writes it under a new one). Not in the flush, one by one, as
+        before: a thousand instances registered together come due together, and their
+        keepalives held the view back (an engine that exited left the Coordinators' views
+        5.8 s later at 1,000 agents, 0.08 s at 300). A store outage is noted as a flush's is."""
         interval = cluster.settings.thresholds.interval_s
-        for rec in list(cluster.records.values()):
-            is_heard = now_s - rec.last_heartbeat_s < 2 * interval
-            if rec.lease_id and is_heard and now_s - rec.lease_refreshed_s >= self.lease_ttl_s / 3:
-                if not await self.store.refresh_lease(rec.lease_id):
-                    rec.lease_id = 0
-                    cluster.dirty.add(rec.instance_id)
-                rec.lease_refreshed_s = now_s
+        due = [rec for rec in cluster.records.values()
+               if rec.lease_id and now_s - rec.last_heartbeat_s < 2 * interval
+               and now_s - rec.lease_refreshed_s >= self.lease_ttl_s / 3]
+        if not due:
+            return
+        limit = asyncio.Semaphore(LEASE_CONCURRENCY)
+
+        async def refresh(rec: InstanceRecord) -> None:
+            lease_id = rec.lease_id
+            async with limit:
+                is_alive = await self.store.refresh_lease(lease_id)
+            if not is_alive and rec.lease_id == lease_id:
+                rec.lease_id = 0
+                cluster.dirty.add(rec.instance_id)
+            rec.lease_refreshed_s = now_s
+
+        results = await asyncio.gather(*map(refresh, due), return_exceptions=True)
+        if errors := [r for r in results if isinstance(r, BaseException)]:
+            if not isinstance(errors[0], StoreError):
+                raise errors[0]
+            if self.is_store_ok:
+                log.warning("store unreachable, state kept in memory: %s", errors[0])
+            self.is_store_ok = False
+
+    async def _flush(self, cluster: Cluster, now_s: float) -> None:
         while cluster.dirty:
             # taken off before the write: a heartbeat that changes the record while the
             # write is in flight marks it dirty again, so its change is written next
