@@ -91,10 +91,10 @@ async def _agents(addresses: list[str], engines: list[tuple[str, str]], commands
     state = {iid: "running" for iid, _ in engines}
     wake = {iid: asyncio.Event() for iid, _ in engines}
     samples: list[tuple[float, float]] = []  # (sent, round trip s)
-    leader = [0]
+    leader, told = [0], [INTERVAL_S]
 
     async def agent(k: int, iid: str, role: str) -> None:
-        peers_version = 0
+        peers_version, interval_s = 0, INTERVAL_S
         await asyncio.sleep(random.random() * INTERVAL_S)
         while True:
             if state[iid] != "silent":
@@ -112,10 +112,13 @@ async def _agents(addresses: list[str], engines: list[tuple[str, str]], commands
                     samples.append((sent, time.monotonic() - sent))
                     if reply.HasField("peers"):
                         peers_version = reply.peers.version
+                    if reply.heartbeat_interval_s > 0:  # the leader's (longer with many agents), as the NodeAgent
+                        interval_s = reply.heartbeat_interval_s
+                        told[0] = interval_s
                     break
             wake[iid].clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake[iid].wait(), INTERVAL_S)
+                await asyncio.wait_for(wake[iid].wait(), interval_s)
 
     tasks = [asyncio.create_task(agent(k, iid, role)) for k, (iid, role) in enumerate(engines)]
     while True:
@@ -132,7 +135,7 @@ async def _agents(addresses: list[str], engines: list[tuple[str, str]], commands
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    results.put(samples)
+    results.put((samples, told[0]))
 
 
 # --- the Coordinators' view watchers ------------------------------------------------
@@ -364,7 +367,8 @@ def run_one(n: int, args, workdir: Path) -> dict:
         samples = []
         for _ in range(args.agent_processes):
             with contextlib.suppress(queue.Empty):
-                samples += agent_results.get(timeout=30)
+                got, result["interval_told_s"] = agent_results.get(timeout=30)
+                samples += got
         watch_commands.put(("stop",))
         for worker in workers:
             worker.join(20)

@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cut off from the store stops leading after 0.9 of it")
     p.add_argument("--lease-ttl", type=int, default=30, help="seconds an instance record outlives its agent")
     p.add_argument("--heartbeat-interval", type=positive_float_arg, help="overrides spec.heartbeat.intervalSeconds")
+    p.add_argument("--max-heartbeats-per-second", type=positive_float_arg,
+                   default=ClusterSettings.max_heartbeats_per_s,
+                   help="heartbeats a second the leader asks of its agents at most: with more agents "
+                        "than this per interval each is told a longer interval (and judged by it)")
     p.add_argument("--suspect-after", type=int, help="missed heartbeats before SUSPECT")
     p.add_argument("--failed-after", type=int, help="missed heartbeats before FAILED")
     p.add_argument("--hysteresis", type=float, help="overrides spec.fallback.hysteresisSeconds")
@@ -113,6 +117,7 @@ def build_settings(args: argparse.Namespace, cluster: PDCluster, identity: str) 
                                 replicas=tuple((r, getattr(spec, r).replicas) for r in POOL_ROLES),
                                 replace_after_failures=args.replace_after_failures,
                                 replace_window_s=args.replace_window,
+                                max_heartbeats_per_s=args.max_heartbeats_per_second,
                                 forget_after_s=max(args.lease_ttl, thresholds.interval_s * 20)))
 
 

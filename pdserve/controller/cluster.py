@@ -72,6 +72,9 @@ class ClusterSettings:
     command_timeout_s: float = 30.0
     drain_deadline_s: float = 30.0
     forget_after_s: float = 60.0   # a silent FAILED instance is dropped after this
+    # heartbeats a second the leader asks of its agents at most: past it every agent is
+    # told a longer interval (``Cluster.heartbeat_interval_s``), and judged by it
+    max_heartbeats_per_s: float = 500.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ class Cluster:
         # the leader's own stalls, (monotonic end, seconds): heartbeats that came meanwhile
         # waited unread, so silence is judged net of them (``tick``'s ``stalled_s``)
         self._stalls: collections.deque[tuple[float, float]] = collections.deque()
+        self.heartbeat_interval_s = settings.thresholds.interval_s  # what agents are told (``tick``)
 
     # --- inputs: agents -------------------------------------------------------
     def apply_heartbeat(self, agent_id: str, reports, now_s: float) -> list[pb.Command]:
@@ -131,6 +135,7 @@ class Cluster:
                 self._drains.pop(rep.instance_id, None)  # a drain of an earlier one is done
                 self.record_event(f"{rep.instance_id}: registered ({rec.pool} pool, agent {agent_id})")
             self._update_from_report(rec, agent_id, rep, now_s)
+            rec.interval_s = self.heartbeat_interval_s  # the reply tells its agent this
         commands = self._pending.pop(agent_id, [])
         return commands
 
@@ -215,6 +220,7 @@ class Cluster:
         count as their agents' silence (a late Controller is not a silent agent)."""
         if stalled_s > 0:
             self._stalls.append((now_s, stalled_s))
+        self.heartbeat_interval_s = self._heartbeat_interval_s()
         self._judge_silence(now_s)
         self._evaluate_mode(now_s)
         if self.planner is None:
@@ -224,20 +230,31 @@ class Cluster:
             self._planned_s = now_s
         self._send_role_commands(now_s)
 
+    def _heartbeat_interval_s(self) -> float:
+        """The interval agents are told: the configured one, or longer where one
+        heartbeat per agent per interval would pass ``max_heartbeats_per_s`` (each costs
+        the leader about a millisecond of CPU, most of it gRPC's: a thousand agents a
+        second took 88% of a core, and an exit's report waited in the queue). An engine's
+        exit is still reported at once (its agent's wake-up); only silence is slower to judge."""
+        num_agents = len({r.agent_id for r in self.records.values() if r.is_heard})
+        return max(self.settings.thresholds.interval_s, num_agents / self.settings.max_heartbeats_per_s)
+
     def _judge_silence(self, now_s: float) -> None:
         """Missed heartbeats: SUSPECT, then FAILED; a FAILED instance silent for
         ``forget_after_s`` is forgotten (its agent is gone: NodeAgent or Pod loss)."""
         t = self.settings.thresholds
         # a new leader gives agents one failure window to find it before judging silence
-        is_grace = now_s - self.started_s < t.interval_s * t.failed_after_missed
+        window_s = self.heartbeat_interval_s * t.failed_after_missed
+        is_grace = now_s - self.started_s < window_s
         stalls = self._stalls
-        while stalls and now_s - stalls[0][0] > 2 * t.interval_s * t.failed_after_missed:
+        while stalls and now_s - stalls[0][0] > 2 * window_s:
             stalls.popleft()
         for rec in list(self.records.values()):
             silent_s = now_s - rec.last_heartbeat_s
             if stalls:
                 silent_s -= sum(length for end_s, length in stalls if end_s > rec.last_heartbeat_s)
-            missed = 0.0 if is_grace else max(0.0, silent_s) / t.interval_s
+            # judged by the interval its agent was told (a record loaded by a new leader: the configured one)
+            missed = 0.0 if is_grace else max(0.0, silent_s) / max(t.interval_s, rec.interval_s)
             if self._is_drain_delivered(rec) and missed >= t.suspect_after_missed:
                 # drained on request (scale-down), then stopped: it left, it did not fail
                 self._forget(rec.instance_id, "stopped after its drain")

@@ -207,7 +207,7 @@ class Controller:
             self._commit_soon.set()  # the commit loop writes the change, then publishes it
         peers = self._peers if self._peers is not None and self._peers.version != request.peers_version else None
         reply = pb.HeartbeatResponse(
-            commands=commands, heartbeat_interval_s=self.settings.cluster.thresholds.interval_s,
+            commands=commands, heartbeat_interval_s=cluster.heartbeat_interval_s,
             peers=peers)
         self.num_heartbeats += 1
         self.num_instance_reports += len(request.instances)

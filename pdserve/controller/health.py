@@ -77,6 +77,7 @@ class InstanceRecord:
     load: dict = field(default_factory=dict)
     last_heartbeat_s: float = 0.0
     last_heartbeat_unix_s: float = 0.0
+    interval_s: float = 0.0       # the heartbeat interval its agent was last told (0: not yet)
     health_since_s: float = 0.0
     command_sent_s: float | None = None
     lease_refreshed_s: float = 0.0

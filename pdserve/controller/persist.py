@@ -152,7 +152,7 @@ class StatePersister:
         5.8 s later at 1,000 agents, 0.08 s at 300). A store outage is noted as a flush's is."""
         interval = cluster.settings.thresholds.interval_s
         due = [rec for rec in cluster.records.values()
-               if rec.lease_id and now_s - rec.last_heartbeat_s < 2 * interval
+               if rec.lease_id and now_s - rec.last_heartbeat_s < 2 * max(interval, rec.interval_s)
                and now_s - rec.lease_refreshed_s >= self.lease_ttl_s / 3]
         if not due:
             return

@@ -117,6 +117,7 @@ class Agent:
         self.settings, self.security = settings, security
         self.instances = {i.instance_id: i for i in instances}
         self._wake = asyncio.Event()
+        self.interval_s = settings.interval_s  # between heartbeats: the Controller's replies set it
         self._probe_limit = asyncio.Semaphore(settings.probe_concurrency)
         self._controller_index = 0
         self._channel: grpc.aio.Channel | None = None
@@ -272,8 +273,8 @@ class Agent:
             self._wake.clear()
             sent_s = time.monotonic()
             await self.heartbeat_once()
-            await wait_event(self._wake, self.settings.interval_s - (time.monotonic() - sent_s))
-            if (gap_s := self.settings.interval_s / 4 - (time.monotonic() - sent_s)) > 0:
+            await wait_event(self._wake, self.interval_s - (time.monotonic() - sent_s))
+            if (gap_s := self.interval_s / 4 - (time.monotonic() - sent_s)) > 0:
                 await asyncio.sleep(gap_s)
 
     async def heartbeat_once(self) -> None:
@@ -299,6 +300,8 @@ class Agent:
         else:
             return
         self.last_heartbeat_ok_s = time.monotonic()
+        if reply.heartbeat_interval_s > 0:  # the leader's, longer with many agents; it judges silence by it
+            self.interval_s = reply.heartbeat_interval_s
         if reply.HasField("peers"):
             self.peer_checks.update(reply.peers)
         for cmd in reply.commands:

@@ -72,6 +72,21 @@ def test_the_leaders_own_stall_is_not_counted_as_silence():
     assert c.records["p0"].health == "SUSPECT"
 
 
+def test_many_agents_are_told_a_longer_interval_and_judged_by_it():
+    c = make_cluster(max_heartbeats_per_s=2.0)
+    for n in range(6):  # six agents, one engine each: 6 a second where 2 are wanted
+        c.apply_heartbeat(f"agent-{n}", [report(f"d{n}", "decode")], 0.0)
+    assert c.heartbeat_interval_s == 1.0  # what agents were told so far
+    c.tick(0.5)
+    assert c.heartbeat_interval_s == 3.0  # 6 agents / 2 a second
+    for n in range(6):
+        c.apply_heartbeat(f"agent-{n}", [report(f"d{n}", "decode")], 1.0)
+    c.tick(5.0)  # 4 s silent: past 2 intervals of 1 s, not of 3 s
+    assert all(r.health == "READY" for r in c.records.values())
+    c.tick(7.0)  # 6 s: two of its intervals
+    assert all(r.health == "SUSPECT" for r in c.records.values())
+
+
 def test_stalls_are_forgotten_after_two_failure_windows():
     c = make_cluster()
     beat(c, 0.0, report("d0", "decode"))

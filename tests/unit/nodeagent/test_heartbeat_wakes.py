@@ -93,3 +93,28 @@ def test_a_slow_answer_does_not_stretch_the_interval():
         assert sum(gaps) / len(gaps) < 1.25, gaps
 
     asyncio.run(go())
+
+
+class ShorterIntervalController(CountingController):
+    async def Heartbeat(self, request, context):
+        self.times.append(time.monotonic())
+        return pb.HeartbeatResponse(heartbeat_interval_s=0.3)
+
+
+def test_the_agent_takes_the_interval_the_controller_gives():
+    """The leader judges silence by the interval it tells each agent (longer with many
+    agents): the agent heartbeats at that one, not at its own setting."""
+    async def go():
+        fake = ShorterIntervalController()
+        server, port = await serve_controller(fake)
+        agent = Agent(AgentSettings(controllers=(f"127.0.0.1:{port}",), interval_s=INTERVAL_S), [],
+                      SecuritySettings())
+        loop = asyncio.create_task(agent._heartbeat_loop())
+        try:
+            await asyncio.sleep(1.6)
+        finally:
+            await stop(loop, agent, server)
+        assert agent.interval_s == 0.3
+        assert len(fake.times) >= 4, fake.times  # every 0.3 s, not every 2 s
+
+    asyncio.run(go())
