@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import json
 import multiprocessing as mp
-import os
 import queue
 import random
 import re
@@ -48,23 +47,15 @@ from pathlib import Path
 
 import grpc
 import httpx
+from sim_scale import cpu_s  # this script's directory: run as a script, like it
 
 from pdserve.api.proto import controller_pb2 as pb
 from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.runtime.ports import free_ports
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
-TICK_S = os.sysconf("SC_CLK_TCK")
 INTERVAL_S = 1.0  # the agents' heartbeat interval, the Controller's default
 COUNTERS = ("heartbeats", "instance_reports", "heartbeat_cpu_seconds", "store_writes", "stalled_seconds")
-
-
-def cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK_S
 
 
 # --- the agents ------------------------------------------------------------------

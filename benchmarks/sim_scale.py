@@ -213,7 +213,12 @@ def run_one(n: int, args, workdir: Path) -> dict:
         engines_before = pids(up.pid)["engine"]
         victim = next(p for p in engines_before
                       if b"--role\0decode" in Path(f"/proc/{p}/cmdline").read_bytes())
-        num_decode, num_killed = decode_instances(url), num_engines_in(victim)
+        # every decode engine routable again before the kill (a count taken while a late
+        # heartbeat had the engines SUSPECT would never drop by the killed ones)
+        num_decode, num_killed = n - result["prefill"], num_engines_in(victim)
+        deadline = time.monotonic() + 60
+        while decode_instances(url) < num_decode and time.monotonic() < deadline:
+            time.sleep(0.2)
         kill: dict = {"engines": num_killed}
 
         def killer() -> None:
