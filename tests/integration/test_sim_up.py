@@ -51,6 +51,20 @@ def chat(base: str, i: int) -> str:
     return text
 
 
+def wait_for_every_pair_checked(base: str, num_pairs: int, timeout_s: float = 30) -> None:
+    """Until the Coordinator's /ready lists ``num_pairs`` pairs, each usable as checked by
+    the Controller (the prefill engines' agents probed it); fails with the pairs' reasons."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pairs = httpx.get(f"{base}/ready", params={"verbose": 1}, timeout=5).json()["pairs"]
+        if len(pairs) == num_pairs and all(p["usable"] and p.get("checked_by") == "controller"
+                                           for p in pairs):
+            return
+        assert time.monotonic() < deadline, [(p["prefill"], p["decode"], p.get("checked_by"),
+                                              p["reason"]) for p in pairs]
+        time.sleep(0.2)
+
+
 def engine_stats_by_address(run_dir: Path) -> dict[str, engine_pb2.StatsResponse]:
     """Each engine's Stats by its address, asked of the engines the Controller's view lists."""
     token = (run_dir / "cluster-token").read_text()
@@ -100,9 +114,9 @@ def test_up_serves_through_simulated_prefill_and_decode_engines(tmp_path):
         with ThreadPoolExecutor(4) as pool:
             texts = list(pool.map(lambda i: chat(base, i), range(NUM_REQUESTS)))
         assert texts == [SIM_TEXT[:10]] * NUM_REQUESTS
-        # every pair was probed by the prefill engines' agents and published by the Controller
-        pairs = httpx.get(f"{base}/ready", params={"verbose": 1}, timeout=5).json()["pairs"]
-        assert len(pairs) == 4 and all(p["usable"] and p["checked_by"] == "controller" for p in pairs), pairs
+        # every pair is probed by the prefill engines' agents and published by the Controller
+        # ("up" needs one checked pair: the others may still be on their way)
+        wait_for_every_pair_checked(base, 4)
 
         stats = engine_stats(run_dir)
         assert sorted(stats) == ["decode", "prefill"] and all(len(s) == 2 for s in stats.values())
