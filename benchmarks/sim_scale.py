@@ -19,9 +19,9 @@ Coordinator; ``--per-process K`` serves K engines of a pool per process
 - load: ``pdserve bench`` closed loop (``--concurrency`` streams of 256 -> 32 tokens) for
   ``--load-seconds``: requests/s, errors, the Coordinator's CPU milliseconds per request;
 - kill: one decode engine process (with ``--per-process`` K its K engines) SIGKILLed
-  under the same load: seconds until the Coordinator's view drops its engines
-  (``pdserve_coordinator_instances{role="decode"}`` that much lower: no request is
-  routed to them from then on), and the client errors meanwhile.
+  under the same load: seconds until the Coordinator routes to none of its engines
+  (``pdserve_coordinator_instances{role="decode"}`` that much lower: they left its
+  view, or are suspect as their sessions ended), and the client errors meanwhile.
 
 The load client runs on the same cores as the cluster: figures are for comparing N
 with N, not absolutes.

@@ -12,7 +12,9 @@ unlike polled load).
 Invariants: only ``routable`` instances (healthy, not draining) are in pools; an
 instance that just failed a leg is ``suspect`` for ``suspect_s``, and one that just
 answered "full" is avoided for a moment (``mark_full``): either is picked only when
-nothing else is left; waiters on ``wait_changed`` wake on every change.
+nothing else is left; an engine whose open session ended is suspect from then until it
+answers Health again or leaves the view (``engine_lost``); waiters on ``wait_changed``
+wake on every change.
 
 Cost: ``replace`` O(N). What a request reads is kept: ``max_model_len()`` until the
 next view, and ``pools()`` (no ``exclude``) until a view changes an instance's
@@ -38,10 +40,13 @@ from pdserve.runtime.engine_client import EngineClient
 from pdserve.runtime.security import SecuritySettings
 from pdserve.runtime.vllm_server import is_vllm_address
 
+from .engine_errors import EngineCallError
 from .engines import Engine
 from .load_order import LoadOrder
 from .sessions import EmbeddedEngine
 from .vllm_engine import VllmBackend
+
+LOST_RECHECK_S = 0.5  # a lost engine's Health, asked this often until it answers
 
 LOAD_FIELDS = frozenset({"num_inflight", "inflight_at_report", "num_running", "num_waiting",
                          "num_kv_blocks_used", "num_kv_blocks_free"})
@@ -197,6 +202,7 @@ class InstanceRegistry:
         self._vllm: VllmBackend | None = None
         self._instances: dict[str, EngineEndpoint] = {}
         self._engines: dict[str, Engine] = {}
+        self._lost: dict[str, asyncio.Task] = {}  # address -> its ``_watch_lost``
         self._changed = asyncio.Event()
         self.mode = "PD"  # the Controller's view mode: "PD" | "FALLBACK"
         self.fallback_reason = ""
@@ -322,7 +328,46 @@ class InstanceRegistry:
             if self._vllm is None:
                 self._vllm = VllmBackend()
             return self._vllm.connect(address)
-        return EmbeddedEngine(EngineClient(address, self._security))
+        return EmbeddedEngine(EngineClient(address, self._security),
+                              on_lost=lambda: self.engine_lost(address))
+
+    def engine_lost(self, address: str) -> None:
+        """Called by the engine at ``address`` when its open session ended (it died,
+        restarted or dropped it): its instances are suspect at once, where the
+        Controller's view says so only after its agent's next heartbeat, and stay suspect
+        while the address is in the view and does not answer Health (``_watch_lost``)."""
+        ids = [i.instance_id for i in self._instances.values() if i.address == address]
+        for instance_id in ids:
+            self.mark_failed(instance_id)
+        self._hold_lost(address)
+        if ids and address not in self._lost:
+            self._lost[address] = asyncio.get_running_loop().create_task(self._watch_lost(address))
+
+    async def _watch_lost(self, address: str) -> None:
+        """Health of a lost engine every ``LOST_RECHECK_S``: while it does not answer and
+        the view still lists it, its instances' suspect time is moved on; ends when it
+        answers (its suspect time runs out as any) or leaves the view."""
+        try:
+            while True:
+                await asyncio.sleep(LOST_RECHECK_S)
+                engine = self._engines.get(address)
+                if engine is None or all(i.address != address for i in self._instances.values()):
+                    return
+                try:
+                    await engine.health(timeout_s=LOST_RECHECK_S)
+                    return
+                except EngineCallError:
+                    self._hold_lost(address)
+        finally:
+            self._lost.pop(address, None)
+
+    def _hold_lost(self, address: str) -> None:
+        """The lost engine's instances suspect past the next Health check's answer."""
+        until = time.monotonic() + max(self._suspect_s, 3 * LOST_RECHECK_S)
+        for inst in self._instances.values():
+            if inst.address == address:
+                inst.suspect_until = max(inst.suspect_until, until)
+        self._pools = None
 
     def engine(self, address: str) -> Engine:
         """The engine at ``address``, connected on first use (not opened: that is its own
@@ -337,6 +382,8 @@ class InstanceRegistry:
         return {address: e.transport for address, e in self._engines.items() if e.transport}
 
     async def close(self) -> None:
+        for task in list(self._lost.values()):
+            task.cancel()
         for engine in self._engines.values():
             await engine.close()
         self._engines.clear()

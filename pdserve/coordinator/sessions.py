@@ -24,8 +24,10 @@ for the rest of the gap while messages keep coming (``deadlines.py``).
 Invariants: a call ends once (its end, its deadline, its cancel, or the session
 breaking), and then leaves the session's table; a link that breaks (the engine
 gone, refused, no session port, the connection lost, a malformed frame) fails every
-call on it (``EngineFailed``), and the next ``generate`` opens a new one; ``close``
-(the app's shutdown) ends the link and its tasks.
+call on it (``EngineFailed``), and the next ``generate`` opens a new one; an open link
+that breaks calls ``on_lost`` (the registry stops routing to the engine at once, not
+after the Controller's view says it died); ``close`` (the app's shutdown) ends the link
+and its tasks.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -168,9 +170,12 @@ class EmbeddedEngine(Engine):
     """pdserve's engine at one address: its session, shared by every leg sent to it,
     and its gRPC client for the rest."""
 
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: EngineClient, on_lost: Callable[[], None] | None = None) -> None:
+        """``on_lost``: called when an open session's connection ends other than by
+        ``close`` (the engine died, restarted or dropped it)."""
         self.address = client.address
         self._client = client
+        self._on_lost = on_lost
         self._calls: dict[str, SessionCall] = {}
         self._link: _Link | None = None
         self._generate: list[pb.GenerateRequest] = []
@@ -275,6 +280,8 @@ class EmbeddedEngine(Engine):
             return
         log.info("session to engine %s broke: %s", self.address, _describe(exc))
         self._link = None
+        if link.is_open and not isinstance(exc, CallCancelled) and self._on_lost is not None:
+            self._on_lost()
         self._generate, self._cancel = [], []
         calls, self._calls = self._calls, {}
         if not isinstance(exc, EngineCallError):
