@@ -20,8 +20,8 @@ Coordinator; ``--per-process K`` serves K engines of a pool per process
   ``--load-seconds``: requests/s, errors, the Coordinator's CPU milliseconds per request;
 - kill: one decode engine process (with ``--per-process`` K its K engines) SIGKILLed
   under the same load: seconds until the Coordinator routes to none of its engines
-  (``pdserve_coordinator_instances{role="decode"}`` that much lower: they left its
-  view, or are suspect as their sessions ended), and the client errors meanwhile.
+  (its decode pool, as /ready counts it, that much lower: they left its view, or are
+  suspect as their sessions ended), and the client errors meanwhile.
 
 The load client runs on the same cores as the cluster: figures are for comparing N
 with N, not absolutes.
@@ -117,9 +117,10 @@ def num_engines_in(pid: int) -> int:
 
 
 def decode_instances(url: str) -> int:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    m = re.search(r'pdserve_coordinator_instances\{role="decode"\} (\S+)', text)
-    return int(float(m.group(1))) if m else -1
+    """Decode engines the Coordinator routes to now (its pools, as /ready counts them: the
+    ``pdserve_coordinator_instances`` gauge without rendering every engine's series,
+    which at 1,000 engines every 20 ms would load the Coordinator it measures)."""
+    return httpx.get(url + "/ready", timeout=5).json()["detail"]["decode"]
 
 
 CONTROLLER_COUNTERS = ("heartbeats", "instance_reports", "heartbeat_cpu_seconds", "store_writes", "stalled_seconds")
