@@ -25,6 +25,7 @@ exception type.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -104,16 +105,23 @@ class MemoryStore(Store):
         self._clock = clock
         self._data: dict[str, tuple[str, int | None, int]] = {}  # key -> (value, lease, create revision)
         self._leases: dict[int, tuple[float, float]] = {}  # id -> (ttl_s, expires_at)
+        # No lease expires before this: a refresh only moves an expiry later, so it is
+        # never late, and ``_expire`` scans the leases only once it has passed (each
+        # refresh scanning all of them was O(leases^2) a keepalive round).
+        self._next_expiry = math.inf
         self._ids = itertools.count(1)
         self._revisions = itertools.count(1)
 
     def _expire(self) -> None:
         now = self._clock()
+        if now < self._next_expiry:
+            return
         dead = {lid for lid, (_, exp) in self._leases.items() if exp <= now}
         for lid in dead:
             del self._leases[lid]
         if dead:
             self._data = {k: v for k, v in self._data.items() if v[1] not in dead}
+        self._next_expiry = min((exp for _, exp in self._leases.values()), default=math.inf)
 
     def _check(self, fence: Fence | None) -> None:
         if fence is None:
@@ -123,8 +131,9 @@ class MemoryStore(Store):
             raise FencedError(f"{fence.key} is no longer at revision {fence.revision}")
 
     async def grant_lease(self, ttl_s: int) -> int:
-        lease_id = next(self._ids)
-        self._leases[lease_id] = (float(ttl_s), self._clock() + ttl_s)
+        lease_id, expires = next(self._ids), self._clock() + ttl_s
+        self._leases[lease_id] = (float(ttl_s), expires)
+        self._next_expiry = min(self._next_expiry, expires)
         return lease_id
 
     async def refresh_lease(self, lease_id: int) -> bool:

@@ -93,6 +93,35 @@ def test_memory_lease_expires_on_its_clock():
     asyncio.run(go())
 
 
+def test_memory_leases_of_different_ttls_expire_each_on_time_however_refreshed():
+    """The store scans its leases only once the earliest expiry passed: a refresh, a
+    revoke or a new lease in between never lets one outlive its expiry."""
+    now = [0.0]
+    store = MemoryStore(clock=lambda: now[0])
+
+    async def go():
+        leases = {ttl: await store.grant_lease(ttl) for ttl in (10, 20, 30)}
+        for ttl, lease in leases.items():
+            await store.put(f"/k{ttl}", "v", lease)
+        now[0] = 9.9
+        assert await store.get_prefix("/k") == {"/k10": "v", "/k20": "v", "/k30": "v"}
+        now[0] = 10.0
+        assert await store.get_prefix("/k") == {"/k20": "v", "/k30": "v"}
+        assert await store.refresh_lease(leases[20])   # 20 -> 30
+        short = await store.grant_lease(2)              # expires at 12, before every other
+        await store.put("/short", "v", short)
+        now[0] = 12.0
+        assert await store.get("/short") is None and await store.get("/k20") == "v"
+        await store.revoke_lease(leases[30])
+        assert await store.get_prefix("/k") == {"/k20": "v"}
+        now[0] = 29.9
+        assert await store.get("/k20") == "v"
+        now[0] = 30.0
+        assert await store.get_prefix("/k") == {} and not await store.refresh_lease(leases[20])
+
+    asyncio.run(go())
+
+
 def test_unreachable_etcd_is_a_store_error():
     async def go():
         store = open_store("etcd://127.0.0.1:9")
