@@ -263,3 +263,30 @@ def test_the_engines_max_model_len_reaches_the_view_and_the_coordinators_endpoin
     assert registry.max_model_len() == 2048  # the longest request every engine takes
     restored = InstanceRecord.from_json(c.records["d0"].to_json(), 0.0)
     assert restored.max_model_len == 2048  # a new leader knows it before the next beat
+
+
+def test_a_report_marks_its_record_dirty_only_when_a_persisted_field_changes():
+    c = make_cluster()
+    beat(c, 0.0, report("d0", "decode", num_running=3))
+    c.dirty.clear()
+    c.apply_heartbeat("agent", [report("d0", "decode", num_running=5, decode_step_s_total=2.5)], 1.0)
+    assert not c.dirty  # the load alone is not persisted
+    rec = c.records["d0"]
+    assert rec.load["num_running"] == 5 and rec.load["decode_step_s_total"] == 2.5
+    assert rec.load["num_waiting"] == 0 and type(rec.load["prefill_busy_s_total"]) is float  # unset: its zero
+    moved = report("d0", "decode")
+    moved.engine_address = "elsewhere:1"
+    c.apply_heartbeat("agent", [moved], 2.0)
+    assert c.dirty == {"d0"} and "num_running" in rec.load and rec.load["num_running"] == 0
+    c.dirty.clear()
+    failing = report("d0", "decode")
+    failing.unreachable_peers.add(instance_id="p0", kv_endpoint="p0:2", reason="refused")
+    failing.engine_address = "elsewhere:1"
+    c.apply_heartbeat("agent", [failing], 3.0)
+    assert c.dirty == {"d0"}  # a list field replaced by a different list
+    c.dirty.clear()
+    c.apply_heartbeat("agent", [failing], 4.0)
+    assert not c.dirty  # the same list again
+    before = rec.change_key()
+    rec.failures.append(5.0)  # grown in place, as ``set_health`` does
+    assert rec.change_key() != before
