@@ -8,9 +8,14 @@ are seen. For an engine that publishes nothing, the index records the chain of
 every prompt this Coordinator routed to it (an estimate: the engine may have
 evicted blocks since). These estimates share one bound, ``max_blocks`` (engine,
 hash) entries for the whole Coordinator, not per engine (at 1,000 engines a
-per-engine bound let the index grow a thousandfold): one LRU over every engine's
-entries (``_lru``, an ``OrderedDict``), so the entry least recently recorded,
-whichever engine's, is evicted first, and an engine keeps a share as large as its
+per-engine bound let the index grow a thousandfold). The recency is kept per recorded
+chain, not per block: one LRU (``_lru``, an ``OrderedDict``) of (engine, the chain's
+last hash), which names the whole chain as the hashes are chained, and per engine a
+count of the recorded chains holding each hash (``_routed``). A prompt routed again is
+one move in the LRU, not one per block; the chain least recently recorded, whichever
+engine's, is evicted first, its hashes dropped where no other chain of that engine
+holds them (a shared system prompt stays while any chain through it does), until the
+distinct entries are back within the bound. An engine keeps a share as large as its
 recent routes. A published set is not bounded here: it is what the engine's cache
 holds, bounded by that cache.
 
@@ -19,9 +24,9 @@ engine that publishes, every block it holds, as its events do not say which bloc
 open a chain): an engine that lacks a prompt's first block matches none of it, so
 ``longest`` asks only the engines holding it, not every engine of the pool.
 
-Cost: ``record`` O(B) (and O(1) an eviction) and ``match`` O(B) look-ups for a
-prompt of B blocks; ``longest`` O(H * B), H the engines of the pool holding its
-first block; ``apply`` O(events); ``forget`` O(the engine's entries).
+Cost: ``record`` O(1) for a chain recorded before and O(B) a new one (each eviction
+O(its chain's B)), ``match`` O(B) look-ups for a prompt of B blocks; ``longest`` O(H * B), H the engines of the pool holding its
+first block; ``apply`` O(events); ``forget`` O(the engine's entries + the routed chains).
 """
 
 from __future__ import annotations
@@ -34,35 +39,47 @@ class PrefixIndex:
     def __init__(self, max_blocks: int) -> None:
         """``max_blocks``: the most routed (engine, hash) entries held, all engines together."""
         self.max_blocks = max_blocks
-        self._routed: dict[str, set[bytes]] = {}  # engine -> hashes recorded for it
-        self._lru: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # oldest first
+        self._routed: dict[str, dict[bytes, int]] = {}  # engine -> hash -> its recorded chains holding it
+        # (engine, a chain's last hash) -> the chain, least recently recorded first
+        self._lru: OrderedDict[tuple[str, bytes], list[bytes]] = OrderedDict()
+        self._num_routed = 0  # distinct (engine, hash) entries in ``_routed``
         self._published: dict[str, set[bytes]] = {}
         self._holders: dict[bytes, set[str]] = {}  # first block (any, published) -> engines
 
     def record(self, instance_id: str, hashes: list[bytes]) -> None:
         """Called by the router once a request is routed to ``instance_id``; a no-op for
         an engine that publishes its events (they say what it holds)."""
-        if instance_id in self._published:
+        if instance_id in self._published or not hashes:
             return
-        held = self._routed.setdefault(instance_id, set())
-        if hashes and hashes[0] not in held:
+        key = (instance_id, hashes[-1])
+        if key in self._lru:
+            self._lru.move_to_end(key)  # this very chain again: its blocks are all held
+            return
+        held = self._routed.setdefault(instance_id, {})
+        if hashes[0] not in held:
             self._holders.setdefault(hashes[0], set()).add(instance_id)
+        num_held = len(held)
         for h in hashes:
-            held.add(h)
-            key = (instance_id, h)
-            self._lru[key] = None
-            self._lru.move_to_end(key)
-        while len(self._lru) > self.max_blocks:
+            held[h] = held.get(h, 0) + 1
+        self._num_routed += len(held) - num_held
+        self._lru[key] = hashes
+        while self._num_routed > self.max_blocks:
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
-        instance_id, h = self._lru.popitem(last=False)[0]
+        (instance_id, _), hashes = self._lru.popitem(last=False)
         held = self._routed[instance_id]
-        held.discard(h)
+        for h in hashes:
+            n = held[h] - 1
+            if n:
+                held[h] = n
+            else:
+                del held[h]
+                self._num_routed -= 1
         if not held:
             del self._routed[instance_id]
-        if h in self._holders:  # a chain's first block
-            self._drop(h, instance_id)
+        if hashes[0] not in held:  # its first block held by no other chain of it
+            self._drop(hashes[0], instance_id)
 
     def apply(self, instance_id: str, snapshot: bool, stored, removed) -> None:
         """Called by the engine's event feed: a snapshot replaces what is known of it."""
@@ -116,8 +133,12 @@ class PrefixIndex:
         self._published.pop(instance_id, None)
 
     def _forget_routed(self, instance_id: str) -> None:
-        for h in self._routed.pop(instance_id, ()):
-            del self._lru[(instance_id, h)]
+        held = self._routed.pop(instance_id, None)
+        if held is None:
+            return
+        self._num_routed -= len(held)
+        for key in [k for k in self._lru if k[0] == instance_id]:
+            del self._lru[key]
 
     def _forget_holders(self, instance_id: str) -> None:
         for h in self._published.get(instance_id) or self._routed.get(instance_id) or ():
@@ -138,4 +159,4 @@ class PrefixIndex:
 
     def num_routed_blocks(self) -> int:
         """Routed entries held, all engines together (at most ``max_blocks``)."""
-        return len(self._lru)
+        return self._num_routed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from pdserve.coordinator.instances import InstanceRegistry
 from pdserve.coordinator.policies import RouteContext
 from pdserve.coordinator.policies.least_loaded import LeastLoaded
@@ -72,8 +74,8 @@ def test_prefix_index_matches_leading_blocks_and_is_lru_bounded():
     assert index.match("a", ctx(PROMPT[:32] + [999] * 32).hashes) == 4  # diverges at block 4
     assert index.match("b", c.hashes) == 0
     index.record("a", ctx(range(1000, 1064)).hashes)
-    assert index.num_blocks("a") == 10  # bounded: the oldest blocks went first
-    assert index.match("a", c.hashes) == 0
+    assert index.num_blocks("a") == 8  # bounded: the oldest chain went first, whole
+    assert index.match("a", c.hashes) == 0 and index.match("a", ctx(range(1000, 1064)).hashes) == 8
     index.forget("a")
     assert index.num_blocks("a") == 0
 
@@ -92,6 +94,47 @@ def test_prefix_index_bound_is_for_all_engines_together_least_recent_first():
     assert index.longest(chains["e6"], among=set(chains)) == (0, set())
     index.forget("e0")
     assert index.num_routed_blocks() == 32 and index.num_blocks("e0") == 0
+
+
+def test_prefix_index_keeps_a_shared_prefix_while_any_chain_through_it_is_held():
+    index = PrefixIndex(max_blocks=24)
+    system = PROMPT[:32]  # 4 blocks every prompt starts with
+    first, second, other = (ctx(system + list(range(s, s + 32))).hashes for s in (1000, 2000, 3000))
+    index.record("a", first)
+    index.record("a", second)
+    assert index.num_routed_blocks() == 12  # the shared 4 counted once
+    index.record("a", first)  # the same chain again: the newest, nothing added
+    assert index.num_routed_blocks() == 12
+    index.record("b", other)  # 20 entries: within the bound
+    index.record("b", ctx(range(5000, 5064)).hashes)  # 28: the least recent chain goes, a's second
+    assert index.num_routed_blocks() == 24
+    assert index.match("a", second) == 4 and index.match("a", first) == 8  # its prefix stays with first
+    assert index.longest(second, among={"a", "b"}) == (4, {"a", "b"})  # b's chain shares it too
+    index.record("b", ctx(range(6000, 6064)).hashes)  # a's first goes: a holds nothing now
+    assert index.num_blocks("a") == 0 and index.longest(first, among={"a", "b"}) == (4, {"b"})
+    assert index.num_routed_blocks() == 24
+    index.forget("b")
+    assert index.num_routed_blocks() == 0 and index.longest(other, among={"a", "b"}) == (0, set())
+
+
+def test_prefix_index_stays_consistent_and_bounded_through_random_routes_and_forgets():
+    rng = random.Random(7)
+    prompts = [ctx(PROMPT[:8 * rng.randint(0, 4)] + list(range(100 * i, 100 * i + 8 * rng.randint(1, 6)))).hashes
+               for i in range(30)]  # some share a leading run of PROMPT's blocks
+    engines, index = ("a", "b", "c"), PrefixIndex(max_blocks=50)
+    for step in range(2000):
+        engine = rng.choice(engines)
+        if step % 97 == 96:
+            index.forget(engine)
+            assert index.num_blocks(engine) == 0
+            continue
+        hashes = rng.choice(prompts)
+        index.record(engine, hashes)
+        assert index.num_routed_blocks() == sum(index.num_blocks(e) for e in engines) <= 50
+        assert index.match(engine, hashes) == len(hashes)  # the chain just routed is held whole
+        for e in engines:
+            for h in prompts:
+                assert index.longest(h, among={e}) == (index.match(e, h), {e} if index.match(e, h) else set())
 
 
 def test_prefix_cache_aware_follows_the_cache_unless_imbalanced():
