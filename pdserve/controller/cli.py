@@ -29,6 +29,7 @@ from pdserve.controller.planner import PlannerSettings
 from pdserve.controller.rebalance import RebalanceSettings
 from pdserve.controller.service import create_grpc_server, create_http_app
 from pdserve.controller.store import open_store
+from pdserve.runtime.cpu_priority import set_nice
 from pdserve.runtime.http import run_component
 from pdserve.runtime.logs import configure_logging
 from pdserve.runtime.security import SecuritySettings
@@ -90,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planner", choices=("spec", "off", "advisory", "on"), default="spec",
                    help="the SLO planner: as spec.planner says, or off, advisory (decide and report "
                         "only) or on, overriding it")
+    p.add_argument("--nice", type=int, help="run at this CPU priority (a nice value; below 0 needs root "
+                                           "or CAP_SYS_NICE): ahead of the engines on a shared host")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
@@ -176,4 +179,5 @@ async def serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    set_nice(args.nice, "controller")  # before any thread: each inherits it
     return asyncio.run(serve(args))

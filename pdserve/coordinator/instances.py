@@ -382,8 +382,10 @@ class InstanceRegistry:
         return {address: e.transport for address, e in self._engines.items() if e.transport}
 
     async def close(self) -> None:
-        for task in list(self._lost.values()):
+        watches = list(self._lost.values())
+        for task in watches:
             task.cancel()
+        await asyncio.gather(*watches, return_exceptions=True)  # ended before their engines close
         for engine in self._engines.values():
             await engine.close()
         self._engines.clear()

@@ -69,6 +69,9 @@ from pdserve.runtime.security import TOKEN_FILE_ENV, SecuritySettings
 
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 READY_TIMEOUT_S = 5.0  # a Coordinator of a thousand engines answers /ready within it
+# The Controller ahead of every other process of the run, where the user may raise it: its
+# work is small and on the failover path (``runtime/cpu_priority.py``)
+CONTROLLER_NICE = -10
 
 
 class StartError(RuntimeError):
@@ -341,7 +344,7 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
     if token_file := launcher.env.get(TOKEN_FILE_ENV):
         print(f"internal calls authenticate with the cluster token in {token_file}", flush=True)
     launcher.spawn("controller", ["controller", "-f", str(spec_file), "--store", "memory://",
-                                  "--host", "127.0.0.1", "--port", "0"])
+                                  "--host", "127.0.0.1", "--port", "0", f"--nice={CONTROLLER_NICE}"])
     if (line := launcher.wait_line("controller", "controller serving on", 60)) is None:
         return 0
     controller = line.split("serving on ")[1].split()[0]

@@ -55,8 +55,7 @@ def test_an_engine_that_ends_its_session_is_not_routed_to_until_it_answers_again
         await until(lambda: decode_ids(registry) == ["d0", "d1"], timeout_s=5.0)
         assert not registry._lost  # the watch ended
         await registry.close()
-        for s in (server,):
-            await s.stop(grace=None)
+        await server.stop(grace=None)
         await s1.stop(grace=None)
 
     run(scenario)
