@@ -37,10 +37,6 @@ POOLS = ("prefill", "decode", "hybrid")
 PLANNED_POOLS = ("prefill", "decode")
 DRAIN_DEADLINE_S = 30.0
 STATUS_TIMEOUT_S = 1.0
-# The agents' CPU priority, ahead of their engines (which keep the one ``pdserve up`` has),
-# behind the Controller's (``up.CONTROLLER_NICE``); where the user may raise it
-# (``runtime/cpu_priority.py``)
-AGENT_NICE = -5
 
 
 class LocalAgents:
@@ -73,7 +69,7 @@ class LocalAgents:
 
     def _start_agent(self, name: str, agent_id: str, instances: list[tuple[str, str]]) -> bool:
         self._spawn(name, ["nodeagent", "-f", str(self.spec_file), "--controller", self.controller,
-                           "--host", "127.0.0.1", "--agent-id", agent_id, "--pin-cpus", f"--nice={AGENT_NICE}",
+                           "--host", "127.0.0.1", "--agent-id", agent_id, "--pin-cpus",
                            *(f"--instance={iid}={pool}" for iid, pool in instances), *self.engine_args])
         if (line := self._wait_ready(name)) is None:
             return False

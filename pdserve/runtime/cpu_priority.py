@@ -2,13 +2,15 @@
 
 On ``pdserve up`` every component shares the host's cores with the engines, and under
 load the engines and the Coordinator keep them busy: the Controller (tens of
-milliseconds a second) and the NodeAgent then wait their turn behind dozens of busy
-processes. Measured at 1,000 simulated engines on two cores: the Controller's loop
-stalled for seconds, judged every engine silent, fell back to hybrid serving and
-lost its own leadership lease; an engine's death took 8 s to leave the
-Coordinator's view. Their work is small and on the failover path, so they run
-ahead of the engines (a lower nice value), as a kubelet's own daemons get reserved
-CPU; on Kubernetes each runs in a Pod of its own, with its CPU request.
+milliseconds a second) then waits its turn behind dozens of busy processes. Measured
+at 1,000 simulated engines on two cores: in some runs its loop stalled for seconds,
+judged every engine silent, fell back to hybrid serving and lost its own leadership
+lease. Its work is small and on the failover path, so ``pdserve up`` runs it ahead of
+the rest (a lower nice value), as a kubelet's own daemons get reserved CPU; on
+Kubernetes each component runs in a Pod of its own, with its CPU request. The
+NodeAgent takes the same option, its engines launched at the priority it had before
+(``child_nice``); ``pdserve up`` leaves it as it is (raised, its probes took a fifth
+of the engines' throughput).
 
 A raise needs root or ``CAP_SYS_NICE``: without it the process keeps its priority
 and says so once. Called at start, before any thread: Linux keeps a nice value per
