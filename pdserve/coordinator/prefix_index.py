@@ -25,8 +25,9 @@ open a chain): an engine that lacks a prompt's first block matches none of it, s
 ``longest`` asks only the engines holding it, not every engine of the pool.
 
 Cost: ``record`` O(1) for a chain recorded before and O(B) a new one (each eviction
-O(its chain's B)), ``match`` O(B) look-ups for a prompt of B blocks; ``longest`` O(H * B), H the engines of the pool holding its
-first block; ``apply`` O(events); ``forget`` O(the engine's entries + the routed chains).
+O(its chain's B)), ``match`` O(B) look-ups for a prompt of B blocks; ``longest``
+O(H * B), H the engines of the pool holding its first block; ``apply`` O(events);
+``forget`` O(the engine's entries + the routed chains).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self._routed: dict[str, dict[bytes, int]] = {}  # engine -> hash -> its recorded chains holding it
         # (engine, a chain's last hash) -> the chain, least recently recorded first
-        self._lru: OrderedDict[tuple[str, bytes], list[bytes]] = OrderedDict()
+        self._lru: OrderedDict[tuple[str, bytes], tuple[bytes, ...]] = OrderedDict()
         self._num_routed = 0  # distinct (engine, hash) entries in ``_routed``
         self._published: dict[str, set[bytes]] = {}
         self._holders: dict[bytes, set[str]] = {}  # first block (any, published) -> engines
@@ -62,7 +63,7 @@ class PrefixIndex:
         for h in hashes:
             held[h] = held.get(h, 0) + 1
         self._num_routed += len(held) - num_held
-        self._lru[key] = hashes
+        self._lru[key] = tuple(hashes)  # its own copy: the caller's list is the caller's
         while self._num_routed > self.max_blocks:
             self._evict_oldest()
 
