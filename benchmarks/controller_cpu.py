@@ -49,14 +49,14 @@ def measure(n: int, repeat: int) -> dict[str, float]:
     c.apply_heartbeat("agent", beats[0].instances, 0.0)
     now = [0.0]  # each timed call one step later; every engine heard within the step
 
-    def at_next(k: int) -> float:
+    def at_next() -> float:
         now[0] += 0.1
         return now[0]
 
-    one = best_ms(lambda k: c.apply_heartbeat("agent", beats[k % 4].instances, at_next(k)), repeat)
+    one = best_ms(lambda k: c.apply_heartbeat("agent", beats[k % 4].instances, at_next()), repeat)
     singles = [[pb.HeartbeatRequest(agent_id="agent", instances=[r]) for r in b.instances] for b in beats]
     per_agent = best_ms(lambda k: [c.apply_heartbeat("agent", s.instances, t)
-                                   for t in [at_next(k)] for s in singles[k % 4]], repeat)
+                                   for t in [at_next()] for s in singles[k % 4]], repeat)
     tick = best_ms(lambda k: c.tick(now[0]), repeat)
     view = best_ms(lambda k: c.view("me"), repeat)
     assert len(c.view("me").instances) == n

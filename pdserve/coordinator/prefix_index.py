@@ -27,7 +27,7 @@ open a chain): an engine that lacks a prompt's first block matches none of it, s
 Cost: ``record`` O(1) for a chain recorded before and O(B) a new one (each eviction
 O(its chain's B)), ``match`` O(B) look-ups for a prompt of B blocks; ``longest``
 O(H * B), H the engines of the pool holding its first block; ``apply`` O(events);
-``forget`` O(the engine's entries + the routed chains).
+``forget`` O(the engine's entries).
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ class PrefixIndex:
         if held is None:
             return
         self._num_routed -= len(held)
-        for key in [k for k in self._lru if k[0] == instance_id]:
-            del self._lru[key]
+        for h in held:  # every chain's last hash is among its hashes
+            self._lru.pop((instance_id, h), None)
 
     def _forget_holders(self, instance_id: str) -> None:
         for h in self._published.get(instance_id) or self._routed.get(instance_id) or ():

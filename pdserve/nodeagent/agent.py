@@ -109,7 +109,6 @@ class AgentSettings:
     peer_probe_timeout_s: float = 3.0
     peer_probe_concurrency: int = 8
     peer_probe_max_rate: float = 10.0    # re-probes of usable pairs per second, at most
-    engine_nice: int | None = None       # the engines' CPU priority (None: the agent's)
 
 
 class Agent:
@@ -140,8 +139,7 @@ class Agent:
             process = EngineProcess(name, _command(members), settings.backoff, self._on_process_change,
                                     echo=settings.echo_engine_output,
                                     cpus=tuple(sorted({c for i in members for c in i.cpus})),
-                                    serving_address=first.launch.serving_address, num_engines=len(members),
-                                    nice=settings.engine_nice)
+                                    serving_address=first.launch.serving_address, num_engines=len(members))
             self.processes.append(process)
             for index, inst in enumerate(members):
                 inst.process, inst.index = process, index

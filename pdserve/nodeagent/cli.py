@@ -32,7 +32,6 @@ from pdserve.nodeagent.engine_args import build_engine_argv
 from pdserve.nodeagent.http import create_http_app
 from pdserve.nodeagent.launch import EmbeddedLaunch, VllmLaunch
 from pdserve.nodeagent.process import Backoff
-from pdserve.runtime.cpu_priority import set_nice
 from pdserve.runtime.http import run_component
 from pdserve.runtime.logs import configure_logging
 from pdserve.runtime.security import SecuritySettings
@@ -79,8 +78,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet-engines", action="store_true", help="do not echo engine output")
     p.add_argument("--pin-cpus", action="store_true",
                    help="pin engines to their pool's spec cpuAffinity cores (local mode)")
-    p.add_argument("--nice", type=int, help="run at this CPU priority (a nice value; below 0 needs root "
-                                           "or CAP_SYS_NICE), the engines at the one it had")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
@@ -143,8 +140,7 @@ def agent_settings(args: argparse.Namespace, cluster: PDCluster) -> AgentSetting
         echo_engine_output=not args.quiet_engines,
         peer_probe_interval_s=args.peer_probe_interval, peer_probe_retry_s=args.peer_probe_retry,
         peer_probe_max_rate=args.peer_probe_max_rate,
-        backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after),
-        engine_nice=getattr(args, "engine_nice", None))
+        backoff=Backoff(args.restart_backoff, args.restart_backoff_max, args.restart_stable_after))
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -162,6 +158,4 @@ async def serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
-    before = set_nice(args.nice, "nodeagent")  # before any thread: each inherits it
-    args.engine_nice = before if args.nice is not None else None  # the engines: as they were
     return asyncio.run(serve(args))

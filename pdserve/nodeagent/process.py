@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 from pdserve.nodeagent.launch import EmbeddedLaunch
 from pdserve.runtime.aio import wait_event
-from pdserve.runtime.cpu_priority import child_nice
 
 log = logging.getLogger(__name__)
 ERROR_RE = re.compile(r"error|exception|fatal|killed|abort|denied|not found|no such|cannot", re.I)
@@ -71,15 +70,12 @@ def _die_with_parent() -> None:
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _child_setup(cpus: tuple[int, ...], nice: int | None) -> Callable[[], None]:
-    """The child's pre-exec step: die with the agent, pin to ``cpus`` (if any), run at
-    ``nice`` (if given: the agent's from before it raised its own)."""
+def _child_setup(cpus: tuple[int, ...]) -> Callable[[], None]:
+    """The child's pre-exec step: die with the agent, then pin to ``cpus`` (if any)."""
     def setup() -> None:
         _die_with_parent()
         if cpus:
             os.sched_setaffinity(0, cpus)
-        if nice is not None:
-            child_nice(nice)
     return setup
 
 
@@ -118,14 +114,14 @@ class EngineProcess:
                  backoff: Backoff, on_change: Callable[[], None], echo: bool = True,
                  cpus: tuple[int, ...] = (),
                  serving_address: Callable[[str], str | None] = EmbeddedLaunch.serving_address,
-                 num_engines: int = 1, nice: int | None = None) -> None:
+                 num_engines: int = 1) -> None:
         """``command()`` is called at each launch (the role may have changed): the argv,
         and what the engine's environment adds to the agent's. ``serving_address(line)``
         reads each output line: an engine's address once it serves, else None; the process
-        serves ``num_engines`` engines, at CPU priority ``nice`` (None: the agent's)."""
+        serves ``num_engines`` engines."""
         self.instance_id, self._command, self.backoff = instance_id, command, backoff
         self._serving_address = serving_address
-        self.cpus, self.nice = tuple(cpus), nice
+        self.cpus = tuple(cpus)
         self._on_change, self._echo = on_change, echo
         self.num_engines = num_engines
         self.state = "starting"
@@ -162,7 +158,7 @@ class EngineProcess:
             argv, env = self._command()
             self._proc = await asyncio.create_subprocess_exec(
                 *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, **env} if env else None, preexec_fn=_child_setup(self.cpus, self.nice))
+                env={**os.environ, **env} if env else None, preexec_fn=_child_setup(self.cpus))
             self.pid = self._proc.pid
             log.info("%s: engine started (pid %d%s)", self.instance_id, self.pid,
                      f", cores {','.join(map(str, self.cpus))}" if self.cpus else "")

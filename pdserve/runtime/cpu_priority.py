@@ -8,9 +8,8 @@ judged every engine silent, fell back to hybrid serving and lost its own leaders
 lease. Its work is small and on the failover path, so ``pdserve up`` runs it ahead of
 the rest (a lower nice value), as a kubelet's own daemons get reserved CPU; on
 Kubernetes each component runs in a Pod of its own, with its CPU request. The
-NodeAgent takes the same option, its engines launched at the priority it had before
-(``child_nice``); ``pdserve up`` leaves it as it is (raised, its probes took a fifth
-of the engines' throughput).
+NodeAgent is left as it is: raised too, its probes of 1,000 engines took a fifth of the
+engines' throughput there.
 
 A raise needs root or ``CAP_SYS_NICE``: without it the process keeps its priority
 and says so once. Called at start, before any thread: Linux keeps a nice value per
@@ -26,8 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def set_nice(nice: int | None, component: str) -> int:
-    """Run this process at ``nice`` (None: as it is). Returns its nice value before, which
-    the processes it launches get back (``child_nice``)."""
+    """Run this process at ``nice`` (None: as it is). Returns its nice value before."""
     before = os.getpriority(os.PRIO_PROCESS, 0)
     if nice is None or nice == before:
         return before
@@ -39,9 +37,3 @@ def set_nice(nice: int | None, component: str) -> int:
                     component, before, nice)
     return before
 
-
-def child_nice(nice: int) -> None:
-    """In a child before its exec: back to ``nice`` (a parent's value from before its
-    raise; lowering a priority needs no privilege)."""
-    if os.getpriority(os.PRIO_PROCESS, 0) != nice:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)

@@ -161,7 +161,7 @@ async def test_children_forked_while_grpc_is_busy_start_cleanly():
     try:
         for _ in range(100):
             child = await asyncio.create_subprocess_exec(  # as EngineProcess starts an engine
-                sys.executable, "-c", "raise SystemExit(3)", preexec_fn=_child_setup((), None),
+                sys.executable, "-c", "raise SystemExit(3)", preexec_fn=_child_setup(()),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
             codes.append(await child.wait())
     finally:
