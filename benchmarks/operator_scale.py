@@ -29,12 +29,14 @@ fake one; the Coordinator has no replica (it is Ready only with an engine to rou
 so the PDCluster's Ready condition stays False (WaitingForControlPlane) throughout. What is measured is the operator's and the API's share of a
 scale: not an engine's start, nor the Coordinator's routing.
 
+``--api-latency-ms MS`` delays each of reconcile's API calls by MS before it is sent
+(a real apiserver answers in several milliseconds; calls in flight wait together).
 ``--operator-src DIR`` runs the operator from another tree (a ``git archive`` of an
 older commit, for a before/after). ``--profile DIR``: py-spy records the operator
 during each step (``DIR/step-<i>-<size>.txt``, summarized by ``profile_summary.py``).
 Needs root (the stand-in's namespaces) and py-spy for ``--profile``.
 
-Rerun: .venv/bin/python benchmarks/operator_scale.py --steps 101,301,101 --json op.json
+Rerun: .venv/bin/python benchmarks/operator_scale.py --steps 101,301,101 [--api-latency-ms 5] --json op.json
 """
 
 from __future__ import annotations
@@ -78,8 +80,10 @@ def cpu_s(pid: int) -> float:
 
 # --- the operator's process ---------------------------------------------------------------
 
-def serve_operator(api_url: str, controller: str) -> None:
-    """``pdserve operator`` as the chart runs it, logged in to the emulator directly."""
+def serve_operator(api_url: str, controller: str, latency_ms: float = 0.0) -> None:
+    """``pdserve operator`` as the chart runs it, logged in to the emulator directly.
+    ``latency_ms``: each of reconcile's API calls waits this long before it is sent (an
+    apiserver's round trip; the calls in flight wait together, as they would)."""
     import kopf
 
     from pdserve.operator.cli import serve
@@ -97,6 +101,11 @@ def serve_operator(api_url: str, controller: str) -> None:
 
     kube = KubeClient(api_url)
     kube._http.headers["User-Agent"] = "pdserve-operator"  # counted apart from the stand-in's clients
+    if latency_ms > 0:
+        async def wait(_request) -> None:
+            await asyncio.sleep(latency_ms / 1000)
+
+        kube._http.event_hooks["request"].append(wait)
     asyncio.run(serve(settings, kube, ControllerClients(controller), registry=registry, with_login=False))
 
 
@@ -283,7 +292,8 @@ def run(args) -> list[dict]:
         env = {**os.environ, "PYTHONPATH": str(Path(args.operator_src).resolve())}
         log = open(Path(tmp) / "operator.log", "w")  # noqa: SIM115 - closed below
         operator = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve-operator",
-                                     cluster.api_url, f"127.0.0.1:{port}", "--operator-src", args.operator_src],
+                                     cluster.api_url, f"127.0.0.1:{port}", "--operator-src", args.operator_src,
+                                     "--api-latency-ms", str(args.api_latency_ms)],
                                     env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             k.apply(cluster_spec(1))
@@ -319,12 +329,15 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=180.0, help="per wait")
     ap.add_argument("--operator-src", default=str(REPO), help="the tree whose pdserve the operator runs")
     ap.add_argument("--profile", default=None, metavar="DIR")
+    ap.add_argument("--api-latency-ms", type=float, default=0.0,
+                    help="each of the operator's own API calls waits this long first (an apiserver's "
+                         "round trip; the emulator answers in about a millisecond); kopf's are not delayed")
     ap.add_argument("--json", default=None)
     ap.add_argument("--serve-operator", nargs=2, metavar=("API_URL", "CONTROLLER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_operator:
         sys.path.insert(0, str(Path(args.operator_src).resolve()))
-        serve_operator(*args.serve_operator)
+        serve_operator(*args.serve_operator, args.api_latency_ms)
         return 0
     args.steps = [int(s) for s in args.steps.split(",")]
     if args.profile:

@@ -10,7 +10,9 @@ builds only the routing state, with the real classes, and times the decision alo
             random per engine), applied as the watcher applies it
             (``ControllerWatcher.apply``: ``instances_from_view``, ``replace``)
   pairs     ``PairChecks`` with stub engines whose ``probe_peer`` passes at once:
-            one round probes every P x D pair, as a Coordinator's first round does
+            one round probes every P x D pair, as a Coordinator's first round does;
+            ``--published``: the view carries the Controller's pair checks instead
+            (every pair checked), and the Coordinator probes none
   router    ``Router`` with the default settings (prefill ``prefix_cache_aware``,
             decode ``least_loaded``, layerwise: decode first) and a ``PrefixIndex`` of
             ``--index-blocks`` per engine (its bound, the Coordinator's, N times
@@ -38,7 +40,7 @@ builds only the routing state, with the real classes, and times the decision alo
 
 Prints a table per variant, each N against the first.
 
-Rerun: .venv/bin/python benchmarks/routing_scale.py [--engines 10,100,300,1000] [--prefix]
+Rerun: .venv/bin/python benchmarks/routing_scale.py [--engines 10,100,300,1000] [--prefix] [--published]
 """
 
 from __future__ import annotations
@@ -82,9 +84,10 @@ class ProbeOnly:
         pass
 
 
-def build_view(num_engines: int, prefill_share: float, rng: random.Random) -> cpb.ClusterView:
+def build_view(num_engines: int, prefill_share: float, rng: random.Random,
+               published: bool = False) -> cpb.ClusterView:
     num_prefill = max(1, round(num_engines * prefill_share))
-    view = cpb.ClusterView(mode="PD")
+    view = cpb.ClusterView(mode="PD", publishes_pairs=published)
     for k in range(num_engines):
         role = "prefill" if k < num_prefill else "decode"
         used = rng.randrange(0, 4000)
@@ -92,7 +95,8 @@ def build_view(num_engines: int, prefill_share: float, rng: random.Random) -> cp
             instance_id=f"{role[0]}{k:04d}", role=role, health="READY",
             engine_address=f"10.0.{k // 250}.{k % 250}:50051",
             kv_endpoint=f"10.0.{k // 250}.{k % 250}:50052", kv_compat_hash="h",
-            max_model_len=8192,
+            max_model_len=8192, peers_checked_version=int(published and role == "prefill"),
+            peers_listed_version=int(published and role == "decode"),
             load=cpb.InstanceLoad(num_running=rng.randrange(0, 48), num_waiting=rng.choice((0, 0, 0, 1, 3)),
                                   num_kv_blocks_used=used, num_kv_blocks_free=4096 - used))
     return view
@@ -113,7 +117,7 @@ async def build(num_engines: int, args, rng: random.Random):
                                    prefix_index_max_blocks=args.index_blocks * num_engines)
     registry = InstanceRegistry(SecuritySettings(), settings.suspect_s, connect=lambda _: ProbeOnly())
     watcher = ControllerWatcher(registry, "controller:1", "bench", SecuritySettings())
-    watcher.apply(build_view(num_engines, args.prefill_share, rng))
+    watcher.apply(build_view(num_engines, args.prefill_share, rng, args.published))
     pairs = PairChecks(registry, settings.pair_probe_interval_s, settings.pair_probe_retry_s,
                        settings.pair_probe_timeout_s, settings.pair_probe_concurrency)
     await pairs.check_once()
@@ -135,7 +139,7 @@ async def build(num_engines: int, args, rng: random.Random):
 
 async def decide_many(num_engines: int, args, rng: random.Random) -> dict:
     settings, registry, watcher, pairs, router, chains = await build(num_engines, args, rng)
-    views = [build_view(num_engines, args.prefill_share, rng) for _ in range(4)]
+    views = [build_view(num_engines, args.prefill_share, rng, args.published) for _ in range(4)]
     inflight: collections.deque = collections.deque()
     decisions_ns: list[int] = []
     views_ns: list[int] = []
@@ -208,6 +212,9 @@ def main() -> None:
                     help="the prefix index's blocks per engine, filled first (its bound, one for "
                          "all engines, is this times the engines; a Coordinator's default: 65,536)")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--published", action="store_true",
+                    help="views carry the Controller's pair checks (every pair checked), as a "
+                         "Controller whose agents check peers sends them: the Coordinator probes none")
     args = ap.parse_args()
     sizes = [int(n) for n in args.engines.split(",")]
     rows = []
@@ -217,7 +224,8 @@ def main() -> None:
         rows.append((n, row))
         print(f"  {n} engines done", flush=True)
     base = rows[0][1]
-    variant = "prefix index filled" if args.prefix else "empty prefix index"
+    variant = ("prefix index filled" if args.prefix else "empty prefix index") + (
+        ", published pair checks" if args.published else "")
     print(f"\nrouting decision, {variant}, {args.decisions} decisions, a view every {args.view_every}")
     print(f"| engines | median µs | p99 µs | mean µs | max µs | median / p99 / mean vs {sizes[0]} | "
           "first decision ms | after a mark ms | view ms | MiB |")

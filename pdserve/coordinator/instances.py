@@ -2,7 +2,7 @@
 
 Each engine is one ``EngineEndpoint`` (the Coordinator's picture of a PDInstance).
 ``InstanceRegistry`` is written by one source (the static poller or the Controller
-watcher) through ``replace``, and read by the router on every request.
+watcher) through ``replace`` or ``apply_view``, and read by the router on every request.
 It also owns one ``engines.Engine`` per engine address (made by ``connect``: by
 default ``vllm_engine.VllmEngine`` for a ``vllm://`` address, else
 ``sessions.EmbeddedEngine``), which every call to that engine goes
@@ -16,11 +16,12 @@ nothing else is left; an engine whose open session ended is suspect from then un
 answers Health again or leaves the view (``engine_lost``); waiters on ``wait_changed``
 wake on every change.
 
-Cost: ``replace`` O(N). What a request reads is kept: ``max_model_len()`` until the
+Cost: a view O(N), an instance whose view fields all stay one tuple compare (a
+Controller view of a thousand engines applied in a few milliseconds). What a request reads is kept: ``max_model_len()`` until the
 next view, and ``pools()`` (no ``exclude``) until a view changes an instance's
 ``MEMBER_FIELDS`` or the set of instances (``members_version``), an instance is marked
 failed or full, or one of those marks runs out; a view of new load figures keeps it.
-So view fields are written through ``replace`` alone, never on an instance in place.
+So view fields are written through a view alone, never on an instance in place.
 With ``exclude`` (a retry) pools are built afresh, O(N). Each pool is a ``Pool``, in
 id order, whose ``order`` (``load_order``) keeps its engines ordered by load as their
 load fields are written, so the policies find the least loaded in O(log N).
@@ -29,9 +30,10 @@ load fields are written, so the policies find the least loaded in O(log N).
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -90,10 +92,15 @@ class EngineEndpoint:
     def __setattr__(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
         if name in LOAD_FIELDS:
-            for ref in self._load_orders:
-                order = ref()
-                if order is not None:
-                    order.mark(self)
+            self.load_written()
+
+    def load_written(self) -> None:
+        """Marks it in its load orders: called on every write of a load field (a view
+        writing several at once writes them past ``__setattr__`` and calls this once)."""
+        for ref in self._load_orders:
+            order = ref()
+            if order is not None:
+                order.mark(self)
 
     def watch_load(self, order: LoadOrder) -> None:
         """Called by a ``LoadOrder`` it is in: told of every write of its load from now
@@ -138,6 +145,15 @@ MEMBER_FIELDS = ("role", "kv_endpoint", "kv_compat_hash", "healthy", "draining",
                  "peers_checked_version", "peers_listed_version")
 """The view fields pools, pairings and pair checks read (load aside): a view that changes
 one of them on some instance bumps ``InstanceRegistry.members_version``."""
+
+view_values = operator.attrgetter(*VIEW_FIELDS)
+"""An instance's ``VIEW_FIELDS`` values, in that order (one C call)."""
+_MEMBER_AT = frozenset(VIEW_FIELDS.index(name) for name in MEMBER_FIELDS)
+_RUNNING_AT, _WAITING_AT = VIEW_FIELDS.index("num_running"), VIEW_FIELDS.index("num_waiting")
+_ALL_AT = range(len(VIEW_FIELDS))
+_set = object.__setattr__
+_LOAD_AT = tuple(i for i, name in enumerate(VIEW_FIELDS) if name in LOAD_FIELDS)
+_others = operator.itemgetter(*(i for i in _ALL_AT if i not in _LOAD_AT))
 
 
 @dataclass(frozen=True)
@@ -219,28 +235,41 @@ class InstanceRegistry:
 
     def replace(self, instances: list[EngineEndpoint], mode: str = "PD", reason: str = "",
                 events: list[str] | None = None, pairs: PublishedPairs | None = None) -> None:
-        """A whole new view. Instances that stay keep their object (requests hold it)
-        and Coordinator-side counters; only the view's fields are updated. ``pairs``: the
+        """A whole new view of ``EngineEndpoint``s: ``apply_view`` of their view fields;
+        a new instance is the object given."""
+        self.apply_view(((i.instance_id, view_values(i), i) for i in instances), mode, reason, events, pairs)
+
+    def apply_view(self, views: Iterable[tuple[str, tuple, EngineEndpoint | None]], mode: str = "PD",
+                   reason: str = "", events: list[str] | None = None,
+                   pairs: PublishedPairs | None = None) -> None:
+        """A whole new view: per instance its id, its ``VIEW_FIELDS`` values in that
+        order, and the object to hold if it is new (None: one made from the values).
+        Instances that stay keep their object (requests hold it) and Coordinator-side
+        counters; only the view fields that changed are written. ``pairs``: the
         Controller's pair checks, when its view publishes them (None: the Coordinator's
         own ``PairChecks`` probe every pair)."""
         new: dict[str, EngineEndpoint] = {}
         members_changed = pairs != self.published_pairs
         self.published_pairs = pairs
-        for inst in instances:
-            old = self._instances.get(inst.instance_id)
-            if old is None:
+        for instance_id, values, given in views:
+            inst = self._instances.get(instance_id)
+            if inst is None:
+                inst = given or EngineEndpoint(instance_id, **dict(zip(VIEW_FIELDS, values, strict=True)))
                 inst.inflight_at_report = inst.num_inflight
                 members_changed = True
-            else:
-                if (inst.num_running, inst.num_waiting) != (old.num_running, old.num_waiting):
-                    old.inflight_at_report = old.num_inflight  # a new report of its load
-                if not members_changed:
-                    members_changed = any(getattr(old, name) != getattr(inst, name)
-                                          for name in MEMBER_FIELDS)
-                for name in VIEW_FIELDS:
-                    setattr(old, name, getattr(inst, name))
-                inst = old
-            new[inst.instance_id] = inst
+            elif (have := view_values(inst)) != values:
+                if have[_RUNNING_AT] != values[_RUNNING_AT] or have[_WAITING_AT] != values[_WAITING_AT]:
+                    inst.inflight_at_report = inst.num_inflight  # a new report of its load
+                if _others(have) == _others(values):  # most views change the load alone
+                    for index in _LOAD_AT:  # not through ``__dict__``: it would slow every read
+                        _set(inst, VIEW_FIELDS[index], values[index])
+                    inst.load_written()
+                else:
+                    for index in _ALL_AT:
+                        if have[index] != values[index]:
+                            setattr(inst, VIEW_FIELDS[index], values[index])
+                            members_changed |= index in _MEMBER_AT
+            new[instance_id] = inst
         if members_changed or len(new) != len(self._instances):
             self.members_version += 1
             self._pools = None

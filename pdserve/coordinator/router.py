@@ -35,7 +35,9 @@ a request then costs the policies' choices and the prefix index's look-ups. Part
 lists equal to a whole pool are that pool's list, one object (the usual case: every
 pair usable), not a copy per engine. Which engines pair with every routable engine of
 the other role (``_complete``) is worked out over every P × D only when the members or
-the probes changed; a change of the pools alone (an engine marked full or failed, or
+the probes changed, and then, under the Controller's published pair checks (or none),
+in O(P + D) from the peer versions' extremes (``_complete_by_versions``); a change of
+the pools alone (an engine marked full or failed, or
 its mark running out) then costs O(P + D) while every engine is complete.
 """
 
@@ -250,10 +252,53 @@ class Router:
             routable = [i for i in self.registry.all() if i.routable]
             prefill = [i for i in routable if i.role == "prefill"]
             decode = [i for i in routable if i.role == "decode"]
-            complete = {p.instance_id for p in prefill if all(self.can_pair(p, d) for d in decode)}
-            complete.update(d.instance_id for d in decode if all(self.can_pair(p, d) for p in prefill))
+            if self.pairs is None or self.pairs.is_published:
+                complete = self._complete_by_versions(prefill, decode)
+            else:
+                complete = {p.instance_id for p in prefill if all(self.can_pair(p, d) for d in decode)}
+                complete.update(d.instance_id for d in decode if all(self.can_pair(p, d) for p in prefill))
             self._complete_ids, self._complete_key = complete, key
         return self._complete_ids
+
+    def _complete_by_versions(self, prefill: list[EngineEndpoint], decode: list[EngineEndpoint]) -> set[str]:
+        """``_complete`` without a look at every P x D (1,000 engines: 187,500 pairs,
+        290 ms on the first request after each change of the members, an engine's death
+        among them): with no pair checks or the Controller's published ones, ``can_pair``
+        reads compat hashes and peer versions, so an engine pairs with every one of the
+        other role when the hashes are one, its version passes the other role's extreme,
+        and no exception names it (a published unusable pair, or a failed re-probe of
+        this Coordinator's, between routable engines). Exceptions are few; an engine they
+        name is left out here, and the pairing then checks its pairs one by one."""
+        out: set[str] = set()
+        named: set[str] = set()
+        published = self.registry.published_pairs if self.pairs is not None else None
+        if published is not None:
+            prefill_ids, decode_at = {p.instance_id for p in prefill}, {d.instance_id: d for d in decode}
+            failed = [pair for pair, result in self.pairs.probes.results.items()
+                      if not result.ok and pair[1] in decode_at and result.kv_endpoint == decode_at[pair[1]].kv_endpoint]
+            named.update(i for pair in (*published.unusable, *failed)
+                         if pair[0] in prefill_ids and pair[1] in decode_at for i in pair)
+        for mine, theirs, passes in ((prefill, decode, self._checked_all), (decode, prefill, self._listed_for_all)):
+            hashes = {i.kv_compat_hash for i in theirs}
+            bound = passes(theirs) if published is not None else None
+            out.update(i.instance_id for i in mine
+                       if (not theirs or hashes == {i.kv_compat_hash}) and i.instance_id not in named
+                       and (bound is None or bound(i)))
+        return out
+
+    @staticmethod
+    def _checked_all(decode: list[EngineEndpoint]):
+        """Which prefill engines' agents checked every decode engine (all listed)."""
+        if any(d.peers_listed_version <= 0 for d in decode):
+            return lambda p: False
+        latest = max((d.peers_listed_version for d in decode), default=0)
+        return lambda p: p.peers_checked_version >= latest
+
+    @staticmethod
+    def _listed_for_all(prefill: list[EngineEndpoint]):
+        """Which decode engines every prefill engine's agent checked."""
+        earliest = min((p.peers_checked_version for p in prefill), default=None)
+        return lambda d: earliest is None or 0 < d.peers_listed_version <= earliest
 
     def plan_now(self, pools: Pools, ctx: RouteContext) -> tuple[Plan | None, str]:
         """The PD plan for these pools, or (None, reason label). Called by ``plan``."""

@@ -31,6 +31,12 @@ at once (``rollout.choose_replacements``). Settings no engine reads (routing,
 fallback, SLOs, heartbeat thresholds, the control plane) roll only the Deployments
 that read them.
 
+Calls on many instances within a step (creating PDInstances and Pods, draining and
+deleting surplus ones, writing PDInstance status, a finalizer's deletes) run up to
+``settings.api_concurrency`` at once (``_each``); the steps stay in this order, each
+waiting for all its calls, and a failed call fails the pass only after the others
+ended (what they wrote is recorded: nothing is written twice on the retry).
+
 Invariants: only ``kube.KubeClient`` touches the API; the operator never reads a
 Secret but its own key (cluster tokens are derived from it: ``tokens.py``); a
 Controller that does not answer never stops the pass (drains wait for their
@@ -124,6 +130,24 @@ class Reconciler:
         self._locks: dict[tuple[str, str], asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._queued: set[tuple[str, str]] = set()
         self._key: bytes | None = None
+
+    async def _each(self, items, call) -> list:
+        """``await call(item)`` for every item, at most ``settings.api_concurrency`` at
+        once; the results in item order. Each call of a step is its own object's (a
+        scale of 200 engines is 400 creates: one after another they took 1.4-1.7 s on an
+        emulator answering in a millisecond, and a real apiserver answers in several).
+        Every call runs to its end, then the first error in item order is raised."""
+        limit = asyncio.Semaphore(self.settings.api_concurrency)
+
+        async def one(item):
+            async with limit:
+                return await call(item)
+
+        results = await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
     def parse(self, body: dict) -> PDCluster:
         meta = body["metadata"]
@@ -353,40 +377,43 @@ class Reconciler:
                                       subresource="status")
 
     async def _create_instances(self, cluster: PDCluster, obs: Observation, events: list[Event]) -> None:
-        for name, (pool, ordinal) in b.desired_instances(cluster).items():
+        async def one(item) -> Event | None:
+            name, (pool, ordinal) = item
             inst = obs.instances.get(name)
             if inst is None:
                 obs.instances[name] = await self.kube.create(b.build_instance(cluster, pool, ordinal))
-                events.append(Event("Normal", "CreatedInstance", f"created PDInstance {name}"))
-            elif b.DRAIN_ANNOTATION in (inst["metadata"].get("annotations") or {}):
+                return Event("Normal", "CreatedInstance", f"created PDInstance {name}")
+            if b.DRAIN_ANNOTATION in (inst["metadata"].get("annotations") or {}):
                 # scaled back up while draining: its engine stopped admitting, start it afresh
                 patch = {"metadata": {"annotations": {b.DRAIN_ANNOTATION: None}}}
                 obs.instances[name] = await self.kube.patch("PDInstance", cluster.metadata.namespace,
                                                             name, patch) or inst
                 if name in obs.pods and await self.kube.delete("Pod", cluster.metadata.namespace, name):
                     obs.pods.pop(name)
-                events.append(Event("Normal", "DrainCancelled", f"{name} is wanted again; Pod restarted"))
+                return Event("Normal", "DrainCancelled", f"{name} is wanted again; Pod restarted")
+            return None
+
+        events += filter(None, await self._each(b.desired_instances(cluster).items(), one))
 
     async def _scale_down(self, cluster: PDCluster, obs: Observation, ctrl: ControllerClient | None,
                           events: list[Event]) -> None:
         desired = b.desired_instances(cluster)
         now = self.clock().timestamp()
         deadline_s = self.settings.drain_deadline_s
-        for name, inst in list(obs.instances.items()):
-            if name in desired:
-                continue
-            pod = obs.pods.get(name)
+
+        async def one(name: str) -> list[Event]:
+            inst, pod = obs.instances[name], obs.pods.get(name)
             if _phase(pod) != "Running" or _is_deleting(pod):
                 await self._delete_instance(cluster, obs, name)
-                events.append(Event("Normal", "DeletedInstance", f"deleted {name} (scaled down; not running)"))
-                continue
+                return [Event("Normal", "DeletedInstance", f"deleted {name} (scaled down; not running)")]
+            out = []
             started = (inst["metadata"].get("annotations") or {}).get(b.DRAIN_ANNOTATION)
             if started is None:
                 started = f"{now:.3f}"
                 await self.kube.patch("PDInstance", cluster.metadata.namespace, name,
                                       {"metadata": {"annotations": {b.DRAIN_ANNOTATION: started}}})
-                events.append(Event("Normal", "Draining", f"draining {name} before deleting it "
-                                                          f"(deadline {deadline_s:g}s)"))
+                out.append(Event("Normal", "Draining", f"draining {name} before deleting it "
+                                                       f"(deadline {deadline_s:g}s)"))
             try:
                 is_drained = bool(ctrl) and (await ctrl.drain(name, deadline_s)).is_drained
             except ControllerUnavailable:
@@ -394,9 +421,14 @@ class Reconciler:
             if is_drained or now - float(started) >= deadline_s:
                 await self._delete_instance(cluster, obs, name)
                 reason, why = ("DeletedInstance", "drained") if is_drained else ("DrainTimeout", "drain deadline passed")
-                events.append(Event("Normal" if is_drained else "Warning", reason, f"deleted {name} ({why})"))
+                out.append(Event("Normal" if is_drained else "Warning", reason, f"deleted {name} ({why})"))
             else:
                 obs.draining.append(name)
+            return out
+
+        surplus = [name for name in obs.instances if name not in desired]
+        for found in await self._each(surplus, one):
+            events += found
 
     async def _delete_instance(self, cluster: PDCluster, obs: Observation, name: str) -> None:
         ns = cluster.metadata.namespace
@@ -464,9 +496,9 @@ class Reconciler:
             obs.pods.pop(name)
             events.append(Event("Normal", "RollingEngines",
                                 f"replacing Pod {name}: {pool} settings {old} -> {obs.pod_hashes[pool]}"))
-        for name, (pool, _) in desired.items():
-            if name in obs.pods or name not in obs.instances:
-                continue
+
+        async def create(name: str) -> Event | None:
+            pool = desired[name][0]
             body = build_engine_pod(cluster, name, pool, obs.instances[name]["metadata"].get("uid"),
                                     self.settings)
             try:
@@ -474,9 +506,11 @@ class Reconciler:
             except KubeError as exc:
                 if exc.status != 409:  # 409: the old Pod is still terminating; next pass
                     raise
-                continue
-            events.append(Event("Normal", "CreatedPod",
-                                f"created Pod {name} ({pool}, settings {obs.pod_hashes[pool]})"))
+                return None
+            return Event("Normal", "CreatedPod", f"created Pod {name} ({pool}, settings {obs.pod_hashes[pool]})")
+
+        missing = [name for name in desired if name not in obs.pods and name in obs.instances]
+        events += filter(None, await self._each(missing, create))
 
     async def _prune(self, cluster: PDCluster, obs: Observation, built: set[str]) -> None:
         """Delete static objects no longer built (``desired.PRUNED``): engine files no Pod
@@ -495,16 +529,22 @@ class Reconciler:
         thresholds = (heartbeat.interval_seconds * heartbeat.suspect_after_missed,
                       heartbeat.interval_seconds * heartbeat.failed_after_missed)
         now = self.clock()
+        writes = []
         for name, inst in obs.instances.items():
             have = inst.get("status") or {}
             want = build_instance_status(name, have, obs.pods.get(name), name in obs.draining,
                                          view.routable if view else None, thresholds,
                                          inst["metadata"].get("generation"), now)
-            if all(have.get(k) == v for k, v in want.items()):
-                continue
+            if not all(have.get(k) == v for k, v in want.items()):
+                writes.append((name, inst, have, want))
+
+        async def write(item) -> None:
+            name, inst, have, want = item
             patched = await self.kube.patch("PDInstance", inst["metadata"]["namespace"], name,
                                             {"status": want}, subresource="status")
             obs.instances[name] = patched or {**inst, "status": {**have, **want}}
+
+        await self._each(writes, write)
 
     async def _write_status(self, body: dict, status: dict) -> None:
         if is_subset(status, body.get("status") or {}):
@@ -521,11 +561,10 @@ class Reconciler:
         ns, name = meta["namespace"], meta["name"]
         async with self._locks[(ns, name)]:
             pods = await self.kube.list("Pod", ns, {b.CLUSTER_LABEL: name, b.COMPONENT_LABEL: "engine"})
-            for pod in pods:
-                if not _is_deleting(pod):
-                    await self.kube.delete("Pod", ns, _name(pod))
-            for inst in await self.kube.list("PDInstance", ns, {b.CLUSTER_LABEL: name}):
-                await self.kube.delete("PDInstance", ns, _name(inst))
+            await self._each([_name(p) for p in pods if not _is_deleting(p)],
+                             lambda pod: self.kube.delete("Pod", ns, pod))
+            await self._each([_name(i) for i in await self.kube.list("PDInstance", ns, {b.CLUSTER_LABEL: name})],
+                             lambda inst: self.kube.delete("PDInstance", ns, inst))
             left = await self.kube.list("Pod", ns, {b.CLUSTER_LABEL: name, b.COMPONENT_LABEL: "engine"})
             if left:
                 raise NotYet(f"waiting for {len(left)} engine Pods to terminate")

@@ -48,6 +48,9 @@ class OperatorSettings:
     """A scaled-down instance is deleted when drained or after this long."""
     forget_deadline_s: float = 60.0
     """On deletion, how long to retry asking the Controller to forget the cluster."""
+    api_concurrency: int = 8
+    """API calls on many instances within one step of a pass (creates, deletes, status
+    writes), at most this many at once (``reconcile.Reconciler._each``)."""
     controller_address: str = "{cluster}-controller.{namespace}.svc:{port}"
     """How the operator reaches a cluster's Controller (tests point it at a fake)."""
 
@@ -79,6 +82,7 @@ class OperatorSettings:
             key_secret=env.get("PDSERVE_KEY_SECRET") or "pdserve-operator-key",
             metrics_port=int(env.get("PDSERVE_METRICS_PORT") or 8080),
             log_level=env.get("PDSERVE_LOG_LEVEL", "info"),
+            api_concurrency=int(env.get("PDSERVE_API_CONCURRENCY") or 8),
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -253,3 +254,43 @@ def test_the_kept_pairing_picks_a_partner_of_the_chosen_engine():
         p = plan(router)
         assert p.prefill.kv_compat_hash == p.decode.kv_compat_hash
     assert {plan(router).decode.instance_id for _ in range(4)} == {"d1", "d2"}
+
+
+def test_which_engines_pair_with_every_other_is_worked_out_from_versions_as_pair_by_pair():
+    """``Router._complete`` under published pair checks (or none) reads the peer versions'
+    extremes, not every P x D: over random clusters (compat hashes, listed and checked
+    versions, published unusable pairs, this Coordinator's failed re-probes, no engine of
+    a role) it names exactly the engines ``can_pair`` pairs with every routable one."""
+    from pdserve.coordinator.instances import PublishedPairs
+    from pdserve.runtime.pair_probes import PairResult
+
+    rng = random.Random(7)
+    for trial in range(400):
+        engines = [inst(f"{role[0]}{k}", role, rng.choice("aaaab"),
+                        peers_listed_version=rng.choice((0, 1, 2, 3, 3)) if role == "decode" else 0,
+                        peers_checked_version=rng.choice((0, 1, 2, 3, 3, 3)) if role == "prefill" else 0,
+                        healthy=rng.random() > 0.1)
+                   for role in ("prefill", "decode") for k in range(rng.randrange(0, 6))]
+        prefill = [e.instance_id for e in engines if e.role == "prefill"]
+        decode = [e.instance_id for e in engines if e.role == "decode"]
+        published = trial % 4 != 0
+        unusable = {(p, d): "unreachable" for p in prefill for d in decode if rng.random() < 0.05}
+        registry = InstanceRegistry()
+        registry.replace(engines, pairs=PublishedPairs(unusable) if published else None)
+        checks = PairChecks(registry) if published else None
+        for p in prefill:
+            for d in decode:
+                if checks is not None and rng.random() < 0.05:  # a failed leg's re-probe
+                    checks.probes.results[(p, d)] = PairResult(
+                        ok=rng.random() < 0.5, reason="refused",
+                        kv_endpoint=registry.get(d).kv_endpoint if rng.random() < 0.8 else "old:2",
+                        checked_s=time.monotonic())
+        router = Router(CoordinatorSettings(), registry, PrefixIndex(100), CoordinatorMetrics(), checks)
+        routable = [e for e in registry.all() if e.routable]
+        ps = [e for e in routable if e.role == "prefill"]
+        ds = [e for e in routable if e.role == "decode"]
+        want = ({p.instance_id for p in ps if all(router.can_pair(p, d) for d in ds)}
+                | {d.instance_id for d in ds if all(router.can_pair(p, d) for p in ps)})
+        assert router._complete() == want, (trial, [(e.instance_id, e.kv_compat_hash,
+                                                     e.peers_checked_version, e.peers_listed_version)
+                                                    for e in routable], unusable)

@@ -65,3 +65,40 @@ def test_views_replace_the_registry_and_the_watch_reconnects():
         await server.stop(grace=None)
 
     asyncio.run(go())
+
+
+def test_a_view_writes_every_field_and_a_load_only_view_keeps_the_members():
+    """``views_from_view`` reads the message by position: each field lands on its own
+    name; a view changing the load alone keeps the pools (``members_version``) and moves
+    the least loaded engine; one changing a member field, a draining instance, bumps it."""
+    def instance(k: int, running: int, health: str = "READY") -> cpb.InstanceView:
+        return cpb.InstanceView(
+            instance_id=f"d{k}", role="decode", health=health, engine_address=f"127.0.0.1:{1000 + k}",
+            kv_endpoint=f"127.0.0.1:{2000 + k}", kv_compat_hash=f"h{k}", max_model_len=4096 + k,
+            peers_checked_version=10 + k, peers_listed_version=20 + k,
+            load=cpb.InstanceLoad(num_running=running, num_waiting=30 + k, num_kv_blocks_used=40 + k,
+                                  num_kv_blocks_free=50 + k))
+
+    async def go():
+        registry = InstanceRegistry()
+        watcher = ControllerWatcher(registry, "127.0.0.1:1", "c1")
+        watcher.apply(cpb.ClusterView(version=1, instances=[instance(0, 1), instance(1, 9)]))
+        d1 = registry.get("d1")
+        assert (d1.address, d1.role, d1.kv_endpoint, d1.kv_compat_hash, d1.healthy, d1.draining) == (
+            "127.0.0.1:1001", "decode", "127.0.0.1:2001", "h1", True, False)
+        assert (d1.num_running, d1.num_waiting, d1.num_kv_blocks_used, d1.num_kv_blocks_free) == (9, 31, 41, 51)
+        assert (d1.max_model_len, d1.peers_checked_version, d1.peers_listed_version, d1.block_size) == (
+            4097, 11, 21, 0)
+        pools, members = registry.pools(), registry.members_version
+        assert pools.decode.order.least(0).instance_id == "d0"
+        d1.num_inflight = 5  # a leg of ours on it: kept across views
+        watcher.apply(cpb.ClusterView(version=1, instances=[instance(0, 40), instance(1, 2)]))
+        assert registry.get("d1") is d1 and d1.num_running == 2 and d1.num_inflight == 5
+        assert d1.inflight_at_report == 5  # a new report of its load
+        assert registry.members_version == members and registry.pools() is pools
+        assert pools.decode.order.least(0).instance_id == "d1"
+        watcher.apply(cpb.ClusterView(version=2, instances=[instance(0, 40, "DRAINING"), instance(1, 2)]))
+        assert registry.get("d0").draining and registry.members_version == members + 1
+        assert [i.instance_id for i in registry.pools().decode] == ["d1"]
+
+    asyncio.run(go())
