@@ -8,7 +8,7 @@ builds only the routing state, with the real classes, and times the decision alo
   view      a Controller ``ClusterView`` of N instances (``--prefill-share`` of them
             prefill, the rest decode, one compat hash, every load figure drawn at
             random per engine), applied as the watcher applies it
-            (``ControllerWatcher.apply``: ``instances_from_view``, ``replace``)
+            (``ControllerWatcher.apply``: ``views_from_view``, ``apply_view``)
   pairs     ``PairChecks`` with stub engines whose ``probe_peer`` passes at once:
             one round probes every P x D pair, as a Coordinator's first round does;
             ``--published``: the view carries the Controller's pair checks instead

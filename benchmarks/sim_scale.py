@@ -126,6 +126,23 @@ def decode_instances(url: str) -> int:
 CONTROLLER_COUNTERS = ("heartbeats", "instance_reports", "heartbeat_cpu_seconds", "store_writes", "stalled_seconds")
 
 
+def agent_report(run_dir: Path) -> dict:
+    """The NodeAgent's heartbeats so far (its /metrics): mean round trip, and the time from
+    seeing the kill's exit to the Controller accepting the heartbeat that carried it (an
+    older build without these reads nothing)."""
+    found = re.search(r"\(http port (\d+),", (run_dir / "nodeagent.log").read_text(errors="replace"))
+    if not found:
+        return {}
+    text = httpx.get(f"http://127.0.0.1:{found.group(1)}/metrics", timeout=10).text
+    values = {name: float(m.group(1)) for name in ("heartbeats_total", "heartbeat_seconds_total", "exit_reports_total",
+                                                   "exit_report_seconds_total", "exit_report_max_seconds")
+              if (m := re.search(rf"^pdserve_nodeagent_{name} (\S+)$", text, re.M))}
+    if len(values) < 5 or not values["heartbeats_total"]:
+        return {}
+    return {"agent_heartbeat_ms": round(1000 * values["heartbeat_seconds_total"] / values["heartbeats_total"], 1),
+            "agent_exit_report_s": round(values["exit_report_max_seconds"], 3)}
+
+
 def controller_counters(http: str) -> dict[str, float]:
     """The Controller's heartbeat and store counters, read from its /metrics (one an
     older build does not export reads 0: A/B runs against it)."""
@@ -237,6 +254,7 @@ def run_one(n: int, args, workdir: Path) -> dict:
         under_kill = bench(url, args.load_seconds, args.concurrency)
         thread.join()
         kill.update(errors=under_kill["errors"], ok=under_kill["ok"])
+        kill.update(agent_report(run_dir))
         result["kill"] = kill
         log = (run_dir / "controller.log").read_text(errors="replace")
         # whole-cluster silences: each is every instance of the agent turning SUSPECT
@@ -281,7 +299,9 @@ def main() -> int:
               f"{m['controller']:.0f} / {m['nodeagent']:.0f} / {m['engine']:.1f} | {i['coordinator']} / "
               f"{i['controller']} / {i['nodeagent']} / {i['engine']} | {load['req_s']} | {load['errors']} | "
               f"{load['coordinator_cpu_ms_per_request']} | {kill['engines']}, "
-              f"{kill.get('unrouted_after_s', 'never')} | {kill['errors']} |")
+              f"{kill.get('unrouted_after_s', 'never')} | {kill['errors']} |"
+              + (f" agent: heartbeat {kill['agent_heartbeat_ms']} ms on average, the exit accepted after "
+                 f"{kill['agent_exit_report_s']} s" if "agent_exit_report_s" in kill else ""))
     print("\n| engines | start-up store writes | Controller idle: heartbeats/s, reports/s, CPU ms/heartbeat, "
           "store writes/s | under load: the same |")
     print("|---:|---:|---|---|")

@@ -41,6 +41,22 @@ class AgentCollector:
                                      "Heartbeats the Controller did not accept")
         failed.add_metric([], self.agent.num_heartbeats_failed)
         yield failed
+        stats = self.agent.stats
+        for name, doc, value in (
+                ("heartbeats", "Heartbeats the Controller accepted", stats.num_ok),
+                ("heartbeat_seconds", "Seconds from building a heartbeat to its accepted reply, summed",
+                 stats.seconds_total),
+                ("exit_reports", "Engine exits reported (each counted once, by the heartbeat that carried it)",
+                 stats.num_exit_reports),
+                ("exit_report_seconds", "Seconds from seeing an engine exit to the Controller accepting "
+                                        "its report, summed", stats.exit_report_seconds_total)):
+            family = CounterMetricFamily(f"pdserve_nodeagent_{name}", doc)
+            family.add_metric([], value)
+            yield family
+        worst = GaugeMetricFamily("pdserve_nodeagent_exit_report_max_seconds",
+                                  "The longest an engine exit's report took to be accepted, since start")
+        worst.add_metric([], stats.exit_report_seconds_max)
+        yield worst
 
 
 def engine_status(agent: Agent) -> dict:

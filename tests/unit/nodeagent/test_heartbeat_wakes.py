@@ -118,3 +118,91 @@ def test_the_agent_takes_the_interval_the_controller_gives():
         assert len(fake.times) >= 4, fake.times  # every 0.3 s, not every 2 s
 
     asyncio.run(go())
+
+
+def test_an_exit_is_timed_until_an_accepted_heartbeat_carried_it():
+    """``/metrics``' exit report time: from the agent seeing an exit (once per exit,
+    however often processes change after it) to the Controller accepting a heartbeat
+    built after it; an exit seen while a heartbeat is in flight waits for the next."""
+    from types import SimpleNamespace
+
+    async def go():
+        fake = SlowController(0.3)
+        server, port = await serve_controller(fake)
+        agent = Agent(AgentSettings(controllers=(f"127.0.0.1:{port}",)), [], SecuritySettings())
+        dead = SimpleNamespace(instance_id="e0..e3", state="exited", num_restarts=0)
+        agent.processes.append(dead)
+        try:
+            agent._on_process_change()
+            agent._on_process_change()  # another process's change: the same exit
+            await agent.heartbeat_once()
+            assert agent.stats.num_exit_reports == 1 and agent.stats.num_ok == 1
+            assert 0.3 <= agent.stats.exit_report_seconds_max < 1.5
+            first = asyncio.create_task(agent.heartbeat_once())
+            await asyncio.sleep(0.1)  # in flight: built before the next exit
+            dead.num_restarts = 1  # it restarted and died again
+            agent._on_process_change()
+            await first
+            assert agent.stats.num_exit_reports == 1
+            await agent.heartbeat_once()
+            assert agent.stats.num_exit_reports == 2 and agent.stats.num_ok == 3
+            assert agent.stats.exit_report_seconds_total >= 0.3 + 0.3  # the second: a whole round trip more
+        finally:
+            agent.processes.clear()
+            await agent.stop()
+            await server.stop(grace=None)
+
+    asyncio.run(go())
+
+
+class RecordingController(pb_grpc.ControllerServicer):
+    """Answers a heartbeat of several instances after ``delay_s``, one of one at once;
+    records each request's arrival and instances."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.requests: list[tuple[float, dict[str, str]]] = []
+
+    async def Heartbeat(self, request, context):
+        self.requests.append((time.monotonic(), {r.instance_id: r.process_state for r in request.instances}))
+        if len(request.instances) > 1:
+            await asyncio.sleep(self.delay_s)
+        return pb.HeartbeatResponse(heartbeat_interval_s=1.0)
+
+
+def test_an_exit_is_reported_at_once_beside_a_heartbeat_in_flight():
+    """A process's exit goes out as a report of its instances alone while the whole
+    heartbeat is still waiting for its answer; the next whole one carries it too."""
+    from pdserve.nodeagent.agent import SupervisedEngine
+
+    async def go():
+        fake = RecordingController(delay_s=1.0)
+        server, port = await serve_controller(fake)
+        engines = [SupervisedEngine(f"d{i}", "decode", "decode", ["engine"]) for i in range(3)]
+        agent = Agent(AgentSettings(controllers=(f"127.0.0.1:{port}",)), engines, SecuritySettings())
+        for process in agent.processes:
+            process.state = "running"
+        reports = asyncio.create_task(agent._exit_report_loop())
+        try:
+            whole = asyncio.create_task(agent.heartbeat_once())
+            while not fake.requests:
+                await asyncio.sleep(0.01)
+            died = time.monotonic()
+            engines[1].process.state = "exited"
+            agent._on_process_change()
+            while len(fake.requests) < 2:
+                await asyncio.sleep(0.01)
+            arrived, states = fake.requests[1]
+            assert states == {"d1": "exited"} and arrived - died < 0.5 and not whole.done()
+            await whole
+            assert agent.stats.num_exit_reports == 1 and agent.stats.exit_report_seconds_max < 0.5
+            await agent.heartbeat_once()
+            assert fake.requests[-1][1] == {"d0": "running", "d1": "exited", "d2": "running"}
+        finally:
+            reports.cancel()
+            await asyncio.gather(reports, return_exceptions=True)
+            agent.processes.clear()
+            await agent.stop()
+            await server.stop(grace=None)
+
+    asyncio.run(go())

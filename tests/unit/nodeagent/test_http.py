@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from pdserve.nodeagent.agent import HeartbeatStats
 from pdserve.nodeagent.http import create_http_app
 
 
@@ -19,7 +20,7 @@ def engine(instance_id: str, is_ready: bool, last_exit: str = "") -> SimpleNames
 
 def test_probes_and_metrics():
     agent = SimpleNamespace(instances={"d0": engine("d0", True), "d1": engine("d1", False)},
-                            num_heartbeats_failed=0)
+                            num_heartbeats_failed=0, stats=HeartbeatStats())
 
     async def go():
         async with TestClient(TestServer(create_http_app(agent))) as client:
@@ -44,7 +45,7 @@ def test_status_and_readyz_say_why_an_engine_does_not_start():
     failing = engine("d0", False, last_exit=f"engine exited with code 2: {error}")
     failing.process.__dict__.update(state="restarting", pid=42, last_exit_code=2, error_lines=[error],
                                     is_failing_to_start=True)
-    agent = SimpleNamespace(instances={"d0": failing}, num_heartbeats_failed=0,
+    agent = SimpleNamespace(instances={"d0": failing}, num_heartbeats_failed=0, stats=HeartbeatStats(),
                             settings=SimpleNamespace(agent_id="a0"))
 
     async def go():

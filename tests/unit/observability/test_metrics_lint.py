@@ -128,11 +128,14 @@ def test_controller_metrics():
 
 
 def test_nodeagent_metrics():
+    from pdserve.nodeagent.agent import HeartbeatStats
     from pdserve.nodeagent.http import AgentCollector
 
     inst = SimpleNamespace(instance_id="p0", role="prefill", is_ready=True,
                            process=SimpleNamespace(num_restarts=2))
-    text = _render(AgentCollector(SimpleNamespace(instances={"p0": inst}, num_heartbeats_failed=0)))
+    stats = HeartbeatStats(num_ok=4, seconds_total=0.2, num_exit_reports=1, exit_report_seconds_total=0.3,
+                           exit_report_seconds_max=0.3)
+    text = _render(AgentCollector(SimpleNamespace(instances={"p0": inst}, num_heartbeats_failed=0, stats=stats)))
     check(text, "nodeagent")
     assert "pdserve_nodeagent_engine_restarts_total" in text
 
