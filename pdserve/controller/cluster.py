@@ -126,12 +126,8 @@ class Cluster:
         self.heartbeat_interval_s = settings.thresholds.interval_s  # what agents are told (``tick``)
 
     # --- inputs: agents -------------------------------------------------------
-    def apply_heartbeat(self, agent_id: str, reports, now_s: float, built_unix_ns: int = 0) -> list[pb.Command]:
-        """Called by the gRPC Heartbeat handler (leader only). Returns the agent's commands.
-        A report of some of an agent's instances is a heartbeat of those. ``built_unix_ns``:
-        when the agent built it; a report of an instance its agent reported in a heartbeat
-        built later is stale (an exit sent at once overtook the heartbeat in flight) and
-        is not applied."""
+    def apply_heartbeat(self, agent_id: str, reports, now_s: float) -> list[pb.Command]:
+        """Called by the gRPC Heartbeat handler (leader only). Returns the agent's commands."""
         now_unix_s = time.time()
         for rep in reports:
             rec = self.records.get(rep.instance_id)
@@ -141,9 +137,6 @@ class Cluster:
                     assigned_role=rep.pool or rep.role, health_since_s=now_s)
                 self._drains.pop(rep.instance_id, None)  # a drain of an earlier one is done
                 self.record_event(f"{rep.instance_id}: registered ({rec.pool} pool, agent {agent_id})")
-            elif built_unix_ns and built_unix_ns < rec.built_unix_ns and agent_id == rec.agent_id:
-                continue  # stale: a heartbeat built after this one reported it
-            rec.built_unix_ns = built_unix_ns
             self._update_from_report(rec, agent_id, rep, now_s, now_unix_s)
             rec.interval_s = self.heartbeat_interval_s  # the reply tells its agent this
         commands = self._pending.pop(agent_id, [])

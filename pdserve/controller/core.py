@@ -202,8 +202,7 @@ class Controller:
         """Called by the gRPC Heartbeat handler."""
         cluster = self._require_leader()
         started_s = time.thread_time()
-        commands = cluster.apply_heartbeat(request.agent_id, request.instances, self.clock(),
-                                           request.built_unix_ns)
+        commands = cluster.apply_heartbeat(request.agent_id, request.instances, self.clock())
         if cluster.dirty:
             self._commit_soon.set()  # the commit loop writes the change, then publishes it
         peers = self._peers if self._peers is not None and self._peers.version != request.peers_version else None

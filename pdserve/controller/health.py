@@ -85,7 +85,6 @@ class InstanceRecord:
     command_sent_s: float | None = None
     lease_refreshed_s: float = 0.0
     is_heard: bool = False        # reported to this leader (False: loaded from the store)
-    built_unix_ns: int = 0        # when its agent built the heartbeat last applied (0: unknown)
 
     def to_json(self) -> str:
         # The persisted fields alone (``asdict`` would deep-copy the whole record, its load too).

@@ -6,10 +6,8 @@ state), the Controller channel, and the command tasks. Simulated instances that 
 one ``EmbeddedLaunch`` share one process (``pdserve engine --roles``, in their order:
 ``SupervisedEngine.index``); a restart or a relaunch of one of them is one of all.
 Loops: one supervisor per engine process, one probe loop per engine, one heartbeat
-loop (every interval, and at once when an engine's process state changes), the exit
-reports (a dead process's instances alone, sent at once beside the heartbeat loop: at a
-thousand engines a whole heartbeat waited behind the one in flight, and a heartbeat
-of a thousand reports is what a starved host sends last), and the peer checks (``peers.py``: its prefill engines
+loop (every interval, and at once when an engine's process state changes, so a death
+is reported without waiting), and the peer checks (``peers.py``: its prefill engines
 probe the decode peers the Controller lists; the verdicts ride the heartbeats).
 
 Commands: ``drain`` (stop admitting), ``switch_role`` (SetRole at once: the legs in
@@ -143,9 +141,6 @@ class Agent:
         self.stats = HeartbeatStats()
         self._exits_seen_s: list[float] = []  # monotonic: exits no accepted heartbeat carried yet
         self._exits_noted: dict[str, int] = {}  # process name -> its restarts when its exit was noted
-        self._exited: set[str] = set()  # instances whose exit no exit report sent yet
-        self._exit_wake = asyncio.Event()
-        self._built_unix_ns = 0  # the last heartbeat's ``built_unix_ns``
         self.processes: list[EngineProcess] = []
         self.peer_checks = PeerChecks(self._peer_prober, self._wake.set, settings.peer_probe_interval_s,
                                       settings.peer_probe_retry_s, settings.peer_probe_timeout_s,
@@ -175,8 +170,6 @@ class Agent:
             if process.state == "exited" and self._exits_noted.get(process.instance_id) != process.num_restarts:
                 self._exits_noted[process.instance_id] = process.num_restarts
                 self._exits_seen_s.append(time.monotonic())
-                self._exited.update(i.instance_id for i in self.instances.values() if i.process is process)
-                self._exit_wake.set()
         self._wake.set()
 
     async def start(self) -> None:
@@ -184,7 +177,6 @@ class Agent:
         self._tasks += [asyncio.create_task(p.supervise()) for p in self.processes]
         self._tasks += [asyncio.create_task(self._probe_loop(i)) for i in self.instances.values()]
         self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
-        self._tasks.append(asyncio.create_task(self._exit_report_loop()))
         self._tasks.append(asyncio.create_task(self.peer_checks.run(lambda: list(self.instances.values()))))
 
     async def stop(self) -> None:
@@ -285,11 +277,6 @@ class Agent:
         return self._stub
 
     async def _next_controller(self) -> None:
-        """The next replica's channel; with one replica the channel stays (gRPC reconnects
-        by itself, and a Controller too busy to answer in time is not helped by a new
-        connection, nor is an exit report in flight on it)."""
-        if len(self.settings.controllers) == 1:
-            return
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub = None
@@ -312,33 +299,14 @@ class Agent:
 
     async def heartbeat_once(self) -> None:
         """One heartbeat; on a standby or an unreachable replica, the next address at once."""
-        await self._send(list(self.instances.values()), fail_over=True)
-
-    async def _exit_report_loop(self) -> None:
-        """An engine process's exit reported at once, its instances alone, beside the
-        heartbeat loop (not after the heartbeat in flight). The Controller takes a report
-        of some of an agent's instances as a heartbeat of those (their silence judged
-        from it); the next whole heartbeat carries the exit too, so a report that fails
-        is not retried here, nor does it move to another replica (the loop does)."""
-        while True:
-            await self._exit_wake.wait()
-            self._exit_wake.clear()
-            exited = [self.instances[i] for i in sorted(self._exited)]
-            self._exited.clear()
-            await self._send(exited, fail_over=False)
-
-    async def _send(self, instances: list[SupervisedEngine], fail_over: bool) -> None:
-        """One heartbeat of ``instances``; with ``fail_over``, on a standby or an
-        unreachable replica the next address at once."""
         built_s = time.monotonic()
-        self._built_unix_ns = max(self._built_unix_ns + 1, time.time_ns())  # rising, whatever the clock
         request = pb.HeartbeatRequest(
             agent_id=self.settings.agent_id, node=socket.gethostname(),
-            instances=[i.report() for i in instances],
-            peers_version=self.peer_checks.peers.version, built_unix_ns=self._built_unix_ns)
+            instances=[i.report() for i in self.instances.values()],
+            peers_version=self.peer_checks.peers.version)
         for report in request.instances:
             self.peer_checks.fill(report)
-        for _ in range(len(self.settings.controllers) if fail_over else 1):
+        for _ in self.settings.controllers:
             try:
                 reply = await self._connect().Heartbeat(
                     request, timeout=max(1.0, 2 * self.settings.interval_s),
@@ -347,11 +315,9 @@ class Agent:
             except grpc.aio.AioRpcError as exc:
                 self.num_heartbeats_failed += 1
                 is_standby = exc.code() == grpc.StatusCode.FAILED_PRECONDITION
-                log.log(logging.INFO if is_standby else logging.WARNING, "%s to %s failed: %s %s",
-                        "heartbeat" if fail_over else "exit report",
+                log.log(logging.INFO if is_standby else logging.WARNING, "heartbeat to %s failed: %s %s",
                         self.settings.controllers[self._controller_index], exc.code().name, exc.details())
-                if fail_over:
-                    await self._next_controller()
+                await self._next_controller()
         else:
             return
         self.last_heartbeat_ok_s = now_s = time.monotonic()

@@ -125,20 +125,18 @@ class Peer(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_compat_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("agent_id", "node", "instances", "cluster_token", "peers_version", "built_unix_ns")
+    __slots__ = ("agent_id", "node", "instances", "cluster_token", "peers_version")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PEERS_VERSION_FIELD_NUMBER: _ClassVar[int]
-    BUILT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     node: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceReport]
     cluster_token: str
     peers_version: int
-    built_unix_ns: int
-    def __init__(self, agent_id: _Optional[str] = ..., node: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceReport, _Mapping]]] = ..., cluster_token: _Optional[str] = ..., peers_version: _Optional[int] = ..., built_unix_ns: _Optional[int] = ...) -> None: ...
+    def __init__(self, agent_id: _Optional[str] = ..., node: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceReport, _Mapping]]] = ..., cluster_token: _Optional[str] = ..., peers_version: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
     __slots__ = ("command_id", "instance_id", "kind", "role", "deadline_s")

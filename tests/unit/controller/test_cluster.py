@@ -290,26 +290,3 @@ def test_a_report_marks_its_record_dirty_only_when_a_persisted_field_changes():
     before = rec.change_key()
     rec.failures.append(5.0)  # grown in place, as ``set_health`` does
     assert rec.change_key() != before
-
-
-def test_a_report_from_a_heartbeat_built_before_the_last_applied_one_is_not_applied():
-    """An agent sends an engine's exit at once, beside its whole heartbeat in flight: the
-    whole one, built before the exit, may land after it and must not make the dead engine
-    READY again. Its other instances' reports still count, as do an older agent's (no
-    build time) and another agent's (the instance moved)."""
-    c = make_cluster()
-    c.apply_heartbeat("agent", [report("d0", "decode"), report("d1", "decode")], 1.0, built_unix_ns=100)
-    assert routable(c) == {"d0": "decode", "d1": "decode"}
-    c.apply_heartbeat("agent", [report("d0", "decode", "exited")], 1.2, built_unix_ns=300)
-    assert routable(c) == {"d1": "decode"}
-    c.apply_heartbeat("agent", [report("d0", "decode"), report("d1", "decode", num_running=4)], 1.3,
-                      built_unix_ns=200)  # built before the exit report
-    assert routable(c) == {"d1": "decode"} and c.records["d0"].process_state == "exited"
-    assert c.records["d1"].load["num_running"] == 4 and c.records["d1"].last_heartbeat_s == 1.3
-    assert c.records["d0"].last_heartbeat_s == 1.2
-    c.apply_heartbeat("agent", [report("d0", "decode")], 2.0, built_unix_ns=400)
-    assert routable(c) == {"d0": "decode", "d1": "decode"}
-    c.apply_heartbeat("agent", [report("d0", "decode", "exited")], 2.1)  # an agent from before the field
-    assert routable(c) == {"d1": "decode"}
-    c.apply_heartbeat("other", [report("d0", "decode")], 2.2, built_unix_ns=50)  # moved to another agent
-    assert routable(c) == {"d0": "decode", "d1": "decode"}
