@@ -106,7 +106,7 @@ def test_selectors_pick_exactly_their_own_pods(helm, name):
                                     engine_image="ghcr.io/pdserve/pdserve-engine:0.1.0",
                                     vllm_engine_image="ghcr.io/pdserve/pdserve-vllm:0.1.0",
                                     key_secret="r-pdserve-operator-key",
-                                    metrics_port=9090, log_level="debug")),
+                                    metrics_port=9090, log_level="debug", api_concurrency=16)),
     # operator.clusterImage: one image for every pod of a cluster, as before engineImage
     ("images", OperatorSettings(operator_namespace=NAMESPACE, image="registry.example/pdserve:1.2.3-cuda",
                                 engine_image="registry.example/pdserve:1.2.3-cuda",

@@ -16,7 +16,7 @@ VALUE_SETS: dict[str, dict] = {
                    "dashboards": {"namespace": "monitoring", "labels": {"team": "ml"}}},
     "no-dashboards": {"dashboards": {"enabled": False}},
     "namespaced": {"operator": {"watchNamespace": "team-a", "logLevel": "debug",
-                                "metricsPort": 9090},
+                                "metricsPort": 9090, "apiConcurrency": 16},
                    "metrics": {"serviceMonitor": {"enabled": True}}},
     "images": {"image": {"repository": "registry.example/pdserve", "tag": "1.2.3",
                          "pullPolicy": "Always"},
