@@ -29,7 +29,7 @@ Controller takes a dead engine out of the view within a heartbeat and, with the
 Cost: which engines can pair (``compatible``: every P × D) is worked out once per
 set of pools and kept while the registry's ``members_version``, the pair checks'
 ``version`` and the pools' members stay the same (the only inputs of ``can_pair``:
-compat hashes and KV endpoints change only through ``InstanceRegistry.replace``,
+compat hashes and KV endpoints change only through a view (``InstanceRegistry.apply_view``),
 which bumps ``members_version`` when they do; a view of new load figures keeps it);
 a request then costs the policies' choices and the prefix index's look-ups. Partner
 lists equal to a whole pool are that pool's list, one object (the usual case: every
