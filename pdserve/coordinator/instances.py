@@ -17,8 +17,9 @@ answers Health again or leaves the view (``engine_lost``); waiters on ``wait_cha
 wake on every change.
 
 Cost: a view O(N), an instance whose view fields all stay one tuple compare (a
-Controller view of a thousand engines applied in a few milliseconds). What a request reads is kept: ``max_model_len()`` until the
-next view, and ``pools()`` (no ``exclude``) until a view changes an instance's
+Controller view of a thousand engines applied in a few milliseconds). What a request
+reads is kept: ``max_model_len()`` until the next view, and ``pools()`` (no
+``exclude``) until a view changes an instance's
 ``MEMBER_FIELDS`` or the set of instances (``members_version``), an instance is marked
 failed or full, or one of those marks runs out; a view of new load figures keeps it.
 So view fields are written through a view alone, never on an instance in place.
