@@ -27,7 +27,6 @@ operator had the cluster forgotten (``ForgottenPersister``) nothing is written a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -38,6 +37,7 @@ from pdserve.controller.cluster import Cluster, ClusterSettings
 from pdserve.controller.fallback import ModeState
 from pdserve.controller.health import InstanceRecord
 from pdserve.controller.store import Fence, FencedError, Store, StoreError
+from pdserve.runtime.aio import gather_limited
 
 log = logging.getLogger(__name__)
 
@@ -156,18 +156,16 @@ class StatePersister:
                and now_s - rec.lease_refreshed_s >= self.lease_ttl_s / 3]
         if not due:
             return
-        limit = asyncio.Semaphore(LEASE_CONCURRENCY)
 
         async def refresh(rec: InstanceRecord) -> None:
             lease_id = rec.lease_id
-            async with limit:
-                is_alive = await self.store.refresh_lease(lease_id)
+            is_alive = await self.store.refresh_lease(lease_id)
             if not is_alive and rec.lease_id == lease_id:
                 rec.lease_id = 0
                 cluster.dirty.add(rec.instance_id)
             rec.lease_refreshed_s = now_s
 
-        results = await asyncio.gather(*map(refresh, due), return_exceptions=True)
+        results = await gather_limited(due, refresh, LEASE_CONCURRENCY)
         if errors := [r for r in results if isinstance(r, BaseException)]:
             if not isinstance(errors[0], StoreError):
                 raise errors[0]

@@ -269,8 +269,8 @@ class Router:
         and no exception names it (a published unusable pair, or a failed re-probe of
         this Coordinator's, between routable engines). Exceptions are few; an engine they
         name is left out here, and the pairing then checks its pairs one by one."""
-        out: set[str] = set()
         named: set[str] = set()
+        newest, oldest, least_listed = 0, float("inf"), 0  # no pair checks: the versions pass
         published = self.registry.published_pairs if self.pairs is not None else None
         if published is not None:
             prefill_ids, decode_at = {p.instance_id for p in prefill}, {d.instance_id: d for d in decode}
@@ -278,27 +278,16 @@ class Router:
                       if not result.ok and pair[1] in decode_at and result.kv_endpoint == decode_at[pair[1]].kv_endpoint]
             named.update(i for pair in (*published.unusable, *failed)
                          if pair[0] in prefill_ids and pair[1] in decode_at for i in pair)
-        for mine, theirs, passes in ((prefill, decode, self._checked_all), (decode, prefill, self._listed_for_all)):
-            hashes = {i.kv_compat_hash for i in theirs}
-            bound = passes(theirs) if published is not None else None
-            out.update(i.instance_id for i in mine
-                       if (not theirs or hashes == {i.kv_compat_hash}) and i.instance_id not in named
-                       and (bound is None or bound(i)))
-        return out
-
-    @staticmethod
-    def _checked_all(decode: list[EngineEndpoint]):
-        """Which prefill engines' agents checked every decode engine (all listed)."""
-        if any(d.peers_listed_version <= 0 for d in decode):
-            return lambda p: False
-        latest = max((d.peers_listed_version for d in decode), default=0)
-        return lambda p: p.peers_checked_version >= latest
-
-    @staticmethod
-    def _listed_for_all(prefill: list[EngineEndpoint]):
-        """Which decode engines every prefill engine's agent checked."""
-        earliest = min((p.peers_checked_version for p in prefill), default=None)
-        return lambda d: earliest is None or 0 < d.peers_listed_version <= earliest
+            listed = [d.peers_listed_version for d in decode]
+            newest = max(listed, default=0) if all(listed) else float("inf")  # an unlisted one pairs with none
+            oldest = min((p.peers_checked_version for p in prefill), default=float("inf"))
+            least_listed = 1
+        prefill_hashes, decode_hashes = {p.kv_compat_hash for p in prefill}, {d.kv_compat_hash for d in decode}
+        return ({p.instance_id for p in prefill  # its agent checked every decode engine
+                 if decode_hashes <= {p.kv_compat_hash} and p.peers_checked_version >= newest}
+                | {d.instance_id for d in decode  # every prefill engine's agent checked it
+                   if prefill_hashes <= {d.kv_compat_hash}
+                   and (not prefill or least_listed <= d.peers_listed_version <= oldest)}) - named
 
     def plan_now(self, pools: Pools, ctx: RouteContext) -> tuple[Plan | None, str]:
         """The PD plan for these pools, or (None, reason label). Called by ``plan``."""

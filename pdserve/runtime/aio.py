@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Iterable
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
@@ -17,3 +18,16 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     finally:
         waiter.cancel()
     return event.is_set()
+
+
+async def gather_limited(items: Iterable, call: Callable[..., Awaitable], limit: int) -> list:
+    """``await call(item)`` for every item, at most ``limit`` at once; the results in
+    item order, an exception in place of a result (every call runs to its end: the
+    caller decides what a failure means once it knows what the others did)."""
+    semaphore = asyncio.Semaphore(limit)
+
+    async def one(item):
+        async with semaphore:
+            return await call(item)
+
+    return await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
