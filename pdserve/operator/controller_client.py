@@ -10,13 +10,15 @@ deletion: nothing of the cluster stays in the store). Each call presents the
 cluster's own token (``tokens.py``); TLS material, when configured, is the
 operator's own (its environment).
 
-Invariants: every call has a deadline; every failure (unreachable, standby,
+Invariants: every call has a deadline, and ends by it even if grpc's own end of it
+never reaches the loop; every failure (unreachable, standby,
 refused) raises ``ControllerUnavailable``, which reconcile treats as "not now":
 it never blocks the rest of a reconcile on the Controller.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ from pdserve.api.proto import controller_pb2_grpc as pb_grpc
 from pdserve.runtime.security import TOKEN_METADATA_KEY, SecuritySettings, create_channel
 
 CALL_TIMEOUT_S = 5.0
+CALL_GUARD_S = 2.0  # a call's end overdue by this much past its deadline is taken as lost
 
 
 class ControllerUnavailable(Exception):
@@ -63,12 +66,19 @@ class ControllerClient:
         self._stub, self._metadata, self.address = stub, metadata, address
 
     async def _call(self, method: str, request):
+        # grpc's deadline ends the call; the loop's own bound answers should that end
+        # never reach this loop (a delete handler waiting on ForgetCluster holds the
+        # PDCluster's finalizer for as long as it waits)
         try:
-            return await getattr(self._stub, method)(request, timeout=CALL_TIMEOUT_S,
-                                                     metadata=self._metadata)
+            async with asyncio.timeout(CALL_TIMEOUT_S + CALL_GUARD_S):
+                return await getattr(self._stub, method)(request, timeout=CALL_TIMEOUT_S,
+                                                         metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise ControllerUnavailable(
                 f"{method} on {self.address}: {exc.code().name} {exc.details()}") from exc
+        except TimeoutError:
+            raise ControllerUnavailable(
+                f"{method} on {self.address}: no end {CALL_TIMEOUT_S + CALL_GUARD_S:g} s after it was sent") from None
 
     async def drain(self, instance_id: str, deadline_s: float) -> DrainState:
         reply = await self._call("Drain", pb.DrainRequest(instance_id=instance_id,

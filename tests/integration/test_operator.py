@@ -165,7 +165,7 @@ async def test_lifecycle_create_scale_roll_replace_delete(env):
 
     # delete: engines go, the Controller forgets, the finalizer is removed; the GC does the rest
     await k8s.kube.delete("PDCluster", NS, "tiny")
-    await _until_gone(k8s, fake, "tiny")
+    await _until_gone(k8s, fake, operator, "tiny")
     assert fake.num_forgets >= 1  # idempotent; kopf may repeat the handler once
     assert not await k8s.engine_pods("tiny") and not await k8s.instances("tiny")
     await k8s.garbage_collect()
@@ -265,7 +265,7 @@ async def test_watching_one_namespace(env):
     await k8s.kube.create(manifest())
     await ready_cluster(k8s, "tiny", 2)
     await k8s.kube.delete("PDCluster", NS, "tiny")
-    await _until_gone(k8s, fake, "tiny")
+    await _until_gone(k8s, fake, operator, "tiny")
     assert await k8s.token("tiny") is None  # the finalizer deleted the token Secret
 
 
@@ -290,16 +290,16 @@ async def _gone(k8s, name):
     return await k8s.cluster(name) is None
 
 
-async def _until_gone(k8s, fake, name: str) -> None:
+async def _until_gone(k8s, fake, operator, name: str) -> None:
     """The deleted PDCluster ``name`` disappears (its finalizer removed); on a timeout
-    the failure says where the deletion stopped."""
+    the failure says where the deletion stopped and what the operator awaits."""
     try:
         await eventually(lambda: _gone(k8s, name), timeout_s=45.0, what=f"the PDCluster {name} gone")
     except AssertionError as exc:
         meta = ((await k8s.cluster(name)) or {}).get("metadata", {})
         raise AssertionError(f"{exc}: finalizers {meta.get('finalizers')}, deletionTimestamp "
                              f"{meta.get('deletionTimestamp')}, engine Pods {sorted(await k8s.engine_pods(name))}, "
-                             f"Controller forgets {fake.num_forgets}") from None
+                             f"Controller forgets {fake.num_forgets}; the operator:\n{operator.where()}") from None
 
 
 async def _pods_if(k8s, name, predicate):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import sys
 import threading
 import time
 
@@ -93,6 +94,24 @@ async def start_fake_controller() -> tuple[FakeController, grpc.aio.Server, int]
     return fake, server, port
 
 
+def _frames(frame, limit: int) -> list:
+    out = []
+    while frame is not None and len(out) < limit:
+        out.append(frame)
+        frame = frame.f_back
+    return out
+
+
+def _awaiting(coro) -> list[str]:
+    """The chain of coroutines ``coro`` awaits, outermost first, each as module.name:line."""
+    out = []
+    while coro is not None and hasattr(coro, "cr_frame") and coro.cr_frame is not None:
+        frame = coro.cr_frame
+        out.append(f"{frame.f_globals.get('__name__')}.{coro.__qualname__}:{frame.f_lineno}")
+        coro = coro.cr_await
+    return out
+
+
 class OperatorThread:
     """``pdserve operator``'s ``serve`` in a thread with its own loop (kopf cancels
     every task of its loop on exit, so it must not share the test's)."""
@@ -103,9 +122,25 @@ class OperatorThread:
         self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._main, name="operator", daemon=True)
         self.error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def where(self) -> str:
+        """Where the operator is now: its thread's innermost frames and what each task of
+        its loop running pdserve's code awaits (for a failure message: a wait that timed
+        out says what the operator was waiting on)."""
+        frame = sys._current_frames().get(self.thread.ident)
+        lines = ["thread: " + " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}"
+                                           for f in _frames(frame, 6))]
+        for task in asyncio.all_tasks(self.loop) if self.loop else ():
+            chain = _awaiting(task.get_coro())
+            ours = [i for i, name in enumerate(chain) if name.startswith("pdserve.")]
+            if ours:  # from the first of pdserve's frames in
+                lines.append(f"task {task.get_name()}: " + " -> ".join(chain[ours[0]:]))
+        return "\n".join(lines)
 
     def _main(self) -> None:
         async def main() -> None:
+            self.loop = asyncio.get_running_loop()
             registry = kopf.OperatorRegistry()
 
             @kopf.on.login(registry=registry)
