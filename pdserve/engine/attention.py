@@ -191,13 +191,19 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if on_kv_written is not None:
         on_kv_written()
-    out = torch.empty_like(q)
+    out = None
     nd = meta.num_decodes
     kernel = meta.decode_kernel
     if nd and kernel is not None:  # the runner planned one bucket for it
         bucket = meta.decode_buckets[0]
-        out[:nd] = kernel(q[:nd], k_cache, v_cache, bucket.blocks, bucket.lens, meta.block_size, scale, window)
+        od = kernel(q[:nd], k_cache, v_cache, bucket.blocks, bucket.lens, meta.block_size, scale, window)
+        if nd == q.shape[0]:
+            return od  # a step of decodes only
+        out = torch.empty_like(q)
+        out[:nd] = od
         nd = 0  # done: no bucket below
+    if out is None:
+        out = torch.empty_like(q)
     for i, bucket in enumerate(meta.decode_buckets if nd else ()):
         qd = q[:nd] if bucket.rows is None else q.index_select(0, bucket.rows)
         od = _decode_bucket(qd, k_cache, v_cache, bucket, meta.block_size, scale,

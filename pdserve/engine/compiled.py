@@ -119,5 +119,5 @@ def warm_up(model: Transformer, compiled: CompiledDense, num_tokens: int) -> Non
     weight = model.embed_tokens
     h = torch.zeros(num_tokens, cfg.hidden_size, dtype=weight.dtype, device=weight.device)
     positions = torch.arange(num_tokens, device=weight.device)
-    q, _, _ = compiled.before(layer, h, positions, model.rotary)
+    q, _, _ = compiled.before(layer, h, model.rotary.at(positions))
     compiled.after(layer, h, torch.zeros_like(q))  # attention's output: [T, H, D]

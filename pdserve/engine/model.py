@@ -28,7 +28,7 @@ from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.prepack import linear
-from pdserve.engine.rope import Rotary
+from pdserve.engine.rope import Rotary, rotate
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -69,18 +69,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
-        """This layer's q, k and v of the normed input ``x``, rotated to their positions."""
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """This layer's q, k and v of the normed input ``x``, rotated by ``rope``
+        (``Rotary.at`` of the step's positions)."""
         t = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        return q, k, v
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
+            qk = rotate(*rope, qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim))
+            return qk[:, :self.num_heads], qk[:, self.num_heads:], v
+        q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
+        return rotate(*rope, q), rotate(*rope, k), v
 
     def attend(self, q, k, v, kv_cache: torch.Tensor, meta: AttentionMetadata,
                on_kv_written=None) -> torch.Tensor:
@@ -117,9 +117,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype, device, tp)
 
 
-def before_attention(layer: DecoderLayer, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary):
-    """A layer's dense part before attention: norm, q/k/v projection, q/k norm, rotary."""
-    return layer.self_attn.project(layer.input_layernorm(h), positions, rotary)
+def before_attention(layer: DecoderLayer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    """A layer's dense part before attention: norm, q/k/v projection, q/k norm, rotary
+    (``rope``: ``Rotary.at`` of the step's positions)."""
+    return layer.self_attn.project(layer.input_layernorm(h), rope)
 
 
 def after_attention(layer: DecoderLayer, h: torch.Tensor, o: torch.Tensor,
@@ -165,9 +166,10 @@ class Transformer(nn.Module):
         # fires after attention instead of between the cache write and attention.
         sharded = self.tp.size > 1
         before, after = self.dense_parts(input_ids.shape[0])
+        rope = self.rotary.at(positions)
         for i, layer in enumerate(self.layers):
             hook = None if kv_ready is None else functools.partial(kv_ready, i)
-            q, k, v = before(layer, h, positions, self.rotary)
+            q, k, v = before(layer, h, rope)
             o = layer.self_attn.attend(q, k, v, kv_cache[i], meta, None if sharded else hook)
             h = after(layer, h, o, hook if sharded else None)
         return self.norm(h)

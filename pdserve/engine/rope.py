@@ -106,13 +106,21 @@ class Rotary(nn.Module):
         self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) ``[T, 1, D]`` of ``positions``: looked up once per step, every layer
+        rotates with them (``rotate``)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:
-            xf = x.float()
-            half = xf.shape[-1] // 2
-            rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-            out.append((xf * cos + rotated * sin).to(x.dtype))
-        return out
+        cos, sin = self.at(positions)
+        return [rotate(cos, sin, x) for x in xs]
+
+
+def rotate(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, heads, D]`` rotated by ``Rotary.at``'s tables (HF's half-rotation layout,
+    in float32, rounded back to ``x``'s dtype). Elementwise: rotating q and k as one
+    tensor gives each exactly what rotating it alone does."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)

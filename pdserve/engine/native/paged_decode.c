@@ -9,6 +9,12 @@
  * Grouped-query: query head h reads kv head h / (heads / kv_heads). A token's K (then V)
  * row for every kv head is one contiguous read.
  *
+ * Scores: where the compiler targets AVX-512 BF16 (``-march=native`` on such a CPU), a
+ * token's K row meets the query as bfloat16 pairs (vdpbf16ps: exact products, float32
+ * sums), 16 tokens' partial sums reduced together (``sum_lanes16``), the scale applied to
+ * the sums; elsewhere K is widened to float32 and dotted with the pre-scaled query. The
+ * same math within float32 rounding, about 1.7x faster at batch 32 (docs/benchmarks.md).
+ *
  * Per row: an online softmax over the blocks (running max and sum per head, the
  * accumulator rescaled once per block), as flash attention does, its exponentials by a
  * polynomial the compiler vectorizes (a scalar expf per score was a quarter of the time);
@@ -19,6 +25,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define DPBF16 1
+#endif
 #define MAX_HEADS 64
 #define MAX_BLOCK 64
 
@@ -49,6 +59,44 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+#ifdef DPBF16
+/* r[j] = the sum of v[j]'s 16 lanes, for j < 16: a tree of lane shuffles and adds, three
+ * operations per pair where reducing each vector alone takes eight. */
+static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y, z, 0x88), _mm512_shuffle_f32x4(y, z, 0xdd));
+}
+
+/* The scores of tokens j0..j1 (at most 16) of one block for every query head: bfloat16
+ * pairs multiplied exactly and summed in float32 (vdpbf16ps), each head's 16 partial sums
+ * reduced together; the query is not pre-rounded, the scale applies to the sums. */
+#define SCORES16(D) { \
+    __m512 part[16]; \
+    for (int64_t kvh = 0; kvh < kv_heads; kvh++) \
+        for (int64_t g = 0; g < group; g++) { \
+            const int64_t h = kvh * group + g; \
+            for (int64_t j = 0; j < 16; j++) { \
+                __m512 acc = _mm512_setzero_ps(); \
+                if (jc + j < j1) { \
+                    const uint16_t *kp = k_cache + (base + jc + j) * row_stride + kvh * D; \
+                    for (int c = 0; c < D / 32; c++) \
+                        acc = _mm512_dpbf16_ps(acc, qb[h][c], (__m512bh)_mm512_loadu_si512(kp + 32 * c)); \
+                } \
+                part[j] = acc; \
+            } \
+            _mm512_storeu_ps(&s[h][jc], _mm512_mul_ps(sum_lanes16(part), _mm512_set1_ps(scale))); \
+        } \
+}
+#endif
+
 /* The scores of one token's K row for kv head kvh, for each query head of its group
  * (float32 loops the compiler vectorizes; the query is pre-scaled). */
 #define SCORES(D) { \
@@ -62,13 +110,30 @@ static inline float exp_nonpositive(float x) {
     } \
 }
 
+#ifdef DPBF16
+#define QB(D) __m512bh qb[MAX_HEADS][D / 32]; \
+    for (int64_t h = 0; h < heads; h++) \
+        for (int c = 0; c < D / 32; c++) qb[h][c] = (__m512bh)_mm512_loadu_si512(q + h * D + 32 * c);
+#define BLOCK_SCORES(D) \
+    for (int64_t jc = j0; jc < j1; jc += 16) SCORES16(D)
+#else
+#define QB(D)
+#define BLOCK_SCORES(D) \
+    for (int64_t j = j0; j < j1; j++) { \
+        const uint16_t *kp = k_cache + (base + j) * row_stride; \
+        for (int64_t kvh = 0; kvh < kv_heads; kvh++) \
+            SCORES(D) \
+    }
+#endif
+
 #define ROW(NAME, D) \
 static void NAME(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, \
                  int64_t len, int64_t start, int64_t heads, int64_t kv_heads, int64_t block_size, float scale, \
                  uint16_t *out) { \
     const int64_t group = heads / kv_heads; \
     float qf[MAX_HEADS][D], acc[MAX_HEADS][D], m[MAX_HEADS], l[MAX_HEADS]; \
-    float s[MAX_HEADS][MAX_BLOCK]; \
+    float s[MAX_HEADS][MAX_BLOCK + 16]; \
+    QB(D) \
     for (int64_t h = 0; h < heads; h++) { \
         for (int d = 0; d < D; d++) { qf[h][d] = bf16_to_f32(q[h * D + d]) * scale; acc[h][d] = 0.0f; } \
         m[h] = -INFINITY; l[h] = 0.0f; \
@@ -78,11 +143,7 @@ static void NAME(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_c
         const int64_t base = table[b0 / block_size] * block_size; \
         const int64_t j0 = b0 < start ? start - b0 : 0; \
         const int64_t j1 = len - b0 < block_size ? len - b0 : block_size; \
-        for (int64_t j = j0; j < j1; j++) { \
-            const uint16_t *kp = k_cache + (base + j) * row_stride; \
-            for (int64_t kvh = 0; kvh < kv_heads; kvh++) \
-                SCORES(D) \
-        } \
+        BLOCK_SCORES(D) \
         for (int64_t h = 0; h < heads; h++) { \
             float mx = m[h]; \
             _Pragma("omp simd reduction(max : mx)") \

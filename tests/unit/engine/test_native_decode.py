@@ -58,6 +58,7 @@ def case(heads, kv_heads, dim, block_size, lens, seed=0):
     (9, 3, 64, 16),   # SmolLM2
     (8, 8, 128, 16),  # no grouping
     (32, 4, 128, 8),  # wide groups, small blocks
+    (9, 3, 64, 64),   # blocks of several 16-token score chunks
 ])
 @pytest.mark.parametrize("window", [None, 20])
 def test_the_kernel_gives_the_torch_paths_attention(kernel, heads, kv_heads, dim, block_size, window):
@@ -67,6 +68,22 @@ def test_the_kernel_gives_the_torch_paths_attention(kernel, heads, kv_heads, dim
     got = attend(q, k_cache, v_cache, lens, tables, block_size, window, kernel)
     # Both sum in float32 and round once to bfloat16: within a unit or two of the last place.
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+
+
+def test_the_bfloat16_pair_scores_give_the_widened_scores_attention(kernel, tmp_path, monkeypatch):
+    """Built for AVX-512 BF16 the kernel scores with bfloat16 pair products (vdpbf16ps);
+    built without it, with K widened to float32: the same attention within float32
+    rounding, so nearly every bfloat16 output is equal. (On a CPU without AVX-512 BF16
+    both builds take the widened path.)"""
+    monkeypatch.setattr(native, "FLAGS", [*native.FLAGS, "-mno-avx512bf16"])
+    widened = native.PagedDecode(native.build(tmp_path))
+    lens = [1, 15, 16, 17, 33, 64, 65, 200, 301]
+    for dim, block_size, window in ((64, 16, None), (128, 64, None), (64, 32, 40)):
+        q, k_cache, v_cache, tables = case(8, 2, dim, block_size, lens, seed=dim + block_size)
+        got = attend(q, k_cache, v_cache, lens, tables, block_size, window, kernel)
+        want = attend(q, k_cache, v_cache, lens, tables, block_size, window, widened)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+        assert (got == want).float().mean() > 0.97
 
 
 def test_loading_the_kernel_leaves_the_processs_floating_point_alone(kernel):
