@@ -12,8 +12,11 @@
  * Scores: where the compiler targets AVX-512 BF16 (``-march=native`` on such a CPU), a
  * token's K row meets the query as bfloat16 pairs (vdpbf16ps: exact products, float32
  * sums), 16 tokens' partial sums reduced together (``sum_lanes16``), the scale applied to
- * the sums; elsewhere K is widened to float32 and dotted with the pre-scaled query. The
- * same math within float32 rounding, about 1.7x faster at batch 32 (docs/benchmarks.md).
+ * the sums; elsewhere K is widened to float32 and dotted with the pre-scaled query. On
+ * such a CPU the weighted sum of V keeps up to four query heads' accumulators in
+ * registers across a block's tokens, each V row widened once for them. The same math
+ * within float32 rounding; the two together about 1.7-2x the widened kernel at contexts
+ * of a few hundred tokens (docs/benchmarks.md, ``benchmarks/decode_kernel_builds.py``).
  *
  * Per row: an online softmax over the blocks (running max and sum per head, the
  * accumulator rescaled once per block), as flash attention does, its exponentials by a
@@ -116,8 +119,49 @@ static inline __m512 sum_lanes16(const __m512 *v) {
         for (int c = 0; c < D / 32; c++) qb[h][c] = (__m512bh)_mm512_loadu_si512(q + h * D + 32 * c);
 #define BLOCK_SCORES(D) \
     for (int64_t jc = j0; jc < j1; jc += 16) SCORES16(D)
+/* acc += p * V over tokens j0..j1 of a block: the accumulators of up to PV_TILE query
+ * heads of one kv head held in registers across the block's tokens, each V row widened
+ * once for all of them (stores only at the block's end). */
+#define PV_TILE(D) ((D) == 64 ? 4 : 2)
+#define BLOCK_VALUES(D) \
+    for (int64_t kvh = 0; kvh < kv_heads; kvh++) \
+        for (int64_t g0 = 0; g0 < group; g0 += PV_TILE(D)) { \
+            const int64_t tile = group - g0 < PV_TILE(D) ? group - g0 : PV_TILE(D); \
+            const int64_t h0 = kvh * group + g0; \
+            __m512 a[PV_TILE(D)][D / 16]; \
+            for (int t = 0; t < PV_TILE(D); t++) \
+                for (int c = 0; c < D / 16; c++) \
+                    a[t][c] = t < tile ? _mm512_loadu_ps(&acc[h0 + t][16 * c]) : _mm512_setzero_ps(); \
+            for (int64_t j = j0; j < j1; j++) { \
+                const uint16_t *vp = v_cache + (base + j) * row_stride + kvh * D; \
+                __m512 vf[D / 16]; \
+                for (int c = 0; c < D / 16; c++) \
+                    vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32( \
+                        _mm256_loadu_si256((const __m256i *)(vp + 16 * c))), 16)); \
+                for (int t = 0; t < PV_TILE(D); t++) \
+                    if (t < tile) { \
+                        const __m512 p = _mm512_set1_ps(s[h0 + t][j]); \
+                        for (int c = 0; c < D / 16; c++) a[t][c] = _mm512_fmadd_ps(p, vf[c], a[t][c]); \
+                    } \
+            } \
+            for (int t = 0; t < tile; t++) \
+                for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(&acc[h0 + t][16 * c], a[t][c]); \
+        }
 #else
 #define QB(D)
+#define BLOCK_VALUES(D) \
+    for (int64_t j = j0; j < j1; j++) { \
+        const uint16_t *vp = v_cache + (base + j) * row_stride; \
+        for (int64_t kvh = 0; kvh < kv_heads; kvh++) { \
+            float vf[D]; \
+            for (int d = 0; d < D; d++) vf[d] = bf16_to_f32(vp[kvh * D + d]); \
+            for (int64_t g = 0; g < group; g++) { \
+                const int64_t h = kvh * group + g; const float p = s[h][j]; \
+                _Pragma("omp simd") \
+                for (int d = 0; d < D; d++) acc[h][d] += p * vf[d]; \
+            } \
+        } \
+    }
 #define BLOCK_SCORES(D) \
     for (int64_t j = j0; j < j1; j++) { \
         const uint16_t *kp = k_cache + (base + j) * row_stride; \
@@ -156,18 +200,7 @@ static void NAME(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_c
             for (int64_t j = j0; j < j1; j++) { s[h][j] = exp_nonpositive(s[h][j] - mx); sum += s[h][j]; } \
             l[h] += sum; \
         } \
-        for (int64_t j = j0; j < j1; j++) { \
-            const uint16_t *vp = v_cache + (base + j) * row_stride; \
-            for (int64_t kvh = 0; kvh < kv_heads; kvh++) { \
-                float vf[D]; \
-                for (int d = 0; d < D; d++) vf[d] = bf16_to_f32(vp[kvh * D + d]); \
-                for (int64_t g = 0; g < group; g++) { \
-                    const int64_t h = kvh * group + g; const float p = s[h][j]; \
-                    _Pragma("omp simd") \
-                    for (int d = 0; d < D; d++) acc[h][d] += p * vf[d]; \
-                } \
-            } \
-        } \
+        BLOCK_VALUES(D) \
     } \
     for (int64_t h = 0; h < heads; h++) { \
         const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f; \
