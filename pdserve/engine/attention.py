@@ -51,6 +51,10 @@ class PrefillChunk:
     context_len: int  # tokens in cache after this chunk (cached prefix + new)
     slots: torch.Tensor | None  # [context_len] cache slots; None when no prefix is cached
     mask: torch.Tensor | None  # [num_new, context_len] bool; None means plain causal
+    # Read by the native kernel instead (``kernel_prefill``): each new token a row of its
+    # own over the cache, [num_new, blocks] block tables and [num_new] contexts.
+    tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -110,6 +114,11 @@ class AttentionMetadata:
 
 
 DECODE_CALL_COST_BLOCKS = 8
+# A prefill chunk whose context is at most this many tokens is read by the native kernel
+# (each new token a row, causal by its own length) where it runs: 1.42x SDPA's flash
+# attention at 200 tokens, 1.35x at 512, 0.95x at 1,024 (SmolLM2's shapes, one core,
+# AVX-512 BF16; docs/benchmarks.md).
+KERNEL_PREFILL_MAX_CONTEXT = 768
 
 
 def plan_decode_buckets(num_blocks: list[int], call_cost: int = DECODE_CALL_COST_BLOCKS) -> list[list[int]]:
@@ -214,6 +223,9 @@ def paged_attention(
             out.index_copy_(0, bucket.rows, od)
     for i, chunk in enumerate(meta.prefills):
         s, e = chunk.start, chunk.start + chunk.num_new
+        if chunk.tables is not None:  # causal: token t of the chunk attends to its context
+            out[s:e] = kernel(q[s:e], k_cache, v_cache, chunk.tables, chunk.lens, meta.block_size, scale, window)
+            continue
         qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         mask = meta.prefill_mask(i, window)
         if chunk.slots is None:

@@ -18,6 +18,7 @@ import torch
 
 from pdserve.engine.attention import (
     DECODE_CALL_COST_BLOCKS,
+    KERNEL_PREFILL_MAX_CONTEXT,
     AttentionMetadata,
     PrefillChunk,
     build_decode_buckets,
@@ -111,7 +112,11 @@ class ModelRunner:
                     scored.append((request, row0 + first - start, first, end))
             if n != 1:
                 ctx = start + n
-                if start == 0:
+                if self.decode_kernel is not None and ctx <= KERNEL_PREFILL_MAX_CONTEXT:
+                    table = torch.tensor(bt[:-(-ctx // bs)], dtype=torch.long, device=self.device)
+                    meta.prefills.append(PrefillChunk(row0, n, ctx, None, None, table.expand(n, -1).contiguous(),
+                                                      torch.arange(start + 1, ctx + 1, device=self.device)))
+                elif start == 0:
                     meta.prefills.append(PrefillChunk(row0, n, ctx, None, None))
                 else:
                     slots = self._slots_for([bt], ctx)[0]

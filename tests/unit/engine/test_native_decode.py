@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.engine import native
-from pdserve.engine.attention import AttentionMetadata, build_decode_buckets, paged_attention
+from pdserve.engine.attention import AttentionMetadata, PrefillChunk, build_decode_buckets, paged_attention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import Transformer
 from pdserve.engine.runner import ModelRunner
@@ -68,6 +68,52 @@ def test_the_kernel_gives_the_torch_paths_attention(kernel, heads, kv_heads, dim
     got = attend(q, k_cache, v_cache, lens, tables, block_size, window, kernel)
     # Both sum in float32 and round once to bfloat16: within a unit or two of the last place.
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("start,num_new,window", [(0, 200, None), (0, 37, 20), (96, 64, None), (5, 1 + 16, 24)])
+def test_a_prefill_chunk_read_by_the_kernel_gives_sdpas_attention(kernel, start, num_new, window):
+    """A prefill chunk (after a cached prefix of ``start`` tokens, or none) through the
+    kernel, each new token a row over its own context, against the SDPA path."""
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    ctx = start + num_new
+    q, k_cache, v_cache, [table] = case(heads, kv_heads, dim, block_size, [ctx], seed=start + num_new)
+    q = torch.randn(num_new, heads, dim, dtype=torch.bfloat16)
+    blocks = torch.tensor(table, dtype=torch.long)
+    slots = (blocks.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(len(table)))[:ctx]
+    new = slots[start:]
+    k, v = k_cache[new], v_cache[new]  # this step's K/V, as the cache write leaves them
+
+    def through(chunk):
+        meta = AttentionMetadata(slot_mapping=new, num_decodes=0, block_size=block_size, decode_kernel=kernel,
+                                 prefills=[chunk])
+        return paged_attention(q, k, v, k_cache, v_cache, meta, dim**-0.5, None, window)
+
+    if start == 0:
+        sdpa = PrefillChunk(0, num_new, ctx, None, None)
+    else:
+        mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(start, ctx).unsqueeze(1)
+        sdpa = PrefillChunk(0, num_new, ctx, slots, mask)
+    want = through(sdpa)
+    got = through(PrefillChunk(0, num_new, ctx, None, None, blocks.expand(num_new, -1).contiguous(),
+                               torch.arange(start + 1, ctx + 1)))
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+
+
+def test_the_runner_sends_short_prefills_to_the_kernel_and_long_ones_to_sdpa(kernel):
+    from pdserve.engine.attention import KERNEL_PREFILL_MAX_CONTEXT
+    from pdserve.engine.request import Request, SamplingParams
+    from pdserve.engine.scheduler import ScheduledBatch
+
+    runner = runner_for(64, 16)
+    assert runner.decode_kernel is kernel
+    short, long = (Request(name, list(range(1, n + 1)), SamplingParams(max_tokens=1))
+                   for name, n in (("short", 40), ("long", KERNEL_PREFILL_MAX_CONTEXT + 1)))
+    for i, r in enumerate((short, long)):
+        r.block_table = list(range(i * 64, i * 64 + -(-r.num_tokens // 16)))
+    _, _, meta, *_ = runner.prepare(ScheduledBatch(items=[(short, 40), (long, long.num_tokens)]))
+    kernel_chunk, sdpa_chunk = meta.prefills
+    assert kernel_chunk.tables.shape == (40, 3) and kernel_chunk.lens.tolist() == list(range(1, 41))
+    assert sdpa_chunk.tables is None
 
 
 def test_the_bfloat16_pair_scores_give_the_widened_scores_attention(kernel, tmp_path, monkeypatch):
