@@ -12,10 +12,18 @@ import pytest
 import torch
 
 from pdserve.engine import native
-from pdserve.engine.attention import AttentionMetadata, PrefillChunk, build_decode_buckets, paged_attention
+from pdserve.engine.attention import (
+    KERNEL_PREFILL_MAX_CONTEXT,
+    AttentionMetadata,
+    PrefillChunk,
+    build_decode_buckets,
+    paged_attention,
+)
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import Transformer
+from pdserve.engine.request import Request, SamplingParams
 from pdserve.engine.runner import ModelRunner
+from pdserve.engine.scheduler import ScheduledBatch
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +108,6 @@ def test_a_prefill_chunk_read_by_the_kernel_gives_sdpas_attention(kernel, start,
 
 
 def test_the_runner_sends_short_prefills_to_the_kernel_and_long_ones_to_sdpa(kernel):
-    from pdserve.engine.attention import KERNEL_PREFILL_MAX_CONTEXT
-    from pdserve.engine.request import Request, SamplingParams
-    from pdserve.engine.scheduler import ScheduledBatch
-
     runner = runner_for(64, 16)
     assert runner.decode_kernel is kernel
     short, long = (Request(name, list(range(1, n + 1)), SamplingParams(max_tokens=1))
