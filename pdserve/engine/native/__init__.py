@@ -3,11 +3,13 @@
 ``decode_kernel()`` returns the paged decode attention (``paged_decode.c``) as a function
 of torch tensors, or None where it cannot run (no C compiler, a build that failed,
 ``PDSERVE_NATIVE=0``); the engine then takes the torch path (gather, then SDPA), which
-gives the same results within float rounding. The kernel reads each decode row's K and V
-where they lie in the paged cache; the torch path copies them into a dense tensor first
-and reads the copy again: a layer's decode attention at batch 32 on SmolLM2's shapes 1.37
--> 0.84 ms, the engine's decode step about 1.09x at batch 8 and 1.11x at 32
-(docs/benchmarks.md, "Decode attention read in place").
+gives the same results within float rounding. The runner also gives it the prefill
+chunks of short contexts (``attention.KERNEL_PREFILL_MAX_CONTEXT``), each new token a row
+of its own. The kernel reads each row's K and V where they lie in the paged cache; the
+torch path copies them into a dense tensor first and reads the copy again: a layer's
+decode attention at batch 32 on SmolLM2's shapes 1.37 -> 0.84 ms, the engine's decode
+step about 1.09x at batch 8 and 1.11x at 32 (docs/benchmarks.md, "Decode attention read
+in place"); on a CPU with AVX-512 BF16, 1.7-2x more (paged_decode.c's header).
 
 Build: ``cc -O3 -march=native -fopenmp`` (never ``-ffast-math``: its start-up code
 would set flush-to-zero for the whole process) into a shared library, cached by the source's
