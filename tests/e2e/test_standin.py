@@ -228,7 +228,13 @@ def test_service_names_resolve_inside_pods_and_route_to_ready_endpoints(cluster)
         "kind": "Pod", "name": "backend", "namespace": "default", "uid": backend["metadata"]["uid"]}}],
         "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]}]
     # the same endpoint in the Service's EndpointSlice, as kube-proxy and the operator read it
-    [web_slice] = k.list("EndpointSlice", labels={"kubernetes.io/service-name": "web"})
+    # (written after the Endpoints, as by Kubernetes' two controllers: waited for on its own)
+    def ready_slice():
+        slices = k.list("EndpointSlice", labels={"kubernetes.io/service-name": "web"})
+        ready = [(e["addresses"], e["targetRef"]["name"]) for s in slices for e in s["endpoints"]
+                 if e["conditions"]["ready"]]
+        return slices if ready == [([backend["status"]["podIP"]], "backend")] else None
+    [web_slice] = wait_for(ready_slice, 10, "the ready endpoint in the slice")
     assert web_slice["addressType"] == "IPv4" and web_slice["ports"] == endpoints[0]["ports"]
     assert [(e["addresses"], e["conditions"]["ready"], e["targetRef"]["name"]) for e in web_slice["endpoints"]] \
         == [([backend["status"]["podIP"]], True, "backend")]
