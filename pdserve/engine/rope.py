@@ -111,10 +111,6 @@ class Rotary(nn.Module):
         rotates with them (``rotate``)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        cos, sin = self.at(positions)
-        return [rotate(cos, sin, x) for x in xs]
-
 
 def rotate(cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[T, heads, D]`` rotated by ``Rotary.at``'s tables (HF's half-rotation layout,

@@ -12,7 +12,7 @@
  * Scores: where the compiler targets AVX-512 BF16 (``-march=native`` on such a CPU), a
  * token's K row meets the query as bfloat16 pairs (vdpbf16ps: exact products, float32
  * sums), 16 tokens' partial sums reduced together (``sum_lanes16``), the scale applied to
- * the sums; elsewhere K is widened to float32 and dotted with the pre-scaled query. On
+ * the sums; elsewhere K is widened to float32 and dotted with the pre-scaled query (``QUERY``). On
  * such a CPU the weighted sum of V keeps up to four query heads' accumulators in
  * registers across a block's tokens, each V row widened once for them. The same math
  * within float32 rounding; the two together about 1.7-2x the widened kernel at contexts
@@ -114,7 +114,8 @@ static inline __m512 sum_lanes16(const __m512 *v) {
 }
 
 #ifdef DPBF16
-#define QB(D) __m512bh qb[MAX_HEADS][D / 32]; \
+/* The query as the scores read it: bfloat16 pairs here, float32 pre-scaled below. */
+#define QUERY(D) __m512bh qb[MAX_HEADS][D / 32]; \
     for (int64_t h = 0; h < heads; h++) \
         for (int c = 0; c < D / 32; c++) qb[h][c] = (__m512bh)_mm512_loadu_si512(q + h * D + 32 * c);
 #define BLOCK_SCORES(D) \
@@ -148,7 +149,9 @@ static inline __m512 sum_lanes16(const __m512 *v) {
                 for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(&acc[h0 + t][16 * c], a[t][c]); \
         }
 #else
-#define QB(D)
+#define QUERY(D) float qf[MAX_HEADS][D]; \
+    for (int64_t h = 0; h < heads; h++) \
+        for (int d = 0; d < D; d++) qf[h][d] = bf16_to_f32(q[h * D + d]) * scale;
 #define BLOCK_VALUES(D) \
     for (int64_t j = j0; j < j1; j++) { \
         const uint16_t *vp = v_cache + (base + j) * row_stride; \
@@ -175,11 +178,11 @@ static void NAME(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_c
                  int64_t len, int64_t start, int64_t heads, int64_t kv_heads, int64_t block_size, float scale, \
                  uint16_t *out) { \
     const int64_t group = heads / kv_heads; \
-    float qf[MAX_HEADS][D], acc[MAX_HEADS][D], m[MAX_HEADS], l[MAX_HEADS]; \
+    float acc[MAX_HEADS][D], m[MAX_HEADS], l[MAX_HEADS]; \
     float s[MAX_HEADS][MAX_BLOCK + 16]; \
-    QB(D) \
+    QUERY(D) \
     for (int64_t h = 0; h < heads; h++) { \
-        for (int d = 0; d < D; d++) { qf[h][d] = bf16_to_f32(q[h * D + d]) * scale; acc[h][d] = 0.0f; } \
+        for (int d = 0; d < D; d++) acc[h][d] = 0.0f; \
         m[h] = -INFINITY; l[h] = 0.0f; \
     } \
     const int64_t row_stride = kv_heads * D; \
