@@ -43,12 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(source: Path, extra_flags: list[str]) -> native.PagedDecode:
-    saved = native.SOURCE, native.FLAGS
-    native.SOURCE, native.FLAGS = source, [*native.FLAGS, *extra_flags]
+    saved = native.SOURCES, native.FLAGS
+    native.SOURCES = (source, *native.SOURCES[1:])  # paged_decode.c first
+    native.FLAGS = [*native.FLAGS, *extra_flags]
     try:
         return native.PagedDecode(native.build(Path(tempfile.mkdtemp(prefix="pdserve-kernel-"))))
     finally:
-        native.SOURCE, native.FLAGS = saved
+        native.SOURCES, native.FLAGS = saved
 
 
 def case(rows: int, context: int, seed: int):
@@ -79,13 +80,13 @@ def reference(q, k, v, tables, lens) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    base_source = native.SOURCE
+    base_source = native.SOURCES[0]
     if args.against:
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:pdserve/engine/native/paged_decode.c"],
                               check=True, capture_output=True, text=True).stdout
         base_source = Path(tempfile.mkdtemp(prefix="pdserve-kernel-src-")) / "paged_decode.c"
         base_source.write_text(text)
-    builds = {"current": build(native.SOURCE, []),
+    builds = {"current": build(native.SOURCES[0], []),
               "baseline": build(base_source, args.against_flags.split())}
     print(f"baseline: {args.against or 'this source'} {args.against_flags}".rstrip())
     print("\n| batch x context | current us | baseline us | baseline / current | max error current / baseline |")

@@ -2,8 +2,9 @@
 bfloat16, packed weights, one engine in this process): prefill steps with compiled
 dense parts (``pdserve/engine/compiled.py``) against eager ones (the same greedy ids on
 real prompts, prompt logprobs as close to float32's, one graph for every layer and size,
-the KV hook fired per layer in order), and decode attention read in place by the
-native kernel (``pdserve/engine/native``) against gather and SDPA (the same ids)."""
+the KV hook fired per layer in order), decode attention read in place by the
+native kernel (``pdserve/engine/native``) against gather and SDPA (the same ids), and
+decode steps' linears through the native GEMM against oneDNN (the same ids)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from pdserve.api.sampling import SamplingParams
-from pdserve.engine import compiled
+from pdserve.engine import compiled, native
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model import after_attention, before_attention
@@ -66,16 +67,23 @@ def engine():
 
 
 @contextlib.contextmanager
-def paths(engine: LLMEngine, compiled_prefill: bool = True, native_decode: bool = True):
-    """The engine with its compiled prefill and native decode on or off for a while."""
+def paths(engine: LLMEngine, compiled_prefill: bool = True, native_decode: bool = True,
+          native_gemm: bool = True):
+    """The engine with its compiled prefill, native decode and native GEMM on or off for a
+    while."""
     runner, model = engine.runner, engine.runner.model
     kept = model.compiled, runner.decode_kernel
+    gemms = {p: p.gemm for p in model.parameters() if hasattr(p, "gemm")}
     model.compiled = kept[0] if compiled_prefill else None
     runner.decode_kernel = kept[1] if native_decode else None
+    for p in gemms if not native_gemm else ():
+        del p.gemm
     try:
         yield
     finally:
         model.compiled, runner.decode_kernel = kept
+        for p, gemm in gemms.items():
+            p.gemm = gemm
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], tag: str, together: bool = False):
@@ -150,6 +158,29 @@ def test_native_decode_attention_gives_the_torch_paths_greedy_ids(engine):
     compared = [agree_where_decided(p_lps, n_lps) for (_, p_lps), (_, n_lps) in zip(plain, native, strict=True)]
     print(f"tokens the same until a near-tie: {compared} of {MAX_TOKENS}")
     assert sum(compared) >= MAX_TOKENS  # not all parted at once
+
+
+def test_decode_linears_through_the_native_gemm_give_onednns_greedy_ids(engine, monkeypatch):
+    model = engine.runner.model
+    read_in_place = [p for p in model.parameters() if hasattr(p, "gemm")]
+    if native.gemm_kernel() is None:
+        assert not read_in_place  # a CPU without AVX-512 BF16: oneDNN for every linear
+        return
+    # Every projection of SmolLM2 and its head: their shapes are multiples of 64.
+    assert len(read_in_place) == 4 * engine.model_config.num_hidden_layers + 1
+    calls = []
+    gemm = read_in_place[0].gemm
+    for p in read_in_place:
+        monkeypatch.setattr(p, "gemm", lambda x, w: calls.append(x.shape[0]) or gemm(x, w))
+    prompts = [engine.tokenizer.encode(text) for text in PROMPTS]
+    fast = run(engine, prompts, "gemm", together=True)  # decode steps of three rows
+    assert calls and max(calls) <= native.GEMM_MAX_ROWS and 3 in calls
+    with paths(engine, native_gemm=False):
+        assert not any(hasattr(p, "gemm") for p in model.parameters())
+        plain = run(engine, prompts, "onednn", together=True)
+    compared = [agree_where_decided(p_lps, f_lps) for (_, p_lps), (_, f_lps) in zip(plain, fast, strict=True)]
+    print(f"tokens the same until a near-tie: {compared} of {MAX_TOKENS}")
+    assert compared == [MAX_TOKENS] * len(PROMPTS)  # oneDNN's sums in oneDNN's order
 
 
 def test_the_kv_hook_fires_for_every_layer_in_order_on_the_compiled_path(engine, monkeypatch):

@@ -1,5 +1,9 @@
 """Native CPU kernels of the engine, built from their C source on first use.
 
+``gemm_kernel()`` returns the linear layers of a few rows over oneDNN's packed weights
+(``packed_gemm.c``), or None where it cannot run (the same reasons, or a CPU without
+AVX-512 BF16); ``prepack.linear`` calls it for decode steps (docs/benchmarks.md).
+
 ``decode_kernel()`` returns the paged decode attention (``paged_decode.c``) as a function
 of torch tensors, or None where it cannot run (no C compiler, a build that failed,
 ``PDSERVE_NATIVE=0``); the engine then takes the torch path (gather, then SDPA), which
@@ -35,7 +39,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "packed_gemm.c"))
 SWITCH = "PDSERVE_NATIVE"  # "0": never build or use the native kernels
 # Not -ffast-math: a library built with it sets the CPU's flush-to-zero and denormals-are-
 # zero flags for the whole process when it loads. The reductions vectorize by their
@@ -60,21 +64,22 @@ def _cpu_flags() -> str:
 
 
 def build(directory: Path | None = None) -> Path:
-    """The kernel library for this CPU, built unless already cached. Raises
+    """The kernels' library for this CPU, built unless already cached. Raises
     ``RuntimeError`` with the compiler's message when it cannot be built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    text = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(text + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     directory = directory or cache_dir()
-    target = directory / f"paged_decode-{key}.so"
+    target = directory / f"kernels-{key}.so"
     if target.is_file():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
                               text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
@@ -134,4 +139,50 @@ def decode_kernel() -> PagedDecode | None:
         return PagedDecode(build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("native decode attention unavailable (%s): decode attention gathers, then SDPA", exc)
+        return None
+
+
+# Steps of at most this many rows take ``PackedGemm`` (where it runs): on SmolLM2's shapes
+# on one core 1.5-2x oneDNN at 1-4 rows, 1.3x at 8, 1.15x at 16 (docs/benchmarks.md).
+GEMM_MAX_ROWS = 64
+
+
+class PackedGemm:
+    """The loaded kernel: ``__call__`` multiplies ``x`` [rows, k] by a packed weight."""
+
+    def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))
+        if not lib.packed_gemm_available():
+            raise RuntimeError("built without AVX-512 BF16")
+        fn = lib.packed_gemm
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __reduce__(self):
+        return (gemm_kernel, ())
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """``x @ weight.T`` for a bfloat16 ``x`` [rows, k] (rows contiguous) and ``weight``
+        packed by oneDNN in the layout ``packed_gemm.c`` reads (the caller checked it);
+        None where the kernel does not take these sizes (the caller uses oneDNN)."""
+        rows, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty((rows, n), dtype=torch.bfloat16)
+        rc = self._fn(x.data_ptr(), x.stride(0), rows, torch.ops.mkldnn.data_ptr(weight), n, k,
+                      out.data_ptr(), n, torch.get_num_threads())
+        return out if rc == 0 else None
+
+
+@functools.cache
+def gemm_kernel() -> PackedGemm | None:
+    """The packed-weight GEMM of a few rows, built and loaded once per process; None
+    where it cannot be (the reason logged once)."""
+    if os.environ.get(SWITCH) == "0":
+        return None
+    try:
+        return PackedGemm(build())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.info("native packed GEMM unavailable (%s): every linear through oneDNN", exc)
         return None
