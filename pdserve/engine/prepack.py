@@ -17,13 +17,14 @@ their own matmul libraries. A packed weight is opaque (``is_mkldnn``): it cannot
 sliced or copied into, so packing comes after every weight is loaded, on each
 tensor-parallel rank after its shard is.
 
-Steps of a few rows (decodes, ``native.GEMM_MAX_ROWS``) multiply by the packed weights
-through ``native.PackedGemm`` instead, which reads oneDNN's packed buffer in place at
-nearly the memory's speed (oneDNN reads it at two thirds of that with one row): only
-weights whose packed bytes ``gemm_layout_matches`` confirmed, at load, to lie as that
-kernel reads them (``weight.gemm`` is then the kernel). The sums run in oneDNN's order;
-the outputs were oneDNN's bit for bit at 1 and 2 rows, within one bfloat16 rounding
-where not.
+Where it runs (AVX-512 BF16), the packed weights are multiplied by ``native.PackedGemm``
+instead, which reads oneDNN's packed buffer in place at nearly the memory's speed with a
+few rows (decode steps: oneDNN reads it at two thirds of that with one row), and is
+3-5% ahead with hundreds (prefill): only weights whose packed bytes
+``gemm_layout_matches`` confirmed, at load, to lie as that kernel reads them
+(``weight.gemm`` is then the kernel), and without a bias. The sums run in oneDNN's
+order; the outputs were oneDNN's bit for bit at 1 and 2 rows, within one bfloat16
+rounding where not.
 
 Invariant: ``linear(x, w, b)`` gives what ``F.linear(x, w, b)`` gives on the plain
 weight, whichever form ``w`` has (bit for bit in every SmolLM2 shape, 1 to 1,600 rows,
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.native import GEMM_MAX_ROWS, gemm_kernel
+from pdserve.engine.native import gemm_kernel
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     opaque to the compiler (``packed_linear``). Not ``torch.compiler.is_compiling()``: a
     compile in another thread (``compiled.enable``) sets that for this one too."""
     if weight.is_mkldnn:
-        gemm = getattr(weight, "gemm", None)
-        if gemm is not None and bias is None and x.shape[0] <= GEMM_MAX_ROWS and x.dim() == 2 and x.stride(1) == 1:
-            out = gemm(x, weight)
-            if out is not None:
-                return out
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return multiply_packed(x, weight, bias)
     if packed:
         return packed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -74,6 +70,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @torch.library.custom_op("pdserve::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return multiply_packed(x, weight, bias)
+
+
+def multiply_packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a packed ``weight``: the native GEMM where the weight's
+    layout was checked for it (``weight.gemm``), else oneDNN."""
+    gemm = getattr(weight, "gemm", None)
+    if gemm is not None and bias is None and x.dim() == 2 and x.stride(1) == 1:
+        out = gemm(x, weight)
+        if out is not None:
+            return out
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -109,9 +116,8 @@ def prepack_linears(model: nn.Module) -> int:
             in_place += 1
         setattr(module, name, param)  # the plain one is freed (not the tied embedding)
         module.packed = True
-    log.info("linear weights packed for oneDNN: %d%s; %d read in place by the native GEMM for "
-             "steps of up to %d rows", len(targets), " (the tied lm_head as a copy of the embedding)"
-             if tied else "", in_place, GEMM_MAX_ROWS)
+    log.info("linear weights packed for oneDNN: %d%s; %d of them read in place by the native GEMM",
+             len(targets), " (the tied lm_head as a copy of the embedding)" if tied else "", in_place)
     return len(targets)
 
 

@@ -1,8 +1,8 @@
 """Native CPU kernels of the engine, built from their C source on first use.
 
-``gemm_kernel()`` returns the linear layers of a few rows over oneDNN's packed weights
+``gemm_kernel()`` returns the linear layers over oneDNN's packed weights, read in place
 (``packed_gemm.c``), or None where it cannot run (the same reasons, or a CPU without
-AVX-512 BF16); ``prepack.linear`` calls it for decode steps (docs/benchmarks.md).
+AVX-512 BF16); ``prepack.linear`` calls it for every checked weight (docs/benchmarks.md).
 
 ``decode_kernel()`` returns the paged decode attention (``paged_decode.c``) as a function
 of torch tensors, or None where it cannot run (no C compiler, a build that failed,
@@ -142,13 +142,11 @@ def decode_kernel() -> PagedDecode | None:
         return None
 
 
-# Steps of at most this many rows take ``PackedGemm`` (where it runs): on SmolLM2's shapes
-# on one core 1.5-2x oneDNN at 1-4 rows, 1.3x at 8, 1.15x at 16 (docs/benchmarks.md).
-GEMM_MAX_ROWS = 64
-
 
 class PackedGemm:
-    """The loaded kernel: ``__call__`` multiplies ``x`` [rows, k] by a packed weight."""
+    """The loaded kernel: ``__call__`` multiplies ``x`` [rows, k] by a packed weight. On
+    SmolLM2's shapes, one core: 1.5-2x oneDNN's time at 1-4 rows, 1.3x at 8, 1.06-1.1x
+    from 16 to 128, 1.03-1.05x at 200-1,024 (docs/benchmarks.md)."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
@@ -177,7 +175,7 @@ class PackedGemm:
 
 @functools.cache
 def gemm_kernel() -> PackedGemm | None:
-    """The packed-weight GEMM of a few rows, built and loaded once per process; None
+    """The packed-weight GEMM, built and loaded once per process; None
     where it cannot be (the reason logged once)."""
     if os.environ.get(SWITCH) == "0":
         return None

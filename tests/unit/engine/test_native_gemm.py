@@ -43,9 +43,9 @@ def test_the_gemm_gives_onednns_products(n, k, rows):
     assert (got == onednn).float().mean() > 0.99
 
 
-def test_rows_with_a_stride_and_several_threads():
+def test_rows_with_a_stride_and_several_threads_sharing_rows_and_blocks():
     plain, packed = weights(3072, 576, seed=1)
-    wide = torch.randn(6, 1000).bfloat16()
+    wide = torch.randn(130, 1000).bfloat16()  # three chunks of rows, the last of two
     x = wide[:, 100:676]  # rows 1,000 elements apart
     want = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
     threads = torch.get_num_threads()
@@ -67,22 +67,22 @@ def test_the_layout_check_refuses_what_the_kernel_cannot_read():
     assert not prepack.gemm_layout_matches(odd, odd_packed)
 
 
-def test_linear_takes_the_gemm_for_few_rows_only_and_only_for_checked_weights(monkeypatch):
+def test_linear_takes_the_gemm_for_checked_weights_without_a_bias():
     plain, packed = weights(576, 576, seed=5)
     weight = torch.nn.Parameter(packed, requires_grad=False)
     rows_seen = []
     kernel = native.gemm_kernel()
-    x_few = torch.randn(native.GEMM_MAX_ROWS, 576).bfloat16()
-    x_many = torch.randn(native.GEMM_MAX_ROWS + 1, 576).bfloat16()
-    onednn = {len(x): torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "") for x in (x_few, x_many)}
-    prepack.linear(x_few, weight)  # not checked: oneDNN
+    few, many = torch.randn(3, 576).bfloat16(), torch.randn(300, 576).bfloat16()
+    onednn = {len(x): torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "") for x in (few, many)}
+    assert torch.equal(prepack.linear(few, weight), onednn[3])  # not checked: oneDNN
     assert rows_seen == []
     weight.gemm = lambda x, w: rows_seen.append(len(x)) or kernel(x, w)
-    assert (prepack.linear(x_few, weight) == onednn[len(x_few)]).float().mean() > 0.99
-    assert torch.equal(prepack.linear(x_many, weight), onednn[len(x_many)])
+    for x in (few, many):
+        assert (prepack.linear(x, weight) == onednn[len(x)]).float().mean() > 0.99
     bias = torch.randn(576).bfloat16()
-    prepack.linear(x_few, weight, bias)  # a bias: oneDNN adds it
-    assert rows_seen == [native.GEMM_MAX_ROWS]
+    want = torch.ops.mkldnn._linear_pointwise(few, packed, bias, "none", [], "")
+    assert torch.equal(prepack.linear(few, weight, bias), want)  # a bias: oneDNN adds it
+    assert rows_seen == [3, 300]
 
 
 def test_prepack_marks_the_weights_whose_layout_it_checked():
