@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         for m in args.rows:
             xs = {k: torch.randn(m, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
             inputs = [xs[w.shape[1]] for w in weights]
-            arms = {"oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                                       for x, w in zip(inputs, weights, strict=True)],
-                    "native": lambda: [gemm(x, w) for x, w in zip(inputs, weights, strict=True)]}
+            arms = {"oneDNN": lambda inputs=inputs: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                                     for x, w in zip(inputs, weights, strict=True)],
+                    "native": lambda inputs=inputs: [gemm(x, w) for x, w in zip(inputs, weights, strict=True)]}
             first = {arm: fn() for arm, fn in arms.items()}
             equal = statistics.mean((a == b).float().mean().item()
                                     for a, b in zip(first["oneDNN"], first["native"], strict=True))
