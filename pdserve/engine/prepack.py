@@ -20,7 +20,7 @@ tensor-parallel rank after its shard is.
 Where it runs (AVX-512 BF16), the packed weights are multiplied by ``native.PackedGemm``
 instead, which reads oneDNN's packed buffer in place at nearly the memory's speed with a
 few rows (decode steps: oneDNN reads it at two thirds of that with one row), and is
-3-5% ahead with hundreds (prefill): only weights whose packed bytes
+3-12% ahead with hundreds (prefill): only weights whose packed bytes
 ``gemm_layout_matches`` confirmed, at load, to lie as that kernel reads them
 (``weight.gemm`` is then the kernel), and without a bias. The sums run in oneDNN's
 order; the outputs were oneDNN's bit for bit at 1 and 2 rows, within one bfloat16

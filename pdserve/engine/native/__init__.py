@@ -1,9 +1,5 @@
 """Native CPU kernels of the engine, built from their C source on first use.
 
-``gemm_kernel()`` returns the linear layers over oneDNN's packed weights, read in place
-(``packed_gemm.c``), or None where it cannot run (the same reasons, or a CPU without
-AVX-512 BF16); ``prepack.linear`` calls it for every checked weight (docs/benchmarks.md).
-
 ``decode_kernel()`` returns the paged decode attention (``paged_decode.c``) as a function
 of torch tensors, or None where it cannot run (no C compiler, a build that failed,
 ``PDSERVE_NATIVE=0``); the engine then takes the torch path (gather, then SDPA), which
@@ -15,8 +11,12 @@ decode attention at batch 32 on SmolLM2's shapes 1.37 -> 0.84 ms, the engine's d
 step about 1.09x at batch 8 and 1.11x at 32 (docs/benchmarks.md, "Decode attention read
 in place"); on a CPU with AVX-512 BF16, 1.7-2x more (paged_decode.c's header).
 
+``gemm_kernel()`` returns the linear layers over oneDNN's packed weights, read in place
+(``packed_gemm.c``), or None where it cannot run (the same reasons, or a CPU without
+AVX-512 BF16); ``prepack.linear`` calls it for every checked weight (docs/benchmarks.md).
+
 Build: ``cc -O3 -march=native -fopenmp`` (never ``-ffast-math``: its start-up code
-would set flush-to-zero for the whole process) into a shared library, cached by the source's
+would set flush-to-zero for the whole process) into a shared library, cached by the sources'
 hash and this CPU's feature flags (``-march=native`` code runs only where it was built)
 under ``$PDSERVE_NATIVE_CACHE`` or ``~/.cache/pdserve/native``; written to a temporary
 name and renamed, so engines starting together on one machine never load half a file.
@@ -132,21 +132,26 @@ class PagedDecode:
 def decode_kernel() -> PagedDecode | None:
     """The paged decode kernel, built and loaded once per process; None where it cannot be
     (the reason logged once)."""
+    return _load(PagedDecode, "native decode attention", "decode attention gathers, then SDPA", logging.WARNING)
+
+
+def _load(kernel: type, what: str, otherwise: str, level: int):
+    """``kernel`` over this process's build of the library, or None (logged at ``level``
+    with what the engine does ``otherwise``) where the switch, the build or the CPU says no."""
     if os.environ.get(SWITCH) == "0":
-        log.info("native decode attention off (%s=0)", SWITCH)
+        log.info("%s off (%s=0)", what, SWITCH)
         return None
     try:
-        return PagedDecode(build())
+        return kernel(build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("native decode attention unavailable (%s): decode attention gathers, then SDPA", exc)
+        log.log(level, "%s unavailable (%s): %s", what, exc, otherwise)
         return None
-
 
 
 class PackedGemm:
     """The loaded kernel: ``__call__`` multiplies ``x`` [rows, k] by a packed weight. On
-    SmolLM2's shapes, one core: 1.5-2x oneDNN's time at 1-4 rows, 1.3x at 8, 1.06-1.1x
-    from 16 to 128, 1.03-1.05x at 200-1,024 (docs/benchmarks.md)."""
+    SmolLM2's shapes, one core: 1.5-1.8x oneDNN's speed at 1-4 rows, 1.3x at 8, 1.08-1.16x
+    from 16 to 64, 1.05-1.12x at 200-1,024 (docs/benchmarks.md)."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
@@ -175,12 +180,6 @@ class PackedGemm:
 
 @functools.cache
 def gemm_kernel() -> PackedGemm | None:
-    """The packed-weight GEMM, built and loaded once per process; None
-    where it cannot be (the reason logged once)."""
-    if os.environ.get(SWITCH) == "0":
-        return None
-    try:
-        return PackedGemm(build())
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.info("native packed GEMM unavailable (%s): every linear through oneDNN", exc)
-        return None
+    """The packed-weight GEMM, built and loaded once per process; None where it cannot be
+    (the reason logged once; a CPU without AVX-512 BF16 is no fault, so at INFO)."""
+    return _load(PackedGemm, "native packed GEMM", "every linear through oneDNN", logging.INFO)

@@ -16,9 +16,9 @@
  * each row of x broadcast as one 32-bit pair into four vdpbf16ps; no horizontal sums).
  * Rows are taken four at a time (16 accumulators); a block's weights (64 x K x 2 bytes,
  * 72 KB at K = 576) stay in L2 for the next four. With hundreds of rows (prefill) both
- * are bound by the FMAs and this one is 3-5% ahead (oneDNN's call costs more). The sums run over k in order, as oneDNN's
- * do: the outputs were bit for bit oneDNN's on SmolLM2's shapes at 1 and 2 rows, all but
- * one in 12,000 at 4.
+ * are bound by the FMAs and this one is 3-12% ahead (oneDNN's call costs more). The sums
+ * run over k in order, as oneDNN's do: the outputs were bit for bit oneDNN's on SmolLM2's
+ * shapes at 1 and 2 rows, all but one in 12,000 at 4.
  *
  * Built without AVX-512 BF16 (another CPU), ``packed_gemm_available`` returns 0 and the
  * engine keeps oneDNN.
