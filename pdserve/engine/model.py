@@ -35,13 +35,26 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _native(module: nn.Module, x: torch.Tensor):
+    """The elementwise kernels (``native.Elementwise``) where ``module`` has them
+    (``use_native``) and ``x`` is a tensor they read on an eager step; else None."""
+    kernels = module.native
+    if kernels is None or torch.compiler.is_compiling() or not kernels.takes(x):
+        return None
+    return kernels
+
+
 class RMSNorm(nn.Module):
+    native = None  # native.Elementwise, set by use_native
+
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.eps = eps
         self.weight = _param(size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and (kernels := _native(self, x)) is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
         orig = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -49,6 +62,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    native = None  # native.Elementwise, set by use_native
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel,
                  window: int | None = None):
         super().__init__()
@@ -76,7 +91,9 @@ class Attention(nn.Module):
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:  # q and k side by side in qkv: rotated as one tensor
-            qk = rotate(*rope, qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim))
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim)
+            kernels = _native(self, qk)
+            qk = rotate(*rope, qk) if kernels is None else kernels.rotate(*rope, qk)
             return qk[:, :self.num_heads], qk[:, self.num_heads:], v
         q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
         k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim))
@@ -94,6 +111,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    native = None  # native.Elementwise, set by use_native
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
         super().__init__()
         self.tp = tp
@@ -103,8 +122,13 @@ class MLP(nn.Module):
         self.down_weight = _param(cfg.hidden_size, self.intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight, packed=self.packed).split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_weight, packed=self.packed))
+        gate_up = linear(x, self.gate_up_weight, packed=self.packed)
+        if (kernels := _native(self, gate_up)) is not None:
+            hidden = kernels.silu_mul(gate_up, self.intermediate)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            hidden = F.silu(gate) * up
+        return self.tp.all_reduce(linear(hidden, self.down_weight, packed=self.packed))
 
 
 class DecoderLayer(nn.Module):
@@ -115,6 +139,14 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, dtype, device, tp, cfg.window_of(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device, tp)
+
+
+def use_native(model: nn.Module, kernels) -> None:
+    """Give ``model``'s norms, rotary and SiLU the elementwise kernels (a
+    ``native.Elementwise``; None: torch's ops again). Only eager steps take them."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Attention, MLP)):
+            module.native = kernels
 
 
 def before_attention(layer: DecoderLayer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):

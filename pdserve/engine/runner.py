@@ -24,7 +24,7 @@ from pdserve.engine.attention import (
     build_decode_buckets,
 )
 from pdserve.engine.logprobs import score_positions, token_logprobs
-from pdserve.engine.model import Transformer
+from pdserve.engine.model import Transformer, use_native
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import TokenHistory, sample
 from pdserve.engine.scheduler import ScheduledBatch
@@ -57,14 +57,16 @@ class ModelRunner:
         self._slot_offsets = torch.arange(block_size, device=self.device)
         # Decode attention read in place by the native kernel where it runs (CPU, bfloat16)
         # and was built for the model's shapes; else the torch path, its rows bucketed by length.
+        # The same for the norms, rotary and SiLU of eager steps (native.Elementwise).
         self.decode_kernel = None
         if self.device.type == "cpu" and dtype == torch.bfloat16:
-            from pdserve.engine.native import decode_kernel
+            from pdserve.engine.native import decode_kernel, elementwise_kernels
 
             kernel = decode_kernel()
             heads = model.layers[0].self_attn.num_heads
             if kernel is not None and kernel.takes(heads, kv_heads, cfg.head_dim, block_size):
                 self.decode_kernel = kernel
+            use_native(model, elementwise_kernels())
 
     @property
     def kv_cache_bytes(self) -> int:

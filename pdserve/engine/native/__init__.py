@@ -39,7 +39,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "packed_gemm.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.c", "packed_gemm.c", "elementwise.c"))
+HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the cache key
 SWITCH = "PDSERVE_NATIVE"  # "0": never build or use the native kernels
 # Not -ffast-math: a library built with it sets the CPU's flush-to-zero and denormals-are-
 # zero flags for the whole process when it loads. The reductions vectorize by their
@@ -69,7 +70,7 @@ def build(directory: Path | None = None) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    text = b"".join(source.read_bytes() for source in SOURCES)
+    text = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
     key = hashlib.sha256(text + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     directory = directory or cache_dir()
     target = directory / f"kernels-{key}.so"
@@ -79,7 +80,8 @@ def build(directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+        include = f"-I{HEADERS[0].parent}"
+        done = subprocess.run([compiler, *FLAGS, include, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
                               text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
@@ -183,3 +185,64 @@ def gemm_kernel() -> PackedGemm | None:
     """The packed-weight GEMM, built and loaded once per process; None where it cannot be
     (the reason logged once; a CPU without AVX-512 BF16 is no fault, so at INFO)."""
     return _load(PackedGemm, "native packed GEMM", "every linear through oneDNN", logging.INFO)
+
+
+class Elementwise:
+    """The loaded kernels of ``elementwise.c``: one pass each over bfloat16 tensors where
+    torch runs an op per term (``model.RMSNorm``, ``rope.rotate``, ``model.MLP``'s SiLU
+    times up); the results torch's within one bfloat16 rounding (``rotate`` bit for bit)."""
+
+    def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))
+        i64, ptr, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._norm, self._rotate, self._silu = lib.rms_norm, lib.rotate_half, lib.silu_mul
+        self._norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, threads]
+        self._rotate.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, threads]
+        self._silu.argtypes = [ptr, i64, i64, i64, ptr, threads]
+        for fn in (self._norm, self._rotate, self._silu):
+            fn.restype = ctypes.c_int
+
+    def __reduce__(self):
+        return (elementwise_kernels, ())
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether ``x`` is a tensor these kernels read: bfloat16 on the CPU, rows of
+        contiguous elements (2-D, or 3-D with its heads side by side), outside a graph
+        torch.compile is tracing (which fuses the torch code itself)."""
+        return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(-1) == 1
+                and (x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[2]))
+                and not torch.compiler.is_compiling())
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x`` [rows, n] (``takes``), ``weight`` [n] bfloat16: RMSNorm.forward's result."""
+        rows, n = x.shape
+        out = torch.empty((rows, n), dtype=torch.bfloat16)
+        self._norm(x.data_ptr(), x.stride(0), rows, n, weight.data_ptr(), eps, out.data_ptr(),
+                   torch.get_num_threads())
+        return out
+
+    def rotate(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [rows, heads, D] (``takes``) by ``Rotary.at``'s float32 tables [rows, 1, D]
+        (contiguous): rope.rotate's result, contiguous."""
+        rows, heads, dim = x.shape
+        out = torch.empty((rows, heads, dim), dtype=torch.bfloat16)
+        rc = self._rotate(x.data_ptr(), x.stride(0), rows, heads, dim, cos.data_ptr(), sin.data_ptr(),
+                          out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"rotate_half: head size {dim} is odd")
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        """``gate_up`` [rows, 2 * inter] (``takes``): F.silu(gate) * up, [rows, inter]."""
+        rows = gate_up.shape[0]
+        out = torch.empty((rows, inter), dtype=torch.bfloat16)
+        self._silu(gate_up.data_ptr(), gate_up.stride(0), rows, inter, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+@functools.cache
+def elementwise_kernels() -> Elementwise | None:
+    """The elementwise kernels, built and loaded once per process; None where they cannot
+    be (the reason logged once)."""
+    return _load(Elementwise, "native elementwise kernels", "norms, rotary and SiLU through torch", logging.WARNING)
