@@ -55,6 +55,7 @@ from pdserve.api.proto import controller_pb2 as pb
 from pdserve.local.agents import POOLS, LocalAgents, get_view
 from pdserve.local.runstate import RunState, default_run_dir, stop_in_order
 from pdserve.runtime import extras
+from pdserve.runtime.cpu_priority import keep_off
 from pdserve.runtime.gguf_file import is_gguf
 from pdserve.runtime.kv_pool_master import READY_LINE as KV_POOL_READY
 from pdserve.runtime.model_source import (
@@ -200,25 +201,36 @@ def cluster_security(run_dir: Path) -> tuple[SecuritySettings, dict[str, str]]:
     return replace(configured, token=token), {TOKEN_FILE_ENV: str(path)}
 
 
+def engine_cores(cluster: PDCluster) -> set[int]:
+    """The cores the spec pins engines to: every pool's ``cpuAffinity``."""
+    return {cpu for pool in POOLS for cpu in getattr(cluster.spec, pool).cpu_affinity or ()}
+
+
 class Launcher:
     """The processes of one run; called from the main thread only. ``env`` is added to
-    this process's environment for every child."""
+    this process's environment for every child; children run off ``engine_cores``
+    (``cpu_priority.keep_off``) unless spawned ``beside_engines`` (the NodeAgents, which
+    check their engines' cores against their own and then move off them)."""
 
-    def __init__(self, state: RunState, stop: threading.Event, env: dict[str, str] | None = None) -> None:
+    def __init__(self, state: RunState, stop: threading.Event, env: dict[str, str] | None = None,
+                 engine_cores: set[int] = frozenset()) -> None:
         self.state = state
         self.stop_requested = stop
         self.env = dict(env or {})
+        self.engine_cores = set(engine_cores)
         self.procs: dict[str, subprocess.Popen] = {}
 
     def log_path(self, name: str) -> Path:
         return self.state.run_dir / f"{name}.log"
 
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def spawn(self, name: str, args: list[str], beside_engines: bool = False) -> subprocess.Popen:
         log = open(self.log_path(name), "w")  # noqa: SIM115 - the child owns it
         proc = subprocess.Popen([*PDSERVE, *args], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
         log.close()
+        if not beside_engines:
+            keep_off(self.engine_cores, name, proc.pid)
         self.procs[name] = proc
         self.state.add(name, proc.pid)
         return proc
@@ -297,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    launcher = Launcher(state, stop, child_env)
+    launcher = Launcher(state, stop, child_env, engine_cores(cluster))
     try:
         return _run(cluster, spec_file, launcher, args, stop, security)
     except StartError as exc:
@@ -359,7 +371,8 @@ def _run(cluster: PDCluster, spec_file: Path, launcher: Launcher, args, stop: th
             return 0
         engine_args.append(f"--engine-arg=--kv-pool={pool}")
     agents = LocalAgents(name, spec_file, controller, security, sizes, engine_args,
-                         one_per_engine=spec.planner.enabled, spawn=launcher.spawn,
+                         one_per_engine=spec.planner.enabled,
+                         spawn=lambda agent, argv: launcher.spawn(agent, argv, beside_engines=True),
                          wait_ready=lambda agent: launcher.wait_line(agent, "supervising", 60),
                          stop=launcher.stop_one, say=_say)
     if not agents.start_all():

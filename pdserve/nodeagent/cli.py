@@ -32,6 +32,7 @@ from pdserve.nodeagent.engine_args import build_engine_argv
 from pdserve.nodeagent.http import create_http_app
 from pdserve.nodeagent.launch import EmbeddedLaunch, VllmLaunch
 from pdserve.nodeagent.process import Backoff
+from pdserve.runtime.cpu_priority import keep_off
 from pdserve.runtime.http import run_component
 from pdserve.runtime.logs import configure_logging
 from pdserve.runtime.security import SecuritySettings
@@ -149,6 +150,8 @@ async def serve(args: argparse.Namespace) -> int:
     instances = [instance(cluster, iid, pool, args) for iid, pool in map(parse_instance, args.instance)]
     if cluster.spec.engine.simulate is not None:
         share_processes(instances, cluster.spec.engine.simulate.per_process)
+    if args.pin_cpus:  # each engine's cores checked above: the agent itself runs beside them
+        keep_off({cpu for inst in instances for cpu in inst.cpus or ()}, f"nodeagent {args.agent_id}")
     agent = Agent(settings, instances, SecuritySettings.from_env())
     return await run_component(
         agent, create_http_app(agent), args.host, args.http_port,

@@ -81,6 +81,10 @@ def test_up_runs_a_colocated_spec_with_its_model_name_policy_and_cores(tmp_path)
         groups = json.loads((run_dir / "processes.json").read_text())["groups"]
         pids = engine_pids(groups["nodeagent"])
         assert len(pids) == 1 and os.sched_getaffinity(pids[0]) == {core}
+        # The control plane runs on the other cores (all of them on a one-core machine).
+        rest = (os.sched_getaffinity(0) - {core}) or os.sched_getaffinity(0)
+        assert {name: os.sched_getaffinity(groups[name]) for name in ("controller", "coordinator", "nodeagent")
+                } == dict.fromkeys(("controller", "coordinator", "nodeagent"), rest)
         argv = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
         assert argv[argv.index(b"--role") + 1] == b"hybrid"
         assert argv[argv.index(b"--threads") + 1] == b"1"
