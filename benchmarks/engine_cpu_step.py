@@ -20,6 +20,8 @@ eager ones (greedy ids are reported, not required equal: see compiled.py). With
 (``pdserve/engine/native``) against the other's gather and SDPA. With ``--against onednn``
 both are packed, and the first one's steps of a few rows multiply by the packed weights
 in the native GEMM (``native.PackedGemm``) against the other's oneDNN for every linear.
+With ``--against elementwise`` both are packed, and the first one's eager steps take the
+native norms and rotary (``native.Elementwise``) against the other's torch ops.
 
 2. The greedy pick (``sampler.argmax``: ``max``'s indices) against ``Tensor.argmax``
 over float32 logits of the model's vocabulary, B rows: the fastest of 30 alternated
@@ -33,6 +35,7 @@ Only ratios within one run compare on a shared machine.
     taskset -c 0 .venv/bin/python benchmarks/engine_cpu_step.py --against eager --batch-sizes 1,4 --prompt-len 400
     taskset -c 0 .venv/bin/python benchmarks/engine_cpu_step.py --against gather --decode-steps 32
     taskset -c 0 .venv/bin/python benchmarks/engine_cpu_step.py --against onednn --rounds 3
+    taskset -c 0 .venv/bin/python benchmarks/engine_cpu_step.py --against elementwise --rounds 3
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.api.sampling import SamplingParams  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine.model import use_native  # noqa: E402
 from pdserve.engine.sampler import argmax  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -64,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--against", default="plain", choices=["plain", "plain-head", "eager", "gather", "onednn"],
+    parser.add_argument("--against", default="plain", choices=["plain", "plain-head", "eager", "gather", "onednn", "elementwise"],
                         help="the other engine: no packing, or packed with the tied head plain")
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8, 2 rounds, 8 steps")
     args = parser.parse_args(argv)
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     base = args.against
     engines = {"packed": build_engine(args, True, base == "eager"),
-               base: build_engine(args, base in ("plain-head", "eager", "gather", "onednn"))}
+               base: build_engine(args, base in ("plain-head", "eager", "gather", "onednn", "elementwise"))}
     if base == "gather":
         if engines["packed"].runner.decode_kernel is None:
             sys.exit("error: the native decode kernel is not available (see the log)")
@@ -123,6 +127,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit("error: no weight is read by the native GEMM (see the log: prepack)")
         for p in engines[base].runner.model.parameters():
             p.__dict__.pop("gemm", None)  # every linear through oneDNN
+    if base == "elementwise":
+        if engines["packed"].runner.model.norm.native is None:
+            sys.exit("error: the native elementwise kernels are not available (see the log)")
+        use_native(engines[base].runner.model, None)  # torch's ops
     if base == "eager" and engines["packed"].runner.model.compiled is None:
         sys.exit("error: the prefill was not compiled (see the log: compiled.can_compile)")
     if base == "plain-head":
@@ -147,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
                 got[arm]["prefill"].append(prefill_s)
                 got[arm]["decode"].append(statistics.median(steps))
             if done["packed"][2] != done[base][2]:
-                if base not in ("eager", "gather", "onednn"):
+                if base not in ("eager", "gather", "onednn", "elementwise"):
                     sys.exit(f"error: batch {bs} round {rnd}: the packed engine's greedy ids differ")
                 # Compiled sums in another order: random-id prompts put near-ties in the argmax.
                 differed += 1

@@ -111,8 +111,6 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    native = None  # native.Elementwise, set by use_native
-
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
         super().__init__()
         self.tp = tp
@@ -122,13 +120,8 @@ class MLP(nn.Module):
         self.down_weight = _param(cfg.hidden_size, self.intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_weight, packed=self.packed)
-        if (kernels := _native(self, gate_up)) is not None:
-            hidden = kernels.silu_mul(gate_up, self.intermediate)
-        else:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            hidden = F.silu(gate) * up
-        return self.tp.all_reduce(linear(hidden, self.down_weight, packed=self.packed))
+        gate, up = linear(x, self.gate_up_weight, packed=self.packed).split(self.intermediate, dim=-1)
+        return self.tp.all_reduce(linear(F.silu(gate) * up, self.down_weight, packed=self.packed))
 
 
 class DecoderLayer(nn.Module):
@@ -142,10 +135,10 @@ class DecoderLayer(nn.Module):
 
 
 def use_native(model: nn.Module, kernels) -> None:
-    """Give ``model``'s norms, rotary and SiLU the elementwise kernels (a
-    ``native.Elementwise``; None: torch's ops again). Only eager steps take them."""
+    """Give ``model``'s norms and rotary the elementwise kernels (a ``native.Elementwise``;
+    None: torch's ops again). Only eager steps take them."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, Attention, MLP)):
+        if isinstance(module, (RMSNorm, Attention)):
             module.native = kernels
 
 

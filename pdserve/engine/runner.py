@@ -57,7 +57,7 @@ class ModelRunner:
         self._slot_offsets = torch.arange(block_size, device=self.device)
         # Decode attention read in place by the native kernel where it runs (CPU, bfloat16)
         # and was built for the model's shapes; else the torch path, its rows bucketed by length.
-        # The same for the norms, rotary and SiLU of eager steps (native.Elementwise).
+        # The same for the norms and rotary of eager steps (native.Elementwise).
         self.decode_kernel = None
         if self.device.type == "cpu" and dtype == torch.bfloat16:
             from pdserve.engine.native import decode_kernel, elementwise_kernels

@@ -15,6 +15,11 @@ in place"); on a CPU with AVX-512 BF16, 1.7-2x more (paged_decode.c's header).
 (``packed_gemm.c``), or None where it cannot run (the same reasons, or a CPU without
 AVX-512 BF16); ``prepack.linear`` calls it for every checked weight (docs/benchmarks.md).
 
+``elementwise_kernels()`` returns RMSNorm and the half rotation, one pass each over
+bfloat16 tensors (``elementwise.c``), or None (the same reasons); the runner gives them
+to the model (``model.use_native``) and eager steps take them where torch would run an
+op per term (docs/benchmarks.md).
+
 Build: ``cc -O3 -march=native -fopenmp`` (never ``-ffast-math``: its start-up code
 would set flush-to-zero for the whole process) into a shared library, cached by the sources'
 hash and this CPU's feature flags (``-march=native`` code runs only where it was built)
@@ -189,17 +194,16 @@ def gemm_kernel() -> PackedGemm | None:
 
 class Elementwise:
     """The loaded kernels of ``elementwise.c``: one pass each over bfloat16 tensors where
-    torch runs an op per term (``model.RMSNorm``, ``rope.rotate``, ``model.MLP``'s SiLU
-    times up); the results torch's within one bfloat16 rounding (``rotate`` bit for bit)."""
+    torch runs an op per term (``model.RMSNorm``, ``rope.rotate``); the results torch's
+    within one bfloat16 rounding (``rotate`` bit for bit)."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
         i64, ptr, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        self._norm, self._rotate, self._silu = lib.rms_norm, lib.rotate_half, lib.silu_mul
+        self._norm, self._rotate = lib.rms_norm, lib.rotate_half
         self._norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, threads]
         self._rotate.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, threads]
-        self._silu.argtypes = [ptr, i64, i64, i64, ptr, threads]
-        for fn in (self._norm, self._rotate, self._silu):
+        for fn in (self._norm, self._rotate):
             fn.restype = ctypes.c_int
 
     def __reduce__(self):
@@ -233,16 +237,9 @@ class Elementwise:
             raise ValueError(f"rotate_half: head size {dim} is odd")
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-        """``gate_up`` [rows, 2 * inter] (``takes``): F.silu(gate) * up, [rows, inter]."""
-        rows = gate_up.shape[0]
-        out = torch.empty((rows, inter), dtype=torch.bfloat16)
-        self._silu(gate_up.data_ptr(), gate_up.stride(0), rows, inter, out.data_ptr(), torch.get_num_threads())
-        return out
-
 
 @functools.cache
 def elementwise_kernels() -> Elementwise | None:
     """The elementwise kernels, built and loaded once per process; None where they cannot
     be (the reason logged once)."""
-    return _load(Elementwise, "native elementwise kernels", "norms, rotary and SiLU through torch", logging.WARNING)
+    return _load(Elementwise, "native elementwise kernels", "norms and rotary through torch", logging.WARNING)

@@ -1,5 +1,5 @@
 """The native elementwise kernels (``native.Elementwise``, ``elementwise.c``) against the
-torch code they replace on eager steps: RMSNorm, the half rotation, SiLU times up; which
+torch code they replace on eager steps, RMSNorm and the half rotation; which
 tensors and steps take them; and a small model's logits and greedy ids with and without
 them."""
 
@@ -63,14 +63,6 @@ def test_rotate_gives_torchs_bits(kernels, rows, heads, dim):
     assert torch.equal(kernels.rotate(*rope, x), rotate(*rope, x))
 
 
-@pytest.mark.parametrize("rows,inter", [(1, 1536), (32, 1536), (40, 8192)])
-def test_silu_mul_gives_torchs_product(kernels, rows, inter):
-    gate_up = bf16(rows, 2 * inter, seed=inter, scale=4.0)
-    gate_up[0, :6] = torch.tensor([0.0, -0.0, -100.0, 100.0, -88.0, 1e-30])
-    gate, up = gate_up.split(inter, dim=-1)
-    within_one_rounding(kernels.silu_mul(gate_up, inter), F.silu(gate) * up, 0.99)
-
-
 def test_only_bfloat16_rows_on_eager_steps_take_the_kernels(kernels):
     x = bf16(4, 64, seed=0)
     assert kernels.takes(x) and kernels.takes(x.view(4, 2, 32))
@@ -99,7 +91,7 @@ def test_a_model_gives_the_same_greedy_ids_with_the_kernels(kernels, monkeypatch
     for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
         norm.weight.data.fill_(1.0)
     calls = []
-    for name in ("rms_norm", "rotate", "silu_mul"):
+    for name in ("rms_norm", "rotate"):
         fn = getattr(native.Elementwise, name)
         monkeypatch.setattr(native.Elementwise, name,
                             lambda self, *a, _fn=fn, _name=name: calls.append(_name) or _fn(self, *a))
@@ -120,7 +112,7 @@ def test_a_model_gives_the_same_greedy_ids_with_the_kernels(kernels, monkeypatch
         assert calls == []
         use_native(model, kernels)
         got = dense(ids)
-    assert calls.count("rms_norm") == 2 * 3 + 1 and calls.count("rotate") == calls.count("silu_mul") == 3
+    assert calls.count("rms_norm") == 2 * 3 + 1 and calls.count("rotate") == 3
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
