@@ -316,7 +316,9 @@ class PoolSpec(ApiModel, json_schema_extra={"x-kubernetes-validations": POOL_RUL
     wrapping around the list (``threads`` unset: the one entry ``i % len``). With
     ``[0, 1, 2, 3]`` and threads 2, engine 0 runs on cores 0-1, engine 1 on 2-3,
     engine 2 on 0-1 again. Each pool has its own list. With tensor parallelism an
-    engine's ranks share its cores: ``threads`` × ``tensorParallelSize`` entries each."""
+    engine's ranks share its cores: ``threads`` × ``tensorParallelSize`` entries each.
+    The control plane's processes then run on the cores no pool names, where any are
+    left, so that a pinned engine has its cores to itself."""
 
     @model_validator(mode="after")
     def _a_gpu_per_rank(self) -> PoolSpec:

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from pdserve.runtime.cpu_priority import keep_off
+
 CHILD = """
 import logging, os, sys
 from pdserve.runtime.cpu_priority import set_nice
@@ -37,3 +39,22 @@ def test_without_the_privilege_the_priority_is_kept_and_said_so():
     out = run_child("setpriv", "--bounding-set", "-sys_nice")  # root without CAP_SYS_NICE
     assert f"before {own} now {own}" in out
     assert f"controller: CPU priority kept at nice {own}: nice -3 needs root or CAP_SYS_NICE" in out
+
+
+def test_a_process_kept_off_the_engines_cores_runs_on_the_rest():
+    cores = os.sched_getaffinity(0)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        engine = {max(cores)}
+        got = keep_off(engine, "coordinator", child.pid)
+        rest = cores - engine
+        # On a one-core machine nothing is left beside the engine: the process stays as it is.
+        assert got == (rest or None)
+        assert os.sched_getaffinity(child.pid) == (rest or cores)
+        assert keep_off(cores, "coordinator", child.pid) is None  # every core an engine's
+        assert keep_off((), "coordinator", child.pid) is None  # no engine pinned
+        assert os.sched_getaffinity(child.pid) == (rest or cores)
+    finally:
+        child.kill()
+        child.wait()
+    assert keep_off({max(cores)} if len(cores) > 1 else (), "coordinator", child.pid) is None  # gone

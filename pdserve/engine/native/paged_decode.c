@@ -14,8 +14,9 @@
  * anywhere in it, so the hardware prefetcher cannot see the next one coming: the kernel
  * asks for the block PREFETCH_AHEAD blocks on (past a row's last block, the next row's
  * first ones) into L2, a few lines before each head's scores rather than all at once (a
- * burst filled the miss queue and stalled). About 1.7x the kernel without it on a 30-layer
- * cache (docs/benchmarks.md, ``benchmarks/decode_kernel_builds.py --layers 30``).
+ * burst filled the miss queue and stalled). With the changes below, 2.1-2.4x the kernel
+ * before them at 8-32 rows over a 30-layer cache, 1.05-1.09x hot (docs/benchmarks.md,
+ * ``benchmarks/decode_kernel_builds.py --layers 30``).
  *
  * Where the compiler targets AVX-512 BF16 (``-march=native`` on such a CPU): ``row_dp``.
  * Scores: a token's K row meets the query as bfloat16 pairs (vdpbf16ps: exact products,
